@@ -1,0 +1,52 @@
+"""residency: keep one exclusive group of modules on the accelerator, swap the rest from pinned host memory.
+
+    from residency import Scheduler
+
+    scheduler = Scheduler()
+    scheduler.add("text_encoder", pipe.text_encoder)
+    scheduler.add("dit", pipe.transformer)
+    scheduler.add("vae", pipe.vae, policy="resident")
+    with scheduler.resident("text_encoder"):
+        embeddings = pipe.text_encoder(ids)
+    with scheduler.resident("dit"):
+        latents = pipe.transformer(latents, embeddings)
+"""
+
+from residency.component import Policy, Residency, ResidencyState
+from residency.errors import (
+    ConfigError,
+    DeadlockError,
+    DeviceMemoryError,
+    ModuleChangedError,
+    PhaseError,
+    RegistrationError,
+    ResidencyError,
+    SchedulerClosedError,
+    UnknownGroupError,
+)
+from residency.records import TransitionRecord, chrome_trace, summarize
+from residency.scheduler import NoOffload, Phase, Scheduler
+
+__all__ = [
+    # the top-level API
+    "Scheduler",
+    "NoOffload",
+    "Residency",
+    "Phase",
+    "Policy",
+    "ResidencyState",
+    # records
+    "TransitionRecord",
+    "summarize",
+    "chrome_trace",
+    # errors
+    "ResidencyError",
+    "ConfigError",
+    "DeadlockError",
+    "DeviceMemoryError",
+    "ModuleChangedError",
+    "PhaseError",
+    "RegistrationError",
+    "SchedulerClosedError",
+    "UnknownGroupError",
+]

@@ -1,0 +1,233 @@
+"""`Residency`: one component (a group of modules) and the state machine that moves its weights.
+
+A component is offloaded or resident; ``load`` and ``evict`` are the only transitions.  The
+scheduler decides *when* to call them; this file decides *how*, and guarantees that nothing is lost:
+
+* ``load`` copies the host master into device storage in bulk (one copy per chunk) and re-points
+  every tensor to its device view.
+* ``evict`` re-points every tensor back to its host view.  Unchanged tensors cost no copy.  Tensors
+  changed while resident are written back first: changed in place through the tensor (optimizer
+  steps, ``load_state_dict``, ``mul_`` under ``no_grad``: the version counter moves) or given new
+  storage with ``tensor.data = ...`` (LoRA fusing, ``module.to(...)``: the data pointer moves).
+
+[Note: what the version counter cannot see]
+``tensor.data`` returns a tensor with a *fresh* version counter, so ``p.data.mul_(2)`` changes the
+weights without moving ``p._version``.  Such edits made while resident are invisible to eviction.
+Edit through the tensor under ``torch.no_grad()`` instead, or call ``mark_dirty()`` before the next
+phase change to have every tensor written back.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from residency.errors import DeviceMemoryError, ModuleChangedError, PhaseError
+from residency.memory import DeviceStorage, HostMaster
+from residency.tensors import Inventory, data_ptrs, repoint, versions
+from residency.transport import Transport
+
+__all__ = ["Policy", "Residency", "ResidencyState"]
+
+
+class Policy(enum.Enum):
+    """How the scheduler treats a group."""
+
+    #: Swapped in by ``resident(name)``; at most one exclusive group is on the device at a time.
+    EXCLUSIVE = "exclusive"
+    #: Placed on the device at registration and never evicted (a VAE, shared embeddings).
+    RESIDENT = "resident"
+
+
+class ResidencyState(enum.Enum):
+    """Where a component's weights live."""
+
+    #: The host master is the only copy; every tensor is a view of it.  No device memory is used.
+    OFFLOADED = "offloaded"
+    #: Bytes are being copied into device storage; tensors still view the host master.
+    LOADING = "loading"
+    #: Tensors are views of device storage.  The host master still holds the bytes as loaded;
+    #: changes made since are written back on eviction.
+    RESIDENT = "resident"
+
+
+class Residency:
+    """One registered component: its modules, its host master, its device storage and its state.
+
+    Created by `Scheduler.add`; model code does not build these.  ``load`` and ``evict`` are called by
+    the scheduler; reading ``is_resident``, ``nbytes`` and ``state`` is always safe.
+
+        residency = scheduler.add("text_encoder", encoder)
+        with scheduler.resident("text_encoder"):
+            assert residency.is_resident
+    """
+
+    def __init__(
+        self,
+        name: str,
+        modules: tuple[nn.Module, ...],
+        policy: Policy,
+        inventory: Inventory,
+        host_master: HostMaster,
+        device_storage: DeviceStorage,
+        transport: Transport,
+    ) -> None:
+        self.name = name
+        self.modules = modules
+        self.policy = policy
+        #: Whether the group is swapped by phases (policy EXCLUSIVE); read on the hot path.
+        self.exclusive = policy is Policy.EXCLUSIVE
+        self.inventory = inventory
+        self.host_master = host_master
+        self.device_storage = device_storage
+        self._transport = transport
+        self.state = ResidencyState.OFFLOADED
+        self._device_views: list[torch.Tensor] = []
+        self._device_ptrs: list[int] = []
+        self._host_ptrs = data_ptrs(host_master.views)
+        self._loaded_versions: list[int] = []
+        self._marked_dirty = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<Residency {self.name!r} {self.policy.value} {self.state.value}: "
+            f"{len(self.modules)} module(s), {self.inventory.tensor_count} tensors, "
+            f"{self.nbytes / 2**20:.1f} MiB>"
+        )
+
+    @property
+    def is_resident(self) -> bool:
+        """Whether the weights are on the device now."""
+        return self.state is ResidencyState.RESIDENT
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the unique tensors (tied weights count once)."""
+        return self.inventory.nbytes
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The unique tensors of the group (parameters and buffers), in registration order."""
+        return self.inventory.tensors
+
+    def mark_dirty(self) -> None:
+        """Have every tensor written back at the next eviction (for edits made through ``.data``)."""
+        self._marked_dirty = True
+
+    def load(self) -> int:
+        """Copy the host master to device storage and re-point the tensors there; returns bytes copied.
+
+        On any failure (including ``KeyboardInterrupt``) the group is left cleanly offloaded.
+        """
+        self._require(ResidencyState.OFFLOADED, "load")
+        self._check_structure()
+        self._adopt_replaced_offloaded()
+        nbytes = self.inventory.layout.contiguous_nbytes
+        self.state = ResidencyState.LOADING
+        try:
+            self._prepare_storage(nbytes)
+            views = self.device_storage.views_for(self, self.inventory)
+            copies = self.host_master.chunk_copies(self.device_storage.buffer, self.inventory)
+            self._transport.to_device(copies).wait()
+            repoint(self.inventory.tensors, views)
+        except BaseException:
+            self.state = ResidencyState.OFFLOADED
+            raise
+        if views is not self._device_views:
+            self._device_views, self._device_ptrs = views, data_ptrs(views)
+        self._loaded_versions = versions(self.inventory.tensors)
+        self.state = ResidencyState.RESIDENT
+        return self.inventory.layout.nbytes
+
+    def evict(self) -> int:
+        """Re-point the tensors to the host master, writing back what changed; returns bytes written.
+
+        Raises `ModuleChangedError` (and stays resident) when a tensor changed dtype or shape.
+        """
+        self._require(ResidencyState.RESIDENT, "evict")
+        tensors = self.inventory.tensors
+        dirty = self._dirty_indices()
+        written = self._write_back(dirty) if dirty else 0
+        repoint(tensors, self.host_master.views)
+        self.device_storage.retire()
+        self._marked_dirty = False
+        self.state = ResidencyState.OFFLOADED
+        return written
+
+    def _require(self, state: ResidencyState, action: str) -> None:
+        if self.state is not state:
+            raise PhaseError(
+                f"cannot {action} group {self.name!r}: it is {self.state.value}, and {action} "
+                f"needs it {state.value}"
+            )
+
+    def _prepare_storage(self, nbytes: int) -> None:
+        try:
+            self.device_storage.prepare(nbytes)
+        except (MemoryError, RuntimeError) as error:
+            raise DeviceMemoryError(
+                f"group {self.name!r} needs {nbytes} bytes ({nbytes / 2**20:.1f} MiB) of device "
+                f"memory on {self._transport.device} and the allocation failed ({error}). Free "
+                "device memory, raise the scheduler's device_memory_limit, or split the group; "
+                "the group stays offloaded"
+            ) from error
+
+    def _check_structure(self) -> None:
+        change = self.inventory.changed_structure()
+        if change is not None:
+            raise ModuleChangedError(
+                f"group {self.name!r} changed after registration: {change}. Call "
+                f"scheduler.refresh({self.name!r}) after adding, replacing or re-typing "
+                "parameters so the scheduler can take the new tensors over"
+            )
+
+    def _dirty_indices(self) -> list[int]:
+        tensors = self.inventory.tensors
+        now_versions, now_ptrs = versions(tensors), data_ptrs(tensors)
+        if (
+            not self._marked_dirty
+            and now_versions == self._loaded_versions
+            and now_ptrs == self._device_ptrs
+        ):
+            return []
+        dirty = [
+            i
+            for i, (v, p) in enumerate(zip(now_versions, now_ptrs))
+            if self._marked_dirty or v != self._loaded_versions[i] or p != self._device_ptrs[i]
+        ]
+        self._check_same_kind(dirty)
+        return dirty
+
+    def _check_same_kind(self, indices: list[int]) -> None:
+        """Refuse (changing nothing) when a replaced tensor no longer fits its place in the master."""
+        for i in indices:
+            tensor, home = self.inventory.tensors[i], self.host_master.views[i]
+            if tensor.dtype != home.dtype or tensor.shape != home.shape:
+                slot = self.inventory.slots[i][0]
+                raise ModuleChangedError(
+                    f"the {slot.describe()} in group {self.name!r} changed from "
+                    f"{home.dtype} {tuple(home.shape)} to {tensor.dtype} {tuple(tensor.shape)} "
+                    f"after registration. Call scheduler.refresh({self.name!r}) after changing "
+                    "dtypes or shapes so the scheduler can re-pack the group"
+                )
+
+    def _write_back(self, indices: list[int]) -> int:
+        tensors, homes = self.inventory.tensors, self.host_master.views
+        pairs = [(homes[i], tensors[i].detach()) for i in indices]
+        # The host reads the master right after eviction, so this is the one place that waits.
+        self._transport.to_host(pairs).synchronize()
+        return sum(homes[i].nbytes for i in indices)
+
+    def _adopt_replaced_offloaded(self) -> None:
+        """Copy into the master any tensor given new storage while offloaded (``module.to(...)``)."""
+        now_ptrs = data_ptrs(self.inventory.tensors)
+        if now_ptrs == self._host_ptrs:
+            return
+        replaced = [i for i, p in enumerate(now_ptrs) if p != self._host_ptrs[i]]
+        self._check_same_kind(replaced)
+        self._transport.to_host(
+            [(self.host_master.views[i], self.inventory.tensors[i].detach()) for i in replaced]
+        ).synchronize()
+        repoint(self.inventory.tensors, self.host_master.views)

@@ -1,0 +1,61 @@
+"""The ResidencyError family: every error the library raises for misuse.
+
+Each message says what was wrong and what to do about it.  A call refused with one of
+these errors has changed nothing.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ResidencyError",
+    "RegistrationError",
+    "UnknownGroupError",
+    "PhaseError",
+    "DeadlockError",
+    "ModuleChangedError",
+    "DeviceMemoryError",
+    "SchedulerClosedError",
+    "ConfigError",
+]
+
+
+class ResidencyError(Exception):
+    """Base of every error the library raises for misuse."""
+
+
+class RegistrationError(ResidencyError, ValueError):
+    """`Scheduler.add` refused its input: bad modules, names, policies or overlapping ownership."""
+
+
+class UnknownGroupError(ResidencyError, LookupError):
+    """A group name (or module path) that the scheduler does not know.
+
+    Derives from `LookupError` rather than `KeyError` so the message prints as written.
+    """
+
+
+class PhaseError(ResidencyError, RuntimeError):
+    """A phase was used against its rules: exited out of order, re-entered, or left on another thread."""
+
+
+class DeadlockError(PhaseError):
+    """A phase change waits for holders that can never leave (their threads are gone) or timed out."""
+
+
+class ModuleChangedError(ResidencyError, RuntimeError):
+    """A registered module changed shape behind the scheduler's back (dtype, new or replaced tensors).
+
+    Raised at the next phase change; `Scheduler.refresh(name)` re-registers the group's tensors.
+    """
+
+
+class DeviceMemoryError(ResidencyError, MemoryError):
+    """A group could not be placed on the device: its storage did not fit."""
+
+
+class SchedulerClosedError(ResidencyError, RuntimeError):
+    """The scheduler was used after `close()`."""
+
+
+class ConfigError(ResidencyError, ValueError):
+    """An offload configuration (dict, JSON, CLI flag or legacy switch) that cannot be honoured."""

@@ -1,0 +1,194 @@
+"""Where a component's bytes live: the host master (persistent) and device storage (reused).
+
+`HostMaster` — the packed host copy of a component's unique tensors, built once at registration
+and kept for the session: about 1x the weights (alignment padding aside), pinned when an
+accelerator is present.  Offloaded tensors are views of it.
+
+`DeviceStorage` — one device buffer that tensors are views of while resident.  The exclusive groups
+of a scheduler share one (only one of them is resident at a time); each resident-policy group has
+its own.  It is reused across transitions and re-allocated only when it is too small or when
+something outside the library still aliases it.
+
+[Note: building the master without 2x host memory]
+The master is allocated and filled one chunk at a time, and the tensors of each chunk are re-pointed
+to it as soon as it is full, which drops the last reference to their original storages.  At any
+moment the process holds the weights once plus at most one chunk.
+
+[Note: the alias check before reuse]
+A weight view kept by user code (``w = linear.weight.detach()``) shares the device buffer's storage.
+Overwriting the buffer with another group would silently change ``w``.  The storage's reference count
+tells: the buffer itself, the views this class created, and nothing else.  Any surplus means an alias,
+and the buffer is abandoned (left to its alias) and a fresh one allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from residency.tensors import Inventory, make_views, repoint
+from residency.transport import Transport
+
+__all__ = ["DeviceStorage", "HostMaster"]
+
+_log = logging.getLogger("residency")
+_use_count = torch._C._storage_Use_Count
+
+
+class HostMaster:
+    """The packed, persistent host copy of one component: a few chunks, one view per unique tensor.
+
+    Build it with `HostMaster.pack(inventory, ...)`, which also re-points the tensors to it.
+    """
+
+    def __init__(self, chunks: list[torch.Tensor], views: list[torch.Tensor], pinned: bool):
+        #: uint8 host tensors, one per chunk of the layout.
+        self.chunks = chunks
+        #: One view per unique tensor of the inventory, in inventory order.
+        self.views = views
+        #: Whether every chunk is page-locked.
+        self.pinned = pinned
+
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.numel() for chunk in self.chunks)
+
+    @classmethod
+    def pack(cls, inventory: Inventory, transport: Transport, *, pin: bool) -> HostMaster:
+        """Copy the inventory's tensors into a new master, chunk by chunk, re-pointing as it goes."""
+        layout = inventory.layout
+        sources = inventory.source_regions
+        assert sources is not None, "an inventory is packed once"
+        chunks: list[torch.Tensor] = []
+        views: list[torch.Tensor | None] = [None] * inventory.tensor_count
+        for chunk_index, nbytes in enumerate(layout.chunk_nbytes):
+            chunk, pin = _allocate_host(transport, nbytes, pin)
+            chunks.append(chunk)
+            regions = inventory.regions_in_chunk(chunk_index)
+            for region in regions:
+                _copy_region_into(chunk, layout.region_offset[region], sources[region],
+                                  layout.region_nbytes[region])
+                sources[region] = None  # type: ignore[call-overload]
+            members = inventory.tensors_in_regions(regions)
+            chunk_views = _views_into_chunk(inventory, members, chunk)
+            repoint([inventory.tensors[i] for i in members], chunk_views)
+            for i, view in zip(members, chunk_views):
+                views[i] = view
+        inventory.source_regions = None
+        return cls(chunks, views, pinned=pin)  # type: ignore[arg-type]
+
+    def chunk_copies(self, device_buffer: torch.Tensor, inventory: Inventory):
+        """(device slice, host chunk) pairs: one bulk copy per chunk."""
+        bases = inventory.layout.chunk_base
+        return [(device_buffer[base : base + c.numel()], c) for base, c in zip(bases, self.chunks)]
+
+
+class DeviceStorage:
+    """A reusable device buffer and the views each group has into it (see the notes above).
+
+    ``views_for(key, inventory)`` returns views laid out for `inventory`, reusing the buffer when it is
+    large enough and not aliased, else allocating a fresh one.  The views of a group stay valid (and
+    its tensors land at the same addresses) for as long as the buffer is reused.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self.buffer: torch.Tensor | None = None
+        self._views: dict[object, list[torch.Tensor]] = {}
+        self._view_count = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def is_aliased(self) -> bool:
+        """Whether something besides this object and its views still references the buffer."""
+        if self.buffer is None:
+            return False
+        # 1 for self.buffer, 1 for the temporary storage object made to ask, 1 per view.
+        return _use_count(self.buffer.untyped_storage()._cdata) > 2 + self._view_count
+
+    def prepare(self, nbytes: int) -> bool:
+        """Make sure a buffer of at least `nbytes` exists that nothing outside aliases.
+
+        Returns True when a fresh buffer was allocated.  Allocation errors propagate unchanged.
+        """
+        if self.buffer is not None and (self.buffer.numel() >= nbytes) and not self.is_aliased():
+            return False
+        if self.buffer is not None and self.is_aliased():
+            _log.info("device storage is aliased outside the scheduler; allocating a fresh buffer")
+        self.release()
+        self.buffer = self._transport.allocate_device(nbytes)
+        return True
+
+    def views_for(self, key: object, inventory: Inventory) -> list[torch.Tensor]:
+        """Views of the buffer laid out for `inventory` (cached per key while the buffer lives)."""
+        views = self._views.get(key)
+        if views is None:
+            assert self.buffer is not None
+            views = _views_into_buffer(inventory, self.buffer)
+            self._views[key] = views
+            self._view_count += len(views)
+        return views
+
+    def forget(self, key: object) -> None:
+        """Drop the views made for `key` (a group that was unregistered or re-packed)."""
+        views = self._views.pop(key, None)
+        if views is not None:
+            self._view_count -= len(views)
+
+    def retire(self) -> None:
+        """Mark that compute has stopped reading the buffer (the next copy into it waits for it)."""
+        if self.buffer is not None:
+            self._transport.retire(self.buffer)
+
+    def release(self) -> None:
+        """Drop the buffer and every view of it (memory returns once no tensor uses it)."""
+        self.buffer = None
+        self._views.clear()
+        self._view_count = 0
+
+
+def _allocate_host(transport: Transport, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A host chunk; falls back to pageable memory with one warning when pinning fails."""
+    if not pin:
+        return transport.allocate_host(nbytes, pin=False), False
+    try:
+        return transport.allocate_host(nbytes, pin=True), True
+    except RuntimeError as error:
+        warnings.warn(
+            f"pinning {nbytes} bytes of host memory failed ({error}); using pageable memory "
+            "instead, so transfers will be slower. Raise the locked-memory limit (ulimit -l) or "
+            "pass pin_memory=False to choose pageable memory and silence this warning.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return transport.allocate_host(nbytes, pin=False), False
+
+
+def _copy_region_into(chunk: torch.Tensor, offset: int, source, nbytes: int) -> None:
+    storage, first = source
+    if nbytes == 0:
+        return
+    source_bytes = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    source_bytes.set_(storage, first, (nbytes,))
+    chunk[offset : offset + nbytes].copy_(source_bytes)
+
+
+def _views_into_chunk(
+    inventory: Inventory, members: Sequence[int], chunk: torch.Tensor
+) -> list[torch.Tensor]:
+    placements = [inventory.placements[i] for i in members]
+    return make_views(
+        placements, chunk.untyped_storage(), inventory.layout.region_offset, chunk.device
+    )
+
+
+def _views_into_buffer(inventory: Inventory, buffer: torch.Tensor) -> list[torch.Tensor]:
+    layout = inventory.layout
+    bases = layout.chunk_base
+    region_base = [bases[c] + o for c, o in zip(layout.region_chunk, layout.region_offset)]
+    return make_views(inventory.placements, buffer.untyped_storage(), region_base, buffer.device)

@@ -1,0 +1,149 @@
+"""Transition records: what each phase change moved and what it cost, and ways to read them.
+
+The scheduler appends one `TransitionRecord` per phase change to a bounded log (the newest
+``record_limit`` are kept; the totals count every transition).  ``summarize`` turns records into
+medians and GB/s; ``chrome_trace`` turns them into a trace that chrome://tracing and Perfetto open.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import attrs
+
+__all__ = ["TransitionLog", "TransitionRecord", "chrome_trace", "summarize"]
+
+
+@attrs.frozen
+class TransitionRecord:
+    """One phase change: the group that left, the group that came, bytes and seconds.
+
+    Times are host wall-clock seconds from ``time.perf_counter``.  On an accelerator the copy is
+    asynchronous, so ``load_seconds`` covers issuing it; the copy itself shows on the device timeline.
+    """
+
+    #: The exclusive group evicted, or None when nothing was resident.
+    from_group: str | None
+    #: The exclusive group loaded, or None for a plain eviction (``offload_all``).
+    to_group: str | None
+    #: Bytes copied host-to-device to load `to_group`.
+    nbytes: int
+    #: Bytes copied device-to-host because they changed while `from_group` was resident.
+    written_back: int
+    #: perf_counter() at the start of the transition.
+    start: float
+    evict_seconds: float
+    load_seconds: float
+    #: Name of the thread that made the change.
+    thread: str
+
+    @property
+    def seconds(self) -> float:
+        """Total time of the transition (eviction plus load)."""
+        return self.evict_seconds + self.load_seconds
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes loaded per second of load time (0.0 for an empty load)."""
+        return self.nbytes / self.load_seconds if self.load_seconds > 0 else 0.0
+
+
+class TransitionLog:
+    """The newest `limit` records plus running totals over every transition ever made."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self._records: collections.deque[TransitionRecord] = collections.deque(maxlen=limit)
+        #: Transitions made since the scheduler was created (not bounded by `limit`).
+        self.count = 0
+        #: Bytes loaded over all transitions.
+        self.nbytes = 0
+
+    def append(self, record: TransitionRecord) -> None:
+        self._records.append(record)
+        self.count += 1
+        self.nbytes += record.nbytes
+
+    def clear(self) -> None:
+        """Forget the kept records (the totals stay)."""
+        self._records.clear()
+
+    def __iter__(self) -> Iterator[TransitionRecord]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, index: int) -> TransitionRecord:
+        return self._records[index]
+
+    def __repr__(self) -> str:
+        return f"<TransitionLog {len(self)} kept of {self.count}, {self.nbytes} bytes loaded>"
+
+
+def summarize(records: Iterable[TransitionRecord]) -> dict:
+    """Per (from, to) pair: count, median seconds, median GB/s, bytes; and overall totals."""
+    by_pair: dict[tuple, list[TransitionRecord]] = collections.defaultdict(list)
+    for record in records:
+        by_pair[(record.from_group, record.to_group)].append(record)
+    pairs = []
+    for (source, target), group in by_pair.items():
+        loads = [r for r in group if r.nbytes]
+        pairs.append(
+            {
+                "from": source,
+                "to": target,
+                "count": len(group),
+                "nbytes": group[0].nbytes,
+                "median_seconds": statistics.median(r.seconds for r in group),
+                "median_gbps": statistics.median(r.bandwidth for r in loads) / 1e9 if loads else 0.0,
+            }
+        )
+    everything = [r for group in by_pair.values() for r in group]
+    return {
+        "transitions": len(everything),
+        "nbytes": sum(r.nbytes for r in everything),
+        "written_back": sum(r.written_back for r in everything),
+        "seconds": sum(r.seconds for r in everything),
+        "pairs": pairs,
+    }
+
+
+def chrome_trace(
+    records: Iterable[TransitionRecord],
+    phases: Iterable[tuple[str, float, float]] = (),
+    path: str | Path | None = None,
+) -> dict:
+    """A Chrome/Perfetto trace: one slice per eviction and load, plus optional (name, start, end) phases.
+
+    Written to `path` as JSON when given; returned as a dict either way.
+    """
+    events = []
+    for record in records:
+        events.append(_slice(f"evict {record.from_group}", "transfer", record.start,
+                             record.evict_seconds, record.thread, {"written_back": record.written_back}))
+        events.append(_slice(f"load {record.to_group}", "transfer",
+                             record.start + record.evict_seconds, record.load_seconds,
+                             record.thread, {"nbytes": record.nbytes}))
+    for name, start, end in phases:
+        events.append(_slice(name, "phase", start, end - start, "phases", {}))
+    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if path is not None:
+        Path(path).write_text(json.dumps(trace))
+    return trace
+
+
+def _slice(name: str, category: str, start: float, seconds: float, track: str, args: dict) -> dict:
+    return {
+        "name": name,
+        "cat": category,
+        "ph": "X",
+        "ts": start * 1e6,
+        "dur": seconds * 1e6,
+        "pid": 0,
+        "tid": track,
+        "args": args,
+    }

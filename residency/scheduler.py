@@ -1,0 +1,734 @@
+"""The Scheduler: a registry of groups, ``resident()`` phases and the one-exclusive-group rule.
+
+    scheduler = Scheduler()                        # the current accelerator, else the CPU
+    scheduler.add("text_encoder", encoder)
+    scheduler.add("dit", transformer)
+    scheduler.add("vae", vae, policy="resident")   # placed on the device now, never evicted
+    with scheduler.resident("text_encoder"):
+        embeddings = encoder(ids)
+    for step in steps:
+        with scheduler.resident("dit"):            # the first entry swaps; the rest cost a counter
+            latents = transformer(latents, embeddings)
+
+[Note: holds, nesting and threads]
+A thread *holds* the group of its innermost active phase.  A group can only be evicted when nobody
+holds it.  Entering a phase of another group first gives up the thread's own hold (a nested phase
+suspends the outer one), then waits until the resident group has no holders, then swaps.  Leaving the
+nested phase gives up its hold and takes the outer group back, swapping again if needed.  Because a
+waiting thread never holds anything, threads cannot deadlock on each other through the scheduler.
+Waiters are served first come, first served; a thread asking for the group already resident joins it
+at once unless someone queued earlier for another group.
+
+What can still hang is a hold that is never released: a thread that ended inside a phase (a phase
+must be left on the thread that entered it).  Waiters notice such holds and raise `DeadlockError`;
+``wait_timeout`` turns any longer wait into a `DeadlockError` too.
+"""
+
+from __future__ import annotations
+
+import collections
+import difflib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from residency.component import Policy, Residency, ResidencyState
+from residency.errors import (
+    DeadlockError,
+    PhaseError,
+    RegistrationError,
+    SchedulerClosedError,
+    UnknownGroupError,
+)
+from residency.memory import DeviceStorage, HostMaster
+from residency.records import TransitionLog, TransitionRecord
+from residency.tensors import DEFAULT_CHUNK_NBYTES, Inventory, take_inventory
+from residency.transport import Transport, default_device, transport_for
+
+__all__ = ["NoOffload", "Phase", "Scheduler"]
+
+_log = logging.getLogger("residency")
+
+#: How often a waiting thread looks for holders whose threads have ended (seconds).
+_DEAD_HOLDER_POLL = 0.05
+
+
+class Phase:
+    """One ``with scheduler.resident(name):`` block.  Not reusable, not re-entrant.
+
+        with scheduler.resident("dit") as dit:    # dit is the group's Residency
+            latents = transformer(latents)
+
+    Inside the block the group is resident, also after nested phases of other groups have exited.
+    Entering a second time, or exiting on another thread or out of order, raises `PhaseError`.
+    """
+
+    __slots__ = ("_scheduler", "group", "_status")
+
+    def __init__(self, scheduler: Scheduler, group: Residency) -> None:
+        self._scheduler = scheduler
+        #: The Residency this phase makes resident.
+        self.group = group
+        self._status = "new"
+
+    def __repr__(self) -> str:
+        return f"<Phase {self.group.name!r} {self._status}>"
+
+    def __enter__(self) -> Residency:
+        if self._status != "new":
+            raise PhaseError(
+                f"this phase of {self.group.name!r} was already entered; a phase is not "
+                f"reusable: write `with scheduler.resident({self.group.name!r}):` again"
+            )
+        self._scheduler._enter(self)
+        self._status = "active"
+        return self.group
+
+    def __exit__(self, *exc_info) -> None:
+        if self._status != "active":
+            raise PhaseError(f"the phase of {self.group.name!r} is {self._status}, not active")
+        self._scheduler._exit(self)
+        self._status = "exited"
+
+
+class _ThreadPhases(threading.local):
+    """Per thread: the stack of active phases and the exclusive group the thread holds."""
+
+    def __init__(self) -> None:
+        #: (phase, group this frame needs resident) — resident-policy phases repeat the outer group.
+        self.stack: list[tuple[Phase, Residency | None]] = []
+        self.held: Residency | None = None
+        self.thread = threading.current_thread()
+
+
+class _Request:
+    __slots__ = ("group",)
+
+    def __init__(self, group: Residency) -> None:
+        self.group = group
+
+
+class Scheduler:
+    """Keeps at most one exclusive group of modules on the device; moves weights on phase changes.
+
+        scheduler = Scheduler("cuda")
+        scheduler.add("generator", model.generator)
+        with scheduler.resident("generator"):
+            out = model.generator(x)
+
+    Rules: a tensor belongs to one group at most; exclusive groups are swapped by ``resident()``;
+    resident-policy groups are placed on the device at ``add`` and never evicted; outputs are
+    bit-identical to the same modules never offloaded.  See the module docstring for threads.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        pin_memory: bool | None = None,
+        chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+        device_memory_limit: int | None = None,
+        wait_timeout: float | None = None,
+        record_limit: int = 10_000,
+        transport: Transport | None = None,
+    ) -> None:
+        #: Where resident groups live.
+        self.device = torch.device(device) if device is not None else default_device()
+        self._transport = transport if transport is not None else transport_for(self.device)
+        #: Pin host masters (default: when the transport can use pinned memory).
+        self.pin_memory = self._transport.can_pin() if pin_memory is None else pin_memory
+        self.chunk_nbytes = chunk_nbytes
+        #: Most device bytes this scheduler's storages may hold together (None: no limit).
+        self.device_memory_limit = device_memory_limit
+        self.wait_timeout = wait_timeout
+        #: One record per phase change (the newest `record_limit`), with running totals.
+        self.transitions = TransitionLog(record_limit)
+        self._groups: dict[str, Residency] = {}
+        self._aliases: dict[str, str] = {}
+        self._exclusive_storage = DeviceStorage(self._transport)
+        self._resident_storages: dict[str, DeviceStorage] = {}
+        # `with self._lock` guards all state below; `_cond` (same lock) is only for waiting.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._local = _ThreadPhases()
+        self._current: Residency | None = None
+        #: Threads holding the current group (a thread holds at most one group at a time).
+        self._holders: set[threading.Thread] = set()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._closed = False
+        if not self.pin_memory:
+            _log.info("host masters on %s are pageable memory (pin_memory=False)", self.device)
+
+    @classmethod
+    def from_pipeline(
+        cls,
+        pipeline: object,
+        config: object = None,
+        *,
+        enable_cpu_offload: bool = False,
+        device: torch.device | str | None = None,
+    ) -> Scheduler | NoOffload:
+        """Build a scheduler from a pipeline's declared components (see `residency.discovery`).
+
+            scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]})
+            with scheduler.resident("transformer"):
+                ...
+        """
+        from residency.discovery import scheduler_from_pipeline
+
+        return scheduler_from_pipeline(
+            cls, pipeline, config, enable_cpu_offload=enable_cpu_offload, device=device
+        )
+
+    # -- registry ------------------------------------------------------------------------------
+
+    def add(
+        self,
+        name: str,
+        modules: nn.Module | Iterable[nn.Module],
+        *,
+        policy: str | Policy = "exclusive",
+    ) -> Residency:
+        """Register `modules` as group `name` and pack their weights into a host master.
+
+        ``policy="exclusive"`` groups are swapped by ``resident()``; ``policy="resident"`` groups
+        are placed on the device now and never evicted.  A refused call changes nothing.
+
+            scheduler.add("text_encoder", [clip, t5])
+            scheduler.add("vae", pipe.vae, policy="resident")
+        """
+        self._check_open()
+        _check_name(name, self._groups)
+        policy = _parse_policy(policy)
+        roots = _as_modules(name, modules)
+        with self._lock:
+            self._check_modules_free(name, roots)
+            inventory = take_inventory(roots, chunk_nbytes=self.chunk_nbytes)
+            self._check_tensors_free(name, inventory)
+            self._check_budget(name, inventory, policy)
+            residency = self._register(name, roots, policy, inventory)
+        if policy is Policy.RESIDENT:
+            self._place_resident(residency)
+        return residency
+
+    def alias(self, path: str, name: str) -> None:
+        """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline)."""
+        group = self._lookup(name)
+        if path in self._groups and self._groups[path] is not group:
+            raise RegistrationError(f"{path!r} is already the name of group {path!r}")
+        self._aliases[path] = group.name
+
+    def __getitem__(self, name: str) -> Residency:
+        return self._lookup(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._groups or name in self._aliases
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._groups))
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __repr__(self) -> str:
+        status = "closed" if self._closed else f"current={self.current!r}"
+        return f"<Scheduler on {self.device}: {len(self)} group(s), {status}>"
+
+    @property
+    def current(self) -> str | None:
+        """Name of the exclusive group on the device now, or None."""
+        group = self._current
+        return None if group is None else group.name
+
+    def resident_groups(self) -> list[str]:
+        """Names of every group whose weights are on the device now."""
+        return [name for name, group in self._groups.items() if group.is_resident]
+
+    # -- phases --------------------------------------------------------------------------------
+
+    def resident(self, name: str) -> Phase:
+        """A phase: inside ``with scheduler.resident(name):`` the group is on the device.
+
+        The group stays resident after the block until another group is asked for, so a loop that
+        re-enters it costs a counter, not a copy.  `name` may also be a registered alias.
+        """
+        group = self._groups.get(name)
+        if group is None:
+            group = self._lookup(name)
+        return Phase(self, group)
+
+    def offload_all(self) -> None:
+        """Evict the resident exclusive group and free the shared device storage.
+
+        Resident-policy groups stay.  Refused (changing nothing) while any phase is active.
+        """
+        self._check_open()
+        with self._lock:
+            self._check_no_holders("offload all groups")
+            if self._current is not None:
+                self._switch_to(None)
+            self._exclusive_storage.release()
+
+    def refresh(self, name: str) -> Residency:
+        """Re-register group `name` after its modules changed (new, replaced or re-typed tensors).
+
+        The modules' current tensors are packed into a fresh host master; the group ends offloaded
+        (resident-policy groups are placed again).
+        """
+        self._check_open()
+        group = self._lookup(name)
+        with self._lock:
+            self._check_not_held(group, "refresh")
+            inventory = take_inventory(group.modules, chunk_nbytes=self.chunk_nbytes)
+            self._check_tensors_free(name, inventory, ignore=group)
+            self._unregister(group)
+            residency = self._register(name, group.modules, group.policy, inventory)
+        if residency.policy is Policy.RESIDENT:
+            self._place_resident(residency)
+        return residency
+
+    def remove(self, name: str) -> Residency:
+        """Unregister group `name`; its modules keep their weights in host memory.
+
+        Refused while a phase of the group is active.
+        """
+        self._check_open()
+        group = self._lookup(name)
+        with self._lock:
+            self._check_not_held(group, "remove")
+            if group.is_resident:
+                group.evict()
+            self._unregister(group)
+        return group
+
+    def close(self) -> None:
+        """Return every group's weights to host memory and release device storage.
+
+        The modules stay usable on the host; the scheduler refuses further use.
+        """
+        if self._closed:
+            return
+        for name in list(self._groups):
+            self.remove(name)
+        self._exclusive_storage.release()
+        self._closed = True
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- phase machinery (see [Note: holds, nesting and threads]) -------------------------------
+
+    def _enter(self, phase: Phase) -> None:
+        if self._closed:
+            self._check_open()
+        local = self._local
+        stack = local.stack
+        group = phase.group
+        target = group if group.exclusive else (stack[-1][1] if stack else None)
+        held = local.held
+        if target is not held:
+            if held is None and target is self._current:
+                with self._lock:  # fast path: join the resident group, no tensor work
+                    if target is self._current and not self._queue:
+                        self._holders.add(local.thread)
+                        local.held = target
+                        stack.append((phase, target))
+                        return
+            self._move_hold(target, restore_on_failure=True)
+        stack.append((phase, target))
+
+    def _exit(self, phase: Phase) -> None:
+        local = self._local
+        stack = local.stack
+        if not stack or stack[-1][0] is not phase:
+            raise self._misplaced_exit(phase)
+        stack.pop()
+        target = stack[-1][1] if stack else None
+        if target is not local.held:
+            if target is None:
+                with self._lock:  # fast path: give up the hold, nothing to load
+                    self._release(local.held)
+                    local.held = None
+                    return
+            self._move_hold(target, restore_on_failure=False)
+
+    def _misplaced_exit(self, phase: Phase) -> PhaseError:
+        stack = self._local.stack
+        if all(frame[0] is not phase for frame in stack):
+            return PhaseError(
+                f"the phase of {phase.group.name!r} was left on thread "
+                f"{threading.current_thread().name!r}, which did not enter it; leave a phase on "
+                "the thread that entered it"
+            )
+        return PhaseError(
+            f"the phase of {phase.group.name!r} was left while the phase of "
+            f"{stack[-1][0].group.name!r} inside it is still active; leave phases in the reverse "
+            "order of entering them"
+        )
+
+    def _move_hold(self, target: Residency | None, *, restore_on_failure: bool) -> None:
+        local = self._local
+        previous = local.held
+        with self._lock:
+            if previous is not None:
+                self._release(previous)
+                local.held = None
+            try:
+                if target is not None:
+                    self._acquire(target)
+                    local.held = target
+            except BaseException as error:
+                if restore_on_failure and previous is not None:
+                    self._restore_hold(previous, error)
+                raise
+
+    def _restore_hold(self, previous: Residency, error: BaseException) -> None:
+        try:
+            self._acquire(previous)
+            self._local.held = previous
+        except BaseException as restore_error:  # the first error is the one to report
+            error.add_note(
+                f"residency: group {previous.name!r} could not be made resident again "
+                f"({restore_error!r}); the enclosing phase runs without it"
+            )
+
+    def _release(self, group: Residency) -> None:
+        self._holders.discard(self._local.thread)
+        if self._queue and not self._holders:
+            self._cond.notify_all()
+
+    def _acquire(self, group: Residency) -> None:
+        if self._current is group and not self._queue:
+            self._holders.add(self._local.thread)
+            return
+        request = _Request(group)
+        self._queue.append(request)
+        try:
+            self._wait_for_turn(request)
+            if self._current is not group:
+                self._switch_to(group)
+        finally:
+            self._queue.remove(request)
+            self._cond.notify_all()
+        self._holders.add(self._local.thread)
+
+    def _wait_for_turn(self, request: _Request) -> None:
+        """Wait until `request` may join the resident group or swap it out (first come, first served)."""
+        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
+        while not self._may_proceed(request):
+            self._check_open()
+            self._check_dead_holders(request.group)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlockError(
+                    f"waited {self.wait_timeout} s for group {request.group.name!r}: "
+                    f"{self._describe_holders()}. Leave phases promptly, or raise wait_timeout"
+                )
+            self._cond.wait(_DEAD_HOLDER_POLL)
+
+    def _may_proceed(self, request: _Request) -> bool:
+        for earlier in self._queue:
+            if earlier is request:
+                break
+            if earlier.group is not request.group:
+                return False
+        if self._current is request.group:
+            return True
+        return not self._holders and self._queue[0] is request
+
+    def _check_dead_holders(self, wanted: Residency) -> None:
+        dead = [thread for thread in self._holders if not thread.is_alive()]
+        if not dead or len(dead) < len(self._holders):
+            return
+        self._holders.clear()
+        names = ", ".join(repr(t.name) for t in dead)
+        held = self._current.name if self._current else None
+        raise DeadlockError(
+            f"group {wanted.name!r} waited on group {held!r}, held by phases of thread(s) {names} "
+            "that ended without leaving them; those holds are now released. Leave every phase on "
+            "the thread that entered it (use `with`)"
+        )
+
+    def _describe_holders(self) -> str:
+        held = self._current.name if self._current else None
+        names = ", ".join(repr(t.name) for t in self._holders) or "no thread"
+        return f"group {held!r} is held by {names}"
+
+    def _switch_to(self, group: Residency | None) -> None:
+        """Evict the current exclusive group and load `group`; called with no holders."""
+        previous = self._current
+        start = time.perf_counter()
+        written = previous.evict() if previous is not None else 0
+        self._current = None
+        evicted = time.perf_counter()
+        nbytes = group.load() if group is not None else 0
+        self._current = group
+        self.transitions.append(
+            TransitionRecord(
+                from_group=previous.name if previous is not None else None,
+                to_group=group.name if group is not None else None,
+                nbytes=nbytes,
+                written_back=written,
+                start=start,
+                evict_seconds=evicted - start,
+                load_seconds=time.perf_counter() - evicted,
+                thread=threading.current_thread().name,
+            )
+        )
+
+    # -- registration helpers ------------------------------------------------------------------
+
+    def _register(
+        self, name: str, roots: tuple[nn.Module, ...], policy: Policy, inventory: Inventory
+    ) -> Residency:
+        storage = self._exclusive_storage
+        if policy is Policy.RESIDENT:
+            storage = self._resident_storages[name] = DeviceStorage(self._transport)
+        master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory)
+        residency = Residency(name, roots, policy, inventory, master, storage, self._transport)
+        self._groups[name] = residency
+        return residency
+
+    def _unregister(self, group: Residency) -> None:
+        if self._current is group:
+            self._current = None
+        group.device_storage.forget(group)
+        self._resident_storages.pop(group.name, None)
+        del self._groups[group.name]
+        for path in [p for p, n in self._aliases.items() if n == group.name]:
+            del self._aliases[path]
+
+    def _place_resident(self, residency: Residency) -> None:
+        """Load a resident-policy group now; if that fails, unregister it (weights stay on host)."""
+        start = time.perf_counter()
+        try:
+            nbytes = residency.load()
+        except BaseException:
+            with self._lock:
+                self._unregister(residency)
+            raise
+        record = TransitionRecord(
+            from_group=None,
+            to_group=residency.name,
+            nbytes=nbytes,
+            written_back=0,
+            start=start,
+            evict_seconds=0.0,
+            load_seconds=time.perf_counter() - start,
+            thread=threading.current_thread().name,
+        )
+        self.transitions.append(record)
+
+    def _lookup(self, name: str) -> Residency:
+        group = self._groups.get(name)
+        if group is None and name in self._aliases:
+            group = self._groups[self._aliases[name]]
+        if group is None:
+            known = sorted(self._groups) + sorted(self._aliases)
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise UnknownGroupError(
+                f"no group named {name!r}; known groups: {', '.join(map(repr, known)) or 'none'}."
+                f"{hint} Register it with scheduler.add({name!r}, modules) first"
+            ) from None
+        return group
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SchedulerClosedError(
+                "this scheduler was closed; its modules are back in host memory. Create a new "
+                "Scheduler and add the modules again to keep offloading"
+            )
+
+    def _check_not_held(self, group: Residency, action: str) -> None:
+        if self._current is group and self._holders:
+            raise PhaseError(
+                f"cannot {action} group {group.name!r} while a phase of it is active; "
+                f"{self._describe_holders()}. Call it between phases"
+            )
+
+    def _check_no_holders(self, action: str) -> None:
+        if self._holders:
+            raise PhaseError(
+                f"cannot {action} while a phase is active; {self._describe_holders()}. "
+                "Call it between phases"
+            )
+
+    def _check_modules_free(self, name: str, roots: tuple[nn.Module, ...]) -> None:
+        for other in self._groups.values():
+            theirs = {id(m) for root in other.modules for m in root.modules()}
+            for root in roots:
+                for module in root.modules():
+                    if id(module) in theirs:
+                        raise RegistrationError(
+                            f"cannot add group {name!r}: its {type(module).__name__} module "
+                            f"already belongs to group {other.name!r}. A module belongs to one "
+                            f"group; remove it from {other.name!r} or register a different module"
+                        )
+
+    def _check_tensors_free(
+        self, name: str, inventory: Inventory, ignore: Residency | None = None
+    ) -> None:
+        owners = {
+            id(t): other
+            for other in self._groups.values()
+            if other is not ignore
+            for t in other.tensors
+        }
+        spans = _storage_spans(g for g in self._groups.values() if g is not ignore)
+        for tensor, slots in zip(inventory.tensors, inventory.slots):
+            other = owners.get(id(tensor)) or _owner_by_address(spans, tensor)
+            if other is not None:
+                raise RegistrationError(
+                    f"cannot add group {name!r}: its {slots[0].describe()} shares storage with "
+                    f"group {other.name!r}. A tensor belongs to one group; put both modules in "
+                    "one group, or untie the weights before registering"
+                )
+
+    def _check_budget(self, name: str, inventory: Inventory, policy: Policy) -> None:
+        """Refuse a group whose device bytes, with those already planned, exceed the limit."""
+        limit = self.device_memory_limit
+        if limit is None:
+            return
+        needs = {g.name: (g.policy, g.inventory.layout.contiguous_nbytes) for g in self._groups.values()}
+        needs[name] = (policy, inventory.layout.contiguous_nbytes)
+        exclusive = max((n for p, n in needs.values() if p is Policy.EXCLUSIVE), default=0)
+        planned = exclusive + sum(n for p, n in needs.values() if p is Policy.RESIDENT)
+        if planned > limit:
+            raise RegistrationError(
+                f"cannot add group {name!r}: it needs {needs[name][1]} bytes of device memory, "
+                f"and with the groups already registered the device would need {planned} bytes, "
+                f"over device_memory_limit={limit}. Raise the limit or split the group"
+            )
+
+
+class NoOffload:
+    """The scheduler to use when offloading is off: ``resident()`` does nothing.
+
+        scheduler = NoOffload()
+        with scheduler.resident("generator"):   # no checks, no moves
+            out = model.generator(x)
+
+    Model code written with phases runs unchanged.  ``add`` moves modules to `device` (when given)
+    and remembers their names so that ``in`` and iteration behave like a `Scheduler`'s.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+        self.transitions = TransitionLog(0)
+        self._names: dict[str, tuple[nn.Module, ...]] = {}
+
+    def add(self, name: str, modules, *, policy: str | Policy = "exclusive") -> None:
+        _check_name(name, self._names)
+        _parse_policy(policy)
+        roots = _as_modules(name, modules)
+        if self.device is not None:
+            for module in roots:
+                module.to(self.device)
+        self._names[name] = roots
+
+    def resident(self, name: str) -> _NullPhase:
+        return _NULL_PHASE
+
+    def offload_all(self) -> None:
+        """Nothing is offloaded, so nothing to do."""
+
+    @property
+    def current(self) -> None:
+        return None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._names))
+
+    def __repr__(self) -> str:
+        return f"<NoOffload: {len(self._names)} group(s)>"
+
+
+class _NullPhase:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+
+_NULL_PHASE = _NullPhase()
+
+
+def _check_name(name: object, taken: Iterable[str]) -> None:
+    if not isinstance(name, str) or not name:
+        raise RegistrationError(
+            f"a group name must be a non-empty string, not {name!r}; name groups after what "
+            "they are, for example 'text_encoder' or 'dit'"
+        )
+    if name in taken:
+        raise RegistrationError(
+            f"a group named {name!r} is already registered; choose another name, or call "
+            f"scheduler.remove({name!r}) first"
+        )
+
+
+def _parse_policy(policy: str | Policy) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    try:
+        return Policy(policy)
+    except ValueError:
+        accepted = ", ".join(repr(p.value) for p in Policy)
+        raise RegistrationError(
+            f"unknown policy {policy!r}; accepted policies are {accepted}"
+        ) from None
+
+
+def _as_modules(name: str, modules: object) -> tuple[nn.Module, ...]:
+    if isinstance(modules, nn.Module):
+        return (modules,)
+    if isinstance(modules, (str, bytes, torch.Tensor)) or not isinstance(modules, Iterable):
+        raise RegistrationError(
+            f"group {name!r}: expected an nn.Module or an iterable of them, got "
+            f"{type(modules).__name__}"
+        )
+    roots = tuple(modules)
+    if not roots:
+        raise RegistrationError(
+            f"group {name!r}: the module list is empty; pass at least one nn.Module"
+        )
+    for index, module in enumerate(roots):
+        if not isinstance(module, nn.Module):
+            raise RegistrationError(
+                f"group {name!r}: item {index} is a {type(module).__name__}, not an nn.Module; "
+                "pass modules (for example pipe.text_encoder), not tensors or names"
+            )
+    return roots
+
+
+def _storage_spans(groups: Iterable[Residency]) -> list[tuple[int, int, Residency]]:
+    spans = []
+    for group in groups:
+        for chunk in group.host_master.chunks:
+            spans.append((chunk.data_ptr(), chunk.data_ptr() + chunk.numel(), group))
+        buffer = group.device_storage.buffer
+        if group.is_resident and buffer is not None:
+            spans.append((buffer.data_ptr(), buffer.data_ptr() + buffer.numel(), group))
+    return spans
+
+
+def _owner_by_address(spans, tensor: torch.Tensor) -> Residency | None:
+    pointer = tensor.data_ptr()
+    if tensor.untyped_storage().nbytes() == 0:
+        return None
+    for start, end, group in spans:
+        if start <= pointer < end:
+            return group
+    return None

@@ -1,0 +1,351 @@
+"""The inventory of a module set's tensors: what is unique, where it goes in a pack, how to re-point it.
+
+Three ideas live here and nowhere else:
+
+* **Deduplication.** Tied weights are one `Parameter` object reached through two modules; shared
+  storage is two tensor objects viewing one allocation.  Both are kept tied by packing each distinct
+  *storage* once (a `Region`) and making every tensor that viewed it a view of that one region again.
+* **The pack layout.** Regions are laid end to end (each aligned) into chunks of at most
+  `chunk_nbytes`; a region larger than a chunk gets a chunk of its own, of exact size.  The host
+  master keeps the chunks apart; device storage lays them end to end in one buffer.
+* **Re-pointing.** A tensor is moved by assigning its data (``tensor.data = view``): the Python
+  object, its ``requires_grad`` and its version counter stay; only the storage it reads changes.
+
+[Note: why re-pointing goes through the `data` descriptor]
+``setattr(t, "data", v)`` costs ~0.7 us per tensor; calling the C descriptor's ``__set__`` through
+``map`` costs ~0.23 us (2-core CPU, torch 2.13).  A transition re-points every tensor of two groups,
+so this is the per-tensor floor of the library and is kept in C as far as Python allows.  A ``map``
+of C callables also runs no bytecode, so a ``KeyboardInterrupt`` cannot land half-way through it.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+from collections.abc import Iterable, Sequence
+
+import attrs
+import torch
+from torch import nn
+
+from residency.errors import RegistrationError
+
+__all__ = [
+    "ALIGNMENT",
+    "DEFAULT_CHUNK_NBYTES",
+    "Inventory",
+    "PackLayout",
+    "Placement",
+    "TensorSlot",
+    "make_views",
+    "repoint",
+    "take_inventory",
+]
+
+#: Byte alignment of every region in a pack (a cache line; enough for vectorised device kernels).
+ALIGNMENT = 64
+#: Regions are packed into chunks of this many bytes (a power of two; see memory.py for why).
+DEFAULT_CHUNK_NBYTES = 256 * 2**20
+#: Rounding of a region's start inside its original storage; a multiple of every dtype's itemsize.
+_REGION_START_GRANULE = 16
+
+_set_data = torch._C.TensorBase.data.__set__
+_get_version = operator.attrgetter("_version")
+_data_ptr = torch._C.TensorBase.data_ptr
+
+
+@attrs.frozen
+class TensorSlot:
+    """One place a tensor is reachable from: ``owner._parameters[name]`` or ``owner._buffers[name]``."""
+
+    owner: nn.Module
+    name: str
+    is_buffer: bool
+
+    def current(self) -> torch.Tensor | None:
+        """The tensor the module holds in this slot now."""
+        table = self.owner._buffers if self.is_buffer else self.owner._parameters
+        return table.get(self.name)
+
+    def describe(self) -> str:
+        kind = "buffer" if self.is_buffer else "parameter"
+        return f"{kind} {self.name!r} of {type(self.owner).__name__}"
+
+
+@attrs.frozen
+class Placement:
+    """Where one unique tensor sits inside its region: element offset, size and stride."""
+
+    region: int
+    #: Offset from the region's first byte, in bytes (a multiple of the dtype's itemsize).
+    byte_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@attrs.frozen
+class PackLayout:
+    """Where every region lives: its chunk and its offset in that chunk, and each chunk's size."""
+
+    chunk_nbytes: tuple[int, ...]
+    region_chunk: tuple[int, ...]
+    region_offset: tuple[int, ...]
+    region_nbytes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of all chunks (unique tensor bytes plus alignment padding)."""
+        return sum(self.chunk_nbytes)
+
+    @property
+    def chunk_base(self) -> tuple[int, ...]:
+        """Offset of each chunk when the chunks are laid end to end (device storage)."""
+        bases, total = [], 0
+        for size in self.chunk_nbytes:
+            bases.append(total)
+            total += _aligned(size)
+        return tuple(bases)
+
+    @property
+    def contiguous_nbytes(self) -> int:
+        """Bytes needed to lay every chunk end to end, each aligned."""
+        return sum(_aligned(size) for size in self.chunk_nbytes)
+
+
+@attrs.define(eq=False)
+class Inventory:
+    """The unique tensors of a set of modules, where each is reachable from, and how they pack.
+
+    Built by `take_inventory`; the source storages are only referenced until the host master has
+    copied them (`source_regions` is cleared then).
+    """
+
+    modules: tuple[nn.Module, ...]
+    tensors: tuple[torch.Tensor, ...]
+    slots: tuple[tuple[TensorSlot, ...], ...]
+    placements: tuple[Placement, ...]
+    layout: PackLayout
+    #: Per region: (source storage, first byte in it) to copy from; dropped once packed.
+    source_regions: list[tuple[torch.UntypedStorage, int]] | None
+    #: A cheap picture of the modules' structure, to notice tensors added or replaced after `add`.
+    structure: tuple[tuple[int, ...], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the unique tensors' storages: tied and shared weights count once."""
+        return sum(self.layout.region_nbytes)
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.tensors)
+
+    def regions_in_chunk(self, chunk: int) -> list[int]:
+        return [r for r, c in enumerate(self.layout.region_chunk) if c == chunk]
+
+    def tensors_in_regions(self, regions: Iterable[int]) -> list[int]:
+        wanted = set(regions)
+        return [i for i, p in enumerate(self.placements) if p.region in wanted]
+
+    def changed_structure(self) -> str | None:
+        """Describe the first slot whose tensor was replaced, added or removed; None if unchanged."""
+        for tensor, slots in zip(self.tensors, self.slots):
+            for slot in slots:
+                if slot.current() is not tensor:
+                    return f"the {slot.describe()} was replaced or removed"
+        if structure_of(self.modules) != self.structure:
+            return "a submodule, parameter or buffer was added or replaced"
+        return None
+
+
+def take_inventory(
+    modules: Sequence[nn.Module], *, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES
+) -> Inventory:
+    """List the unique tensors of `modules`, group them by storage and lay out their pack.
+
+    Raises `RegistrationError` (and touches nothing) for meta or lazy tensors, tensor subclasses,
+    non-strided layouts, or a module set without any tensor.
+    """
+    owners = _collect_slots(modules)
+    if not owners:
+        names = ", ".join(type(m).__name__ for m in modules)
+        raise RegistrationError(
+            f"the modules ({names}) hold no parameters or buffers, so there is nothing to offload; "
+            "register only modules with weights"
+        )
+    tensors = tuple(tensor for tensor, _ in owners.values())
+    slots = tuple(tuple(s) for _, s in owners.values())
+    for tensor, tensor_slots in zip(tensors, slots):
+        _check_supported(tensor, tensor_slots[0])
+    placements, region_sources, region_nbytes = _place_in_regions(tensors)
+    layout = _lay_out(region_nbytes, chunk_nbytes)
+    return Inventory(
+        modules=tuple(_unique_submodules(modules)),
+        tensors=tensors,
+        slots=slots,
+        placements=placements,
+        layout=layout,
+        source_regions=region_sources,
+        structure=structure_of(_unique_submodules(modules)),
+    )
+
+
+def structure_of(modules: Iterable[nn.Module]) -> tuple[tuple[int, ...], ...]:
+    """Identity of every child, parameter and buffer of each module (a cheap change detector)."""
+    return tuple(
+        (
+            *map(id, module._modules.values()),
+            -1,
+            *map(id, module._parameters.values()),
+            -1,
+            *map(id, module._buffers.values()),
+        )
+        for module in modules
+    )
+
+
+def make_views(
+    placements: Sequence[Placement],
+    storage: torch.UntypedStorage,
+    region_base: Sequence[int],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One tensor per placement, viewing `storage` at byte `region_base[region]` + its offset."""
+    views = []
+    with torch.no_grad():
+        for p in placements:
+            byte_offset = region_base[p.region] + p.byte_offset
+            itemsize = p.dtype.itemsize
+            view = torch.empty(0, dtype=p.dtype, device=device)
+            view.set_(storage, byte_offset // itemsize, p.size, p.stride)
+            views.append(view)
+    return views
+
+
+def repoint(tensors: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> None:
+    """Make each tensor read its view's storage (object, grad flag and version counter stay)."""
+    collections.deque(map(_set_data, tensors, views), maxlen=0)
+
+
+def versions(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's version counter: it moves on every in-place change made through the tensor."""
+    return list(map(_get_version, tensors))
+
+
+def data_ptrs(tensors: Sequence[torch.Tensor]) -> list[int]:
+    return list(map(_data_ptr, tensors))
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def _unique_submodules(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    seen: dict[int, nn.Module] = {}
+    for root in modules:
+        for module in root.modules():
+            seen.setdefault(id(module), module)
+    return list(seen.values())
+
+
+def _collect_slots(
+    modules: Sequence[nn.Module],
+) -> dict[int, tuple[torch.Tensor, list[TensorSlot]]]:
+    """Map id(tensor) -> (tensor, every slot that holds it), in module traversal order."""
+    owners: dict[int, tuple[torch.Tensor, list[TensorSlot]]] = {}
+    for module in _unique_submodules(modules):
+        for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                entry = owners.setdefault(id(tensor), (tensor, []))
+                entry[1].append(TensorSlot(module, name, is_buffer))
+    return owners
+
+
+def _check_supported(tensor: torch.Tensor, slot: TensorSlot) -> None:
+    if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
+        raise RegistrationError(
+            f"the {slot.describe()} is lazy (not yet initialised); run one forward or "
+            "materialise the module before registering it"
+        )
+    if type(tensor) not in (torch.Tensor, nn.Parameter):
+        raise RegistrationError(
+            f"the {slot.describe()} is a {type(tensor).__name__}, a tensor subclass the scheduler "
+            "cannot re-point; register modules holding plain tensors and Parameters only"
+        )
+    if tensor.is_meta:
+        raise RegistrationError(
+            f"the {slot.describe()} is on the meta device and holds no data; load real weights "
+            "(for example with load_state_dict(..., assign=True)) before registering the module"
+        )
+    if tensor.layout != torch.strided:
+        raise RegistrationError(
+            f"the {slot.describe()} has layout {tensor.layout}; only dense (strided) tensors "
+            "can be offloaded"
+        )
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return ("empty", id(tensor))
+    return (storage.device, storage.data_ptr())
+
+
+def _place_in_regions(
+    tensors: Sequence[torch.Tensor],
+) -> tuple[tuple[Placement, ...], list[tuple[torch.UntypedStorage, int]], list[int]]:
+    """Group tensors by storage; each storage's used span becomes one region."""
+    by_storage: dict[tuple, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_storage.setdefault(_storage_key(tensor), []).append(index)
+    placements: list[Placement | None] = [None] * len(tensors)
+    sources, nbytes = [], []
+    for region, members in enumerate(by_storage.values()):
+        spans = [_byte_span(tensors[i]) for i in members]
+        first = min(start for start, _ in spans)
+        first -= first % _REGION_START_GRANULE
+        last = max(end for _, end in spans)
+        sources.append((tensors[members[0]].untyped_storage(), first))
+        nbytes.append(last - first)
+        for i, (start, _) in zip(members, spans):
+            t = tensors[i]
+            placements[i] = Placement(region, start - first, tuple(t.shape), t.stride(), t.dtype)
+    return tuple(placements), sources, nbytes  # type: ignore[return-value]
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """[first, end) bytes of the storage that `tensor` can read."""
+    itemsize = tensor.element_size()
+    start = tensor.storage_offset() * itemsize
+    if tensor.numel() == 0:
+        return start, start
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return start, start + extent * itemsize
+
+
+def _lay_out(region_nbytes: Sequence[int], chunk_nbytes: int) -> PackLayout:
+    """First-fit in order: regions fill chunks of `chunk_nbytes`; an oversize region gets its own."""
+    chunks: list[int] = []
+    region_chunk, region_offset = [], []
+    open_chunk = None
+    for nbytes in region_nbytes:
+        if nbytes > chunk_nbytes:
+            chunks.append(nbytes)
+            region_chunk.append(len(chunks) - 1)
+            region_offset.append(0)
+            continue
+        if open_chunk is None or _aligned(chunks[open_chunk]) + nbytes > chunk_nbytes:
+            chunks.append(0)
+            open_chunk = len(chunks) - 1
+        offset = _aligned(chunks[open_chunk])
+        chunks[open_chunk] = offset + nbytes
+        region_chunk.append(open_chunk)
+        region_offset.append(offset)
+    return PackLayout(
+        chunk_nbytes=tuple(chunks),
+        region_chunk=tuple(region_chunk),
+        region_offset=tuple(region_offset),
+        region_nbytes=tuple(region_nbytes),
+    )

@@ -1,0 +1,158 @@
+"""The copy engine: moving packed bytes between host chunks and device storage.
+
+The scheduler and `Residency` only ever talk to a `Transport`; they never call ``copy_`` or touch a
+stream themselves.  Two implementations exist:
+
+* `CpuTransport` — the "device" is host memory too.  Copies are plain memcpy into a reused
+  buffer and complete before they return.  Every behaviour of the library runs through it in CI.
+* `AcceleratorTransport` — a dedicated copy stream and events, through torch's device-generic
+  stream API (`torch.Stream`, `torch.Event`, `torch.accelerator`), so one code path serves CUDA,
+  ROCm, XPU and other accelerators.
+
+[Note: completions instead of synchronisation]
+A load returns a `Completion`.  ``completion.wait()`` makes the *compute stream* wait for the copy
+(an event wait queued on the device), it does not block the host.  On the CPU the copy has already
+happened and ``wait`` does nothing.  The scheduler calls ``wait`` before a phase body runs, so kernels
+in the body are ordered after the bytes they read, while the host runs ahead.
+
+[Note: reusing device storage safely]
+Evicting a group only re-points its tensors to host memory; kernels already queued on the compute
+stream may still read the old device storage.  `Transport.retire` records, on the compute stream,
+the point after which the storage is no longer read; the next copy *into* that storage first waits
+for that point on the copy stream.  Storage is therefore never overwritten under a running kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["AcceleratorTransport", "Completion", "CpuTransport", "Transport", "transport_for"]
+
+#: (destination, source) byte tensors of equal length.
+CopyPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Completion:
+    """The end of a copy.  ``wait()`` orders later compute after it without blocking the host."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: torch.Event | None = None) -> None:
+        self._event = event
+
+    def wait(self) -> None:
+        """Make the current (compute) stream wait for the copy; a no-op for completed copies."""
+        if self._event is not None:
+            torch.accelerator.current_stream(self._event.device).wait_event(self._event)
+
+    def synchronize(self) -> None:
+        """Block the host until the copy is done (used only before the host reads copied bytes)."""
+        if self._event is not None:
+            self._event.synchronize()
+
+
+DONE = Completion()
+
+
+class Transport:
+    """Moves bytes between host chunks and device storage; allocates both kinds of memory."""
+
+    device: torch.device
+
+    def allocate_host(self, nbytes: int, *, pin: bool) -> torch.Tensor:
+        """A uint8 host tensor of exactly `nbytes`, page-locked when `pin`.
+
+        Raises the runtime's error when pinning fails; `HostMaster` decides what to do then.
+        """
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def allocate_device(self, nbytes: int) -> torch.Tensor:
+        """A uint8 device tensor of `nbytes`; raises the allocator's own out-of-memory error."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def to_device(self, pairs: CopyPairs) -> Completion:
+        raise NotImplementedError
+
+    def to_host(self, pairs: CopyPairs) -> Completion:
+        raise NotImplementedError
+
+    def retire(self, storage: torch.Tensor) -> None:
+        """Mark the point after which compute no longer reads `storage` (see the note above)."""
+
+    def can_pin(self) -> bool:
+        return False
+
+
+class CpuTransport(Transport):
+    """The device is the host: copies are synchronous memcpy and complete before returning."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def to_device(self, pairs: CopyPairs) -> Completion:
+        for destination, source in pairs:
+            destination.copy_(source)
+        return DONE
+
+    def to_host(self, pairs: CopyPairs) -> Completion:
+        return self.to_device(pairs)
+
+
+class AcceleratorTransport(Transport):
+    """Copies on a dedicated copy stream; completions are events the compute stream waits on."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device(self.device.type, torch.accelerator.current_device_index())
+        #: Host-to-device and device-to-host copies run here, beside compute.
+        self.copy_stream = torch.Stream(self.device)
+        #: Recorded on the compute stream at eviction; the next copy into the storage waits on it.
+        self._retired: dict[int, torch.Event] = {}
+
+    def can_pin(self) -> bool:
+        return True
+
+    def to_device(self, pairs: CopyPairs) -> Completion:
+        for destination, _ in pairs:
+            self._wait_retired(destination)
+        with self.copy_stream:
+            for destination, source in pairs:
+                destination.copy_(source, non_blocking=True)
+            loaded_event = self.copy_stream.record_event()
+        return Completion(loaded_event)
+
+    def to_host(self, pairs: CopyPairs) -> Completion:
+        # The copy stream must not read device bytes before compute has finished writing them.
+        self.copy_stream.wait_stream(torch.accelerator.current_stream(self.device))
+        with self.copy_stream:
+            for destination, source in pairs:
+                destination.copy_(source, non_blocking=True)
+            written_event = self.copy_stream.record_event()
+        return Completion(written_event)
+
+    def retire(self, storage: torch.Tensor) -> None:
+        event = torch.accelerator.current_stream(self.device).record_event()
+        self._retired[storage.untyped_storage().data_ptr()] = event
+
+    def _wait_retired(self, destination: torch.Tensor) -> None:
+        event = self._retired.pop(destination.untyped_storage().data_ptr(), None)
+        if event is not None:
+            self.copy_stream.wait_event(event)
+
+
+def transport_for(device: torch.device) -> Transport:
+    """The transport that serves `device`: memcpy for the CPU, streams and events otherwise."""
+    if device.type == "cpu":
+        return CpuTransport(device)
+    return AcceleratorTransport(device)
+
+
+def default_device() -> torch.device:
+    """The current accelerator when one is present, else the CPU."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())

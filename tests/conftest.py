@@ -1,0 +1,55 @@
+"""Shared fixtures: small models, a CPU scheduler, and the --soak switch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from residency import Scheduler
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true", help="run the full-length soak tests")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.accelerator.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs an accelerator")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def soak_scale(request) -> int:
+    """1 in CI (a short soak), 5 with --soak (the full one)."""
+    return 5 if request.config.getoption("--soak") else 1
+
+
+def make_block(width: int = 32, seed: int = 0) -> nn.Module:
+    """A small MLP with a buffer, deterministic for a seed."""
+    torch.manual_seed(seed)
+    block = nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU(),
+                          nn.Linear(width, width))
+    block.register_buffer("scale", torch.rand(width))
+    return block
+
+
+def run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return block(x) * block.scale
+
+
+def twin(module: nn.Module) -> nn.Module:
+    """A deep copy that is never offloaded (the reference for bit-for-bit comparisons)."""
+    return copy.deepcopy(module)
+
+
+@pytest.fixture
+def scheduler():
+    s = Scheduler("cpu")
+    yield s
+    s.close()
