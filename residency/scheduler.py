@@ -35,6 +35,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from residency.component import Policy, Residency, ResidencyState
 from residency.errors import (
@@ -464,10 +465,16 @@ class Scheduler:
         """Evict the current exclusive group and load `group`; called with no holders."""
         previous = self._current
         start = time.perf_counter()
-        written = previous.evict() if previous is not None else 0
+        written = 0
+        if previous is not None:
+            with record_function(f"residency::evict {previous.name}"):
+                written = previous.evict()
         self._current = None
         evicted = time.perf_counter()
-        nbytes = group.load() if group is not None else 0
+        nbytes = 0
+        if group is not None:
+            with record_function(f"residency::load {group.name}"):
+                nbytes = group.load()
         self._current = group
         self.transitions.append(
             TransitionRecord(
@@ -530,6 +537,7 @@ class Scheduler:
         if group is None and name in self._aliases:
             group = self._groups[self._aliases[name]]
         if group is None:
+            self._check_open()
             known = sorted(self._groups) + sorted(self._aliases)
             close = difflib.get_close_matches(str(name), known, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
