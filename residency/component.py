@@ -27,7 +27,7 @@ from torch import nn
 from residency.errors import DeviceMemoryError, ModuleChangedError, PhaseError
 from residency.memory import DeviceStorage, HostMaster
 from residency.tensors import Inventory, data_ptrs, repoint, versions
-from residency.transport import Transport
+from residency.transport import Completion, Transport
 
 __all__ = ["Policy", "Residency", "ResidencyState"]
 
@@ -89,6 +89,8 @@ class Residency:
         self._host_ptrs = data_ptrs(host_master.views)
         self._loaded_versions: list[int] = []
         self._marked_dirty = False
+        #: While LOADING: (storage, views, completion) of the copy in flight.
+        self._pending: tuple[DeviceStorage, list[torch.Tensor], Completion] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -116,30 +118,60 @@ class Residency:
         """Have every tensor written back at the next eviction (for edits made through ``.data``)."""
         self._marked_dirty = True
 
-    def load(self) -> int:
+    def load(self, storage: DeviceStorage | None = None) -> int:
         """Copy the host master to device storage and re-point the tensors there; returns bytes copied.
 
-        On any failure (including ``KeyboardInterrupt``) the group is left cleanly offloaded.
+        `storage` defaults to the storage the group used last.  On any failure (including a
+        ``KeyboardInterrupt``) the group is left cleanly offloaded.
+        """
+        self.begin_load(storage)
+        return self.finish_load()
+
+    def begin_load(self, storage: DeviceStorage | None = None) -> None:
+        """Issue the copy into device storage; the tensors keep reading the host master.
+
+        The group is LOADING until `finish_load` (or `cancel_load`).  Used directly for prefetch.
         """
         self._require(ResidencyState.OFFLOADED, "load")
         self._check_structure()
         self._adopt_replaced_offloaded()
-        nbytes = self.inventory.layout.contiguous_nbytes
+        storage = self.device_storage if storage is None else storage
         self.state = ResidencyState.LOADING
         try:
-            self._prepare_storage(nbytes)
-            views = self.device_storage.views_for(self, self.inventory)
-            copies = self.host_master.chunk_copies(self.device_storage.buffer, self.inventory)
-            self._transport.to_device(copies).wait()
-            repoint(self.inventory.tensors, views)
+            self._prepare_storage(storage, self.inventory.layout.contiguous_nbytes)
+            views = storage.views_for(self, self.inventory)
+            copies = self.host_master.chunk_copies(storage.buffer, self.inventory)
+            self._pending = (storage, views, self._transport.to_device(copies))
         except BaseException:
             self.state = ResidencyState.OFFLOADED
             raise
+
+    def finish_load(self) -> int:
+        """Order compute after the copy and re-point the tensors to device storage."""
+        self._require(ResidencyState.LOADING, "finish loading")
+        storage, views, completion = self._pending
+        try:
+            completion.wait()
+            repoint(self.inventory.tensors, views)
+        except BaseException:
+            self.cancel_load()
+            raise
+        self._pending = None
+        self.device_storage = storage
         if views is not self._device_views:
             self._device_views, self._device_ptrs = views, data_ptrs(views)
         self._loaded_versions = versions(self.inventory.tensors)
         self.state = ResidencyState.RESIDENT
         return self.inventory.layout.nbytes
+
+    def cancel_load(self) -> None:
+        """Abandon a load begun with `begin_load`; the group ends offloaded, on host views."""
+        self._require(ResidencyState.LOADING, "cancel loading")
+        storage = self._pending[0]
+        repoint(self.inventory.tensors, self.host_master.views)
+        storage.retire()
+        self._pending = None
+        self.state = ResidencyState.OFFLOADED
 
     def evict(self) -> int:
         """Re-point the tensors to the host master, writing back what changed; returns bytes written.
@@ -163,9 +195,9 @@ class Residency:
                 f"needs it {state.value}"
             )
 
-    def _prepare_storage(self, nbytes: int) -> None:
+    def _prepare_storage(self, storage: DeviceStorage, nbytes: int) -> None:
         try:
-            self.device_storage.prepare(nbytes)
+            storage.prepare(nbytes)
         except (MemoryError, RuntimeError) as error:
             raise DeviceMemoryError(
                 f"group {self.name!r} needs {nbytes} bytes ({nbytes / 2**20:.1f} MiB) of device "

@@ -24,6 +24,8 @@ and the buffer is abandoned (left to its alias) and a fresh one allocated.
 from __future__ import annotations
 
 import logging
+import sys
+import time
 import warnings
 from collections.abc import Sequence
 
@@ -32,7 +34,10 @@ import torch
 from residency.tensors import Inventory, make_views, repoint
 from residency.transport import Transport
 
-__all__ = ["DeviceStorage", "HostMaster"]
+__all__ = ["DeviceStorage", "HostMaster", "PROGRESS_THRESHOLD"]
+
+#: Building a host master larger than this shows progress (registration of many GiB takes seconds).
+PROGRESS_THRESHOLD = 2**30
 
 _log = logging.getLogger("residency")
 _use_count = torch._C._storage_Use_Count
@@ -64,6 +69,7 @@ class HostMaster:
         assert sources is not None, "an inventory is packed once"
         chunks: list[torch.Tensor] = []
         views: list[torch.Tensor | None] = [None] * inventory.tensor_count
+        progress = _Progress(layout.nbytes, pinned=pin)
         for chunk_index, nbytes in enumerate(layout.chunk_nbytes):
             chunk, pin = _allocate_host(transport, nbytes, pin)
             chunks.append(chunk)
@@ -77,6 +83,8 @@ class HostMaster:
             repoint([inventory.tensors[i] for i in members], chunk_views)
             for i, view in zip(members, chunk_views):
                 views[i] = view
+            progress.advance(nbytes)
+        progress.close()
         inventory.source_regions = None
         return cls(chunks, views, pinned=pin)  # type: ignore[arg-type]
 
@@ -147,9 +155,48 @@ class DeviceStorage:
 
     def release(self) -> None:
         """Drop the buffer and every view of it (memory returns once no tensor uses it)."""
+        if self.buffer is not None:
+            self._transport.release(self.buffer)
         self.buffer = None
         self._views.clear()
         self._view_count = 0
+
+
+class _Progress:
+    """Shows progress of building a master over `PROGRESS_THRESHOLD` bytes.
+
+    On a terminal: a one-line bar on stderr, redrawn in place.  Otherwise: a log line per 10%.
+    Smaller masters build silently.
+    """
+
+    def __init__(self, total: int, *, pinned: bool) -> None:
+        self.total, self.done, self.logged_tenth = total, 0, 0
+        self.enabled = total > PROGRESS_THRESHOLD
+        self.verb = "pinning" if pinned else "packing"
+        self.bar = self.enabled and sys.stderr.isatty()
+        self.started = time.perf_counter()
+
+    def advance(self, nbytes: int) -> None:
+        if not self.enabled:
+            return
+        self.done += nbytes
+        if self.bar:
+            filled = int(30 * self.done / self.total)
+            sys.stderr.write(
+                f"\rresidency: {self.verb} host master [{'#' * filled}{'.' * (30 - filled)}] "
+                f"{self.done / 2**30:.1f}/{self.total / 2**30:.1f} GiB"
+            )
+            sys.stderr.flush()
+            return
+        tenth = int(10 * self.done / self.total)
+        if tenth > self.logged_tenth:
+            self.logged_tenth = tenth
+            _log.info("%s host master: %d%% of %.1f GiB", self.verb, tenth * 10, self.total / 2**30)
+
+    def close(self) -> None:
+        if self.bar:
+            seconds = time.perf_counter() - self.started
+            sys.stderr.write(f" done in {seconds:.1f} s\n")
 
 
 def _allocate_host(transport: Transport, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:

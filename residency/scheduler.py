@@ -150,7 +150,10 @@ class Scheduler:
         self.transitions = TransitionLog(record_limit)
         self._groups: dict[str, Residency] = {}
         self._aliases: dict[str, str] = {}
-        self._exclusive_storage = DeviceStorage(self._transport)
+        #: Exclusive groups share these buffers: slot 0 always, slot 1 only once prefetch is used.
+        self._exclusive_slots = (DeviceStorage(self._transport), DeviceStorage(self._transport))
+        #: A group whose copy was started early by `prefetch` (LOADING, not yet re-pointed).
+        self._prefetched: Residency | None = None
         self._resident_storages: dict[str, DeviceStorage] = {}
         # `with self._lock` guards all state below; `_cond` (same lock) is only for waiting.
         self._lock = threading.Lock()
@@ -245,6 +248,12 @@ class Scheduler:
         group = self._current
         return None if group is None else group.name
 
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of device storage the scheduler holds now (shared exclusive buffers included)."""
+        storages = [*self._exclusive_slots, *self._resident_storages.values()]
+        return sum(storage.nbytes for storage in storages)
+
     def resident_groups(self) -> list[str]:
         """Names of every group whose weights are on the device now."""
         return [name for name, group in self._groups.items() if group.is_resident]
@@ -270,9 +279,39 @@ class Scheduler:
         self._check_open()
         with self._lock:
             self._check_no_holders("offload all groups")
+            self._cancel_prefetch()
             if self._current is not None:
                 self._switch_to(None)
-            self._exclusive_storage.release()
+            for slot in self._exclusive_slots:
+                slot.release()
+
+    def prefetch(self, name: str) -> bool:
+        """Start copying group `name` to the device now, beside the resident group; opt-in.
+
+            with scheduler.resident("text_encoder"):
+                scheduler.prefetch("dit")      # the copy overlaps the encoder's compute
+                embeddings = encoder(ids)
+            with scheduler.resident("dit"):    # only re-points: the bytes are already there
+                ...
+
+        Both groups' bytes then sit on the device at once, so this is done only when
+        ``device_memory_limit`` (or, on CUDA without a limit, the free device memory) allows
+        both, and it keeps a second device buffer for as long as the scheduler uses prefetch.
+        Returns whether a copy was started (False: already resident, already prefetching, or no room).
+        The one-resident-group rule still holds for tensors: the prefetched group's tensors keep
+        reading the host master until its phase begins.
+        """
+        self._check_open()
+        group = self._lookup(name)
+        with self._lock:
+            if not group.exclusive or group is self._current or group is self._prefetched:
+                return False
+            if not self._room_for_prefetch(group):
+                return False
+            self._cancel_prefetch()
+            group.begin_load(self._free_slot(group))
+            self._prefetched = group
+            return True
 
     def refresh(self, name: str) -> Residency:
         """Re-register group `name` after its modules changed (new, replaced or re-typed tensors).
@@ -313,9 +352,12 @@ class Scheduler:
         """
         if self._closed:
             return
+        with self._lock:
+            self._cancel_prefetch()
         for name in list(self._groups):
             self.remove(name)
-        self._exclusive_storage.release()
+        for slot in self._exclusive_slots:
+            slot.release()
         self._closed = True
 
     def __enter__(self) -> Scheduler:
@@ -474,7 +516,7 @@ class Scheduler:
         nbytes = 0
         if group is not None:
             with record_function(f"residency::load {group.name}"):
-                nbytes = group.load()
+                nbytes = self._load(group)
         self._current = group
         self.transitions.append(
             TransitionRecord(
@@ -489,12 +531,44 @@ class Scheduler:
             )
         )
 
+    def _load(self, group: Residency) -> int:
+        if group is self._prefetched:
+            self._prefetched = None
+            return group.finish_load()
+        self._cancel_prefetch()
+        return group.load(self._free_slot(group))
+
+    def _free_slot(self, group: Residency) -> DeviceStorage:
+        """The exclusive slot `group` should load into: its last one unless the resident group uses it."""
+        occupied = self._current.device_storage if self._current is not None else None
+        if group.device_storage is not occupied:
+            return group.device_storage
+        first, second = self._exclusive_slots
+        return second if occupied is first else first
+
+    def _cancel_prefetch(self) -> None:
+        if self._prefetched is not None:
+            self._prefetched.cancel_load()
+            self._prefetched = None
+
+    def _room_for_prefetch(self, group: Residency) -> bool:
+        resident = sum(g.inventory.layout.contiguous_nbytes for g in self._groups.values()
+                       if not g.exclusive)
+        current = self._current.inventory.layout.contiguous_nbytes if self._current else 0
+        needed = group.inventory.layout.contiguous_nbytes
+        if self.device_memory_limit is not None:
+            return resident + current + needed <= self.device_memory_limit
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return needed <= free
+        return self.device.type == "cpu"
+
     # -- registration helpers ------------------------------------------------------------------
 
     def _register(
         self, name: str, roots: tuple[nn.Module, ...], policy: Policy, inventory: Inventory
     ) -> Residency:
-        storage = self._exclusive_storage
+        storage = self._exclusive_slots[0]
         if policy is Policy.RESIDENT:
             storage = self._resident_storages[name] = DeviceStorage(self._transport)
         master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory)
@@ -503,9 +577,12 @@ class Scheduler:
         return residency
 
     def _unregister(self, group: Residency) -> None:
+        if self._prefetched is group:
+            self._cancel_prefetch()
         if self._current is group:
             self._current = None
-        group.device_storage.forget(group)
+        for storage in {group.device_storage, *self._exclusive_slots}:
+            storage.forget(group)
         self._resident_storages.pop(group.name, None)
         del self._groups[group.name]
         for path in [p for p, n in self._aliases.items() if n == group.name]:

@@ -24,6 +24,7 @@ for that point on the copy stream.  Storage is therefore never overwritten under
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -81,6 +82,9 @@ class Transport:
     def retire(self, storage: torch.Tensor) -> None:
         """Mark the point after which compute no longer reads `storage` (see the note above)."""
 
+    def release(self, storage: torch.Tensor) -> None:
+        """Called before device storage is dropped, so its memory is not reused under a copy."""
+
     def can_pin(self) -> bool:
         return False
 
@@ -115,6 +119,12 @@ class AcceleratorTransport(Transport):
     def can_pin(self) -> bool:
         return True
 
+    def allocate_host(self, nbytes: int, *, pin: bool) -> torch.Tensor:
+        """Exact-size page-locked memory on CUDA (see [Note: exact-size pinned memory])."""
+        if pin and self.device.type == "cuda" and nbytes > 0:
+            return _page_locked_exact(nbytes)
+        return super().allocate_host(nbytes, pin=pin)
+
     def to_device(self, pairs: CopyPairs) -> Completion:
         for destination, _ in pairs:
             self._wait_retired(destination)
@@ -137,10 +147,51 @@ class AcceleratorTransport(Transport):
         event = torch.accelerator.current_stream(self.device).record_event()
         self._retired[storage.untyped_storage().data_ptr()] = event
 
+    def release(self, storage: torch.Tensor) -> None:
+        # The caching allocator may hand the memory to compute-stream work as soon as it is freed;
+        # that work must come after every copy still queued into or out of it.
+        torch.accelerator.current_stream(self.device).wait_stream(self.copy_stream)
+        self._retired.pop(storage.untyped_storage().data_ptr(), None)
+
     def _wait_retired(self, destination: torch.Tensor) -> None:
         event = self._retired.pop(destination.untyped_storage().data_ptr(), None)
         if event is not None:
             self.copy_stream.wait_event(event)
+
+
+class _PageLockedRegion(mmap.mmap):
+    """Anonymous host pages registered with the CUDA driver; unregistered when the last view dies.
+
+    A tensor made with ``torch.frombuffer(region)`` keeps the region alive, so the registration
+    lasts exactly as long as any tensor still reads the memory.
+    """
+
+    pointer = 0
+
+    def __del__(self) -> None:
+        if self.pointer:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.pointer)
+            except Exception:  # interpreter shutdown: the driver may already be gone
+                pass
+
+
+def _page_locked_exact(nbytes: int) -> torch.Tensor:
+    """`nbytes` of page-locked host memory, exactly (no power-of-two rounding).
+
+    [Note: exact-size pinned memory]
+    PyTorch's pinned allocator rounds every request up to a power of two (a 20.4 GiB request was
+    reported to pin 32 GiB).  Registering anonymous pages with ``cudaHostRegister`` pins exactly the
+    bytes asked for, page-aligned, and the pages are only committed as they are registered chunk by
+    chunk, so building a master never needs twice the host memory.
+    """
+    region = _PageLockedRegion(-1, nbytes)
+    tensor = torch.frombuffer(region, dtype=torch.uint8)
+    status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    if int(status) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(status)}")
+    region.pointer = tensor.data_ptr()
+    return tensor
 
 
 def transport_for(device: torch.device) -> Transport:

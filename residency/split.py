@@ -1,0 +1,91 @@
+"""Split models: one transformer whose parts take turns on the device (the Cosmos3 pattern).
+
+A split model names its mutually exclusive parts in a ClassVar and wraps each part's work in a phase
+of its `scheduler`:
+
+    class Cosmos3(SplitModel, nn.Module):
+        _split_parts = {"reasoner": "reasoner", "generator": ("generator", "generator_head")}
+
+        def forward(self, tokens, latents):
+            hidden = self.embed(tokens)                     # shared: stays on the device
+            with self.scheduler.resident("reasoner"):
+                context = self.reasoner(hidden)
+            with self.scheduler.resident("generator"):
+                return self.generator_head(self.generator(latents, context))
+
+`Scheduler.from_pipeline` picks the parts up when the model is a selected DiT of the pipeline: each
+part becomes an exclusive group named after the part (so exactly one part is on the device at a
+time), the model's remaining tensors (embeddings, norms) a resident-policy group named by the model's
+path, and it sets the model's `scheduler` attribute.  Until then `scheduler` is a `NoOffload`, so the
+model runs unchanged with offloading off.
+
+Rules: part paths are dotted paths relative to the model; parts may not contain each other; a
+tensor shared by the parts must live in a submodule that holds no part (not directly on the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from residency.scheduler import NoOffload, Scheduler
+
+__all__ = ["SplitModel", "split_parts"]
+
+
+class _SchedulerSlot:
+    """The `scheduler` attribute of a split model: a `NoOffload` until a scheduler is attached.
+
+    A non-data descriptor: the first read of an unattached model stores a fresh `NoOffload` in the
+    model's own ``scheduler`` attribute; assigning ``model.scheduler = s`` replaces it.
+    """
+
+    def __get__(self, model: object, owner: type) -> object:
+        if model is None:
+            return self
+        from residency.scheduler import NoOffload
+
+        scheduler = NoOffload()
+        vars(model)["scheduler"] = scheduler
+        return scheduler
+
+
+class SplitModel:
+    """Mixin for a model with mutually exclusive parts; subclass it beside `nn.Module`.
+
+        class Cosmos3(SplitModel, nn.Module):
+            _split_parts = {"reasoner": "reasoner", "generator": "generator"}
+
+            def forward(self, x):
+                with self.scheduler.resident("reasoner"):
+                    context = self.reasoner(x)
+                with self.scheduler.resident("generator"):
+                    return self.generator(x, context)
+
+    `_split_parts` maps each part name (its group name) to one dotted path or a tuple of them,
+    relative to the model.  A copy (``copy.deepcopy``, pickling) of the model is detached: its
+    `scheduler` is a fresh `NoOffload`.
+    """
+
+    #: Part name -> dotted path(s) of the part's modules, relative to the model.
+    _split_parts: ClassVar[Mapping[str, str | tuple[str, ...]]] = {}
+
+    #: Where the parts' groups live: set by `Scheduler.from_pipeline` (or by hand); a `NoOffload`
+    #: until then, so ``with self.scheduler.resident(part):`` always works.
+    scheduler: Scheduler | NoOffload = _SchedulerSlot()  # type: ignore[assignment]
+
+    def __getstate__(self) -> dict:
+        state = dict(super().__getstate__())  # type: ignore[misc]
+        state.pop("scheduler", None)  # a scheduler belongs to the original's tensors
+        return state
+
+
+def split_parts(model: object) -> dict[str, tuple[str, ...]]:
+    """The parts a model declares, each as a tuple of dotted paths ({} for an unsplit model)."""
+    if not isinstance(model, SplitModel):
+        return {}
+    return {
+        name: (paths,) if isinstance(paths, str) else tuple(paths)
+        for name, paths in type(model)._split_parts.items()
+    }

@@ -1,0 +1,234 @@
+"""Issue 4 on the CPU where it can be, and on an accelerator (marked gpu) where it cannot:
+prefetch, stable addresses under torch.compile, progress of large masters, pinned masters,
+async copies into poisoned buffers, no host syncs in steady state, flat reserved memory."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from residency import Scheduler, ResidencyState
+from residency.memory import _Progress
+from residency.transport import CpuTransport
+
+from conftest import make_block, run_block, twin
+
+
+class CountingTransport(CpuTransport):
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.loads = 0
+
+    def to_device(self, pairs):
+        self.loads += 1
+        return super().to_device(pairs)
+
+
+def two_groups(**scheduler_options):
+    transport = CountingTransport()
+    scheduler = Scheduler("cpu", transport=transport, **scheduler_options)
+    a, b = make_block(seed=1), make_block(seed=2)
+    plain = {"a": twin(a), "b": twin(b)}
+    scheduler.add("a", a)
+    scheduler.add("b", b)
+    return scheduler, transport, {"a": a, "b": b}, plain
+
+
+# -- prefetch ---------------------------------------------------------------------------------
+
+
+def test_prefetch_overlaps_the_copy_and_the_phase_only_repoints():
+    scheduler, transport, modules, plain = two_groups(device_memory_limit=2**20)
+    x = torch.randn(2, 32)
+    with scheduler.resident("a"):
+        assert scheduler.prefetch("b")
+        b = scheduler["b"]
+        assert b.state is ResidencyState.LOADING and not b.is_resident
+        # The prefetched group's tensors still read the host master until its phase begins.
+        assert [t.data_ptr() for t in b.tensors] == [v.data_ptr() for v in b.host_master.views]
+        run_block(modules["a"], x)
+    loads = transport.loads
+    with scheduler.resident("b"):
+        assert transport.loads == loads, "the phase must not copy again"
+        assert torch.equal(run_block(modules["b"], x), run_block(plain["b"], x))
+    assert scheduler.resident_groups() == ["b"]
+
+
+def test_prefetch_needs_room_for_both_groups_and_is_off_by_default():
+    scheduler, transport, _, _ = two_groups(device_memory_limit=scheduler_bytes_for_one())
+    with scheduler.resident("a"):
+        assert not scheduler.prefetch("b")
+        assert scheduler["b"].state is ResidencyState.OFFLOADED
+    assert scheduler.device_nbytes <= scheduler_bytes_for_one()
+
+
+def scheduler_bytes_for_one() -> int:
+    probe = Scheduler("cpu")
+    return probe.add("probe", make_block()).inventory.layout.contiguous_nbytes
+
+
+def test_a_prefetch_not_used_is_cancelled_cleanly():
+    scheduler, _, modules, plain = two_groups(device_memory_limit=2**20)
+    third = make_block(seed=3)
+    reference = twin(third)
+    scheduler.add("c", third)
+    with scheduler.resident("a"):
+        scheduler.prefetch("b")
+    with scheduler.resident("c"):
+        assert scheduler["b"].state is ResidencyState.OFFLOADED
+        x = torch.randn(2, 32)
+        assert torch.equal(run_block(third, x), run_block(reference, x))
+    scheduler.prefetch("a")
+    scheduler.offload_all()
+    assert scheduler["a"].state is ResidencyState.OFFLOADED
+    assert scheduler.device_nbytes == 0
+    with scheduler.resident("b"):
+        assert torch.equal(run_block(modules["b"], x), run_block(plain["b"], x))
+
+
+def test_prefetch_of_the_resident_group_does_nothing():
+    scheduler, transport, _, _ = two_groups(device_memory_limit=2**20)
+    with scheduler.resident("a"):
+        assert not scheduler.prefetch("a")
+
+
+# -- stable addresses and torch.compile -------------------------------------------------------
+
+
+def test_compiled_module_inside_phases_is_bit_identical_and_never_recompiles():
+    torch._dynamo.reset()
+    scheduler = Scheduler("cpu")
+    block, other = make_block(seed=5), make_block(seed=6)
+    plain = twin(block)
+    scheduler.add("block", block)
+    scheduler.add("other", other)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 32)
+    expected = plain(x)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(4):
+            with scheduler.resident("block"):
+                assert torch.equal(compiled(x), expected)
+            with scheduler.resident("other"):
+                other(x)
+    torch._dynamo.reset()
+
+
+def test_a_group_lands_at_the_same_addresses_on_every_load():
+    scheduler, _, _, _ = two_groups()
+    seen = set()
+    for _ in range(5):
+        with scheduler.resident("a"):
+            seen.add(tuple(t.data_ptr() for t in scheduler["a"].tensors))
+        with scheduler.resident("b"):
+            pass
+    assert len(seen) == 1
+
+
+# -- progress of large masters ----------------------------------------------------------------
+
+
+def test_building_a_master_over_a_gib_logs_progress_off_a_terminal(caplog):
+    progress = _Progress(3 * 2**30, pinned=True)
+    assert progress.enabled and not progress.bar  # pytest captures stderr: not a terminal
+    with caplog.at_level(logging.INFO, logger="residency"):
+        for _ in range(12):
+            progress.advance(2**28)
+        progress.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "pinning host master: 10% of 3.0 GiB"
+    assert lines[-1] == "pinning host master: 100% of 3.0 GiB"
+    assert len(lines) == 10
+
+
+def test_small_masters_build_silently(caplog):
+    with caplog.at_level(logging.INFO, logger="residency"):
+        Scheduler("cpu").add("small", make_block())
+    assert not [r for r in caplog.records if "% of" in r.getMessage()]
+
+
+# -- on an accelerator ------------------------------------------------------------------------
+
+
+def _device() -> torch.device:
+    return torch.accelerator.current_accelerator()
+
+
+def _big_group(width: int = 1024, depth: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+
+@pytest.mark.gpu
+def test_host_masters_are_pinned_at_about_one_times_the_weights():
+    scheduler = Scheduler(_device())
+    group = scheduler.add("g", _big_group())
+    assert group.host_master.pinned
+    assert all(chunk.is_pinned() for chunk in group.host_master.chunks)
+    assert group.host_master.nbytes <= 1.02 * group.nbytes
+
+
+@pytest.mark.gpu
+def test_async_copies_into_poisoned_buffers_are_exact():
+    device = _device()
+    scheduler = Scheduler(device)
+    a, b = _big_group(), _big_group()
+    with torch.no_grad():
+        for p in b.parameters():
+            p.normal_()
+    plain_a, plain_b = twin(a).to(device), twin(b).to(device)
+    scheduler.add("a", a)
+    scheduler.add("b", b)
+    x = torch.randn(64, 1024, device=device)
+    for step in range(6):
+        name, module, reference = ("a", a, plain_a) if step % 2 == 0 else ("b", b, plain_b)
+        with scheduler.resident(name):
+            assert torch.equal(module(x), reference(x))
+        # Poison the shared buffer between phases: the next load must overwrite every byte.
+        buffer = scheduler[name].device_storage.buffer
+        buffer.fill_(0xFF)
+    torch.accelerator.synchronize()
+
+
+@pytest.mark.gpu
+def test_steady_state_makes_no_host_synchronisation():
+    device = _device()
+    scheduler = Scheduler(device)
+    a, b = _big_group(depth=4), _big_group(depth=4)
+    scheduler.add("a", a)
+    scheduler.add("b", b)
+    x = torch.randn(8, 1024, device=device)
+    for name, module in [("a", a), ("b", b)]:  # warm-up: allocations and views
+        with scheduler.resident(name):
+            module(x)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            for name, module in [("a", a), ("b", b)]:
+                with scheduler.resident(name):
+                    module(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.accelerator.synchronize()
+
+
+@pytest.mark.gpu
+def test_reserved_device_memory_is_flat_over_a_thousand_transitions():
+    device = _device()
+    scheduler = Scheduler(device)
+    a, b = _big_group(depth=2), _big_group(depth=2)
+    scheduler.add("a", a)
+    scheduler.add("b", b)
+    for name in ["a", "b"]:
+        with scheduler.resident(name):
+            pass
+    torch.accelerator.synchronize()
+    before = torch.cuda.memory_reserved(device)
+    for step in range(1000):
+        with scheduler.resident("a" if step % 2 else "b"):
+            pass
+    torch.accelerator.synchronize()
+    assert torch.cuda.memory_reserved(device) == before
