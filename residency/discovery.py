@@ -1,0 +1,492 @@
+"""Component discovery: a pipeline names its parts by dotted path; the scheduler is built from that.
+
+    class WanPipeline(SupportsComponentDiscovery, nn.Module):
+        _dit_modules = ("transformer", "transformer_2")
+        _encoder_modules = ("text_encoder",)
+        _vae_modules = ("vae",)
+
+    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit", "text_encoder"]})
+    with scheduler.resident("text_encoder"):      # the DiTs leave the device
+        context = pipe.text_encoder(ids)
+    with scheduler.resident("transformer"):       # the encoders and transformer_2 leave
+        latents = pipe.transformer(latents, context)
+
+The grouping rule, in one place (`plan_components`):
+
+* each selected DiT is its own exclusive group, named by its dotted path; a DiT that is a
+  `SplitModel` gives one exclusive group per part and a resident-policy group (named by its path)
+  for its remaining tensors;
+* all selected encoders form one exclusive group, ``"text_encoder"``; selected VAEs one exclusive
+  group, ``"vae"``;
+* the modules of an unselected category keep the same group names but the resident policy: they
+  stay on the device.  `_resident_modules` are resident-policy groups named by their paths;
+* every listed path (and every part name) is an alias: ``resident("text_encoder.encoder")`` enters
+  the group holding that module.
+
+`plan_components` and `apply_plan` are pure building blocks for adapters that find modules their
+own way (the diffusers adapter); `scheduler_from_pipeline` is what ``Scheduler.from_pipeline`` runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import ClassVar
+
+import attrs
+from torch import nn
+
+from residency.component import Policy
+from residency.config import OffloadConfig, resolve_config
+from residency.errors import ConfigError
+from residency.scheduler import NoOffload, Scheduler
+from residency.split import SplitModel, split_parts
+
+__all__ = [
+    "ComponentPlan",
+    "SupportsComponentDiscovery",
+    "apply_plan",
+    "plan_components",
+    "resolve_path",
+    "scheduler_from_pipeline",
+]
+
+#: One listed module: its dotted path from the pipeline and the module.
+Member = tuple[str, nn.Module]
+
+#: The name of the one group all selected encoders share.
+ENCODER_GROUP = "text_encoder"
+#: The name of the one group all VAE modules share.
+VAE_GROUP = "vae"
+
+#: With offloading off every category is planned as resident (for `NoOffload`).
+_NOTHING_SELECTED = OffloadConfig(mode="module", components=())
+_DECLARATIONS = ("_dit_modules", "_encoder_modules", "_vae_modules", "_resident_modules")
+
+
+class SupportsComponentDiscovery:
+    """Mixin for a pipeline that lists its components by dotted path; subclass it beside `nn.Module`.
+
+        class MyPipeline(SupportsComponentDiscovery, nn.Module):
+            _dit_modules = ("transformer",)
+            _encoder_modules = ("text_encoder", "prompt_adapter.encoder")
+            _vae_modules = ("vae",)
+            _resident_modules = ("scheduler_embeddings",)
+
+        scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]})
+
+    Paths are resolved with ``getattr`` from the pipeline, part by part.  See the module docstring
+    for which groups they become.
+    """
+
+    #: Dotted paths of the denoising transformers; each is its own exclusive group when selected.
+    _dit_modules: ClassVar[tuple[str, ...]] = ()
+    #: Dotted paths of the text (and other condition) encoders; one group, "text_encoder".
+    _encoder_modules: ClassVar[tuple[str, ...]] = ()
+    #: Dotted paths of the VAE modules; one group, "vae" (resident unless "vae" is selected).
+    _vae_modules: ClassVar[tuple[str, ...]] = ()
+    #: Dotted paths of modules that always stay on the device, each a group named by its path.
+    _resident_modules: ClassVar[tuple[str, ...]] = ()
+
+
+def _proxy(mapping: Mapping) -> Mapping:
+    return MappingProxyType(dict(mapping))
+
+
+@attrs.frozen(kw_only=True)
+class ComponentPlan:
+    """Which groups a pipeline's modules form: group name -> its members ((path, module) pairs).
+
+        plan = plan_components("MyPipeline", dits, encoders, vaes, residents, config)
+        apply_plan(scheduler, plan)
+        with scheduler.resident(next(iter(plan.exclusive))):
+            ...
+
+    A group's modules are the outermost of its members (a member nested in another member of the
+    same group adds only an alias).  Built by `plan_components`, which has checked every rule.
+    """
+
+    #: The pipeline's class name, for messages.
+    owner: str
+    #: Exclusive groups (swapped by phases), in registration order.
+    exclusive: Mapping[str, tuple[Member, ...]] = attrs.field(converter=_proxy, hash=False)
+    #: Resident-policy groups (always on the device), in registration order.
+    resident: Mapping[str, tuple[Member, ...]] = attrs.field(converter=_proxy, hash=False)
+    #: Module path or part name -> group name, for ``resident(path)`` (group names excluded).
+    aliases: Mapping[str, str] = attrs.field(converter=_proxy, hash=False)
+    #: Split models whose `scheduler` attribute `apply_plan` sets, with their paths.
+    split_models: tuple[Member, ...] = ()
+
+    def groups(self) -> Iterator[tuple[str, Policy, tuple[nn.Module, ...]]]:
+        """(name, policy, modules) of every group: exclusive groups first."""
+        for name, members in self.exclusive.items():
+            yield name, Policy.EXCLUSIVE, _outermost(members)
+        for name, members in self.resident.items():
+            yield name, Policy.RESIDENT, _outermost(members)
+
+    def members(self) -> Iterator[tuple[str, str, nn.Module]]:
+        """(group name, path, module) of every listed module."""
+        for table in (self.exclusive, self.resident):
+            for name, members in table.items():
+                for path, module in members:
+                    yield name, path, module
+
+
+def _outermost(members: Sequence[Member]) -> tuple[nn.Module, ...]:
+    modules = [module for _, module in members]
+    nested = {
+        id(inner)
+        for outer in modules
+        for inner in outer.modules()
+        if inner is not outer
+    }
+    return tuple(m for m in modules if id(m) not in nested)
+
+
+# -- planning -----------------------------------------------------------------------------------
+
+
+def plan_components(
+    owner_name: str,
+    dits: Mapping[str, nn.Module],
+    encoders: Mapping[str, nn.Module],
+    vaes: Mapping[str, nn.Module],
+    residents: Mapping[str, nn.Module],
+    config: OffloadConfig,
+) -> ComponentPlan:
+    """Group a pipeline's modules (each keyed by its dotted path) as `config` selects.
+
+        plan = plan_components("WanPipeline", {"transformer": t1, "transformer_2": t2},
+                               {"text_encoder": te}, {"vae": vae}, {}, config)
+
+    Pure: reads the modules, changes nothing.  Raises `ConfigError` (naming `owner_name` and the
+    path) for layer mode, a module listed twice, a module nested inside a listed module of another
+    group, split-model parts that do not resolve, and module mode selecting both "dit" and
+    "text_encoder" with no DiT or no encoder listed.
+    """
+    config.require_runnable()
+    selected = set(config.components)
+    _check_both_listed(owner_name, dits, encoders, selected)
+    builder = _PlanBuilder(owner_name)
+    for path, dit in dits.items():
+        builder.add_dit(path, dit, offload="dit" in selected)
+    if encoders:
+        builder.add(ENCODER_GROUP, _policy("text_encoder", selected), encoders.items())
+    if vaes:
+        builder.add(VAE_GROUP, _policy("vae", selected), vaes.items())
+    for path, module in residents.items():
+        builder.add(path, Policy.RESIDENT, [(path, module)])
+    return builder.build()
+
+
+def _policy(component: str, selected: set[str]) -> Policy:
+    return Policy.EXCLUSIVE if component in selected else Policy.RESIDENT
+
+
+def _check_both_listed(owner: str, dits: Mapping, encoders: Mapping, selected: set[str]) -> None:
+    if not {"dit", "text_encoder"} <= selected:
+        return
+    for listed, declaration, kind in ((dits, "_dit_modules", "DiT"),
+                                      (encoders, "_encoder_modules", "encoder")):
+        if not listed:
+            raise ConfigError(
+                f"{owner}: the offload config selects 'dit' and 'text_encoder' (module mode), but "
+                f"{owner} lists no {kind} modules ({declaration} is empty), so nothing could take "
+                f"turns with them; list the {kind} paths in {declaration}, or select only the "
+                "components the pipeline has"
+            )
+
+
+class _PlanBuilder:
+    """Collects groups and aliases for `plan_components`, checking names as it goes."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.exclusive: dict[str, tuple[Member, ...]] = {}
+        self.resident: dict[str, tuple[Member, ...]] = {}
+        self.aliases: dict[str, str] = {}
+        self.split_models: list[Member] = []
+
+    def add(self, name: str, policy: Policy, members) -> None:
+        members = tuple(members)
+        if name in self.exclusive or name in self.resident:
+            raise ConfigError(
+                f"{self.owner}: two groups would be named {name!r} (the second from path "
+                f"{members[0][0]!r}); group names come from DiT and resident-module paths and "
+                f"{ENCODER_GROUP!r}/{VAE_GROUP!r}: rename the attribute or list it elsewhere"
+            )
+        table = self.exclusive if policy is Policy.EXCLUSIVE else self.resident
+        table[name] = members
+        for path, _ in members:
+            self.alias(path, name)
+
+    def alias(self, path: str, name: str) -> None:
+        if path != name:
+            self.aliases[path] = name
+
+    def add_dit(self, path: str, dit: nn.Module, *, offload: bool) -> None:
+        parts = split_parts(dit)
+        if parts:
+            self.split_models.append((path, dit))
+        if not (parts and offload):
+            self.add(path, Policy.EXCLUSIVE if offload else Policy.RESIDENT, [(path, dit)])
+            for part in parts:
+                self.alias(part, path)
+            return
+        part_members = _resolve_parts(self.owner, path, dit, parts)
+        for part, members in part_members.items():
+            self.add(part, Policy.EXCLUSIVE, members)
+        part_ids = {id(m) for members in part_members.values() for _, m in members}
+        shared = _shared_members(self.owner, path, dit, part_ids)
+        if shared:
+            self.add(path, Policy.RESIDENT, shared)
+
+    def build(self) -> ComponentPlan:
+        plan = ComponentPlan(
+            owner=self.owner,
+            exclusive=self.exclusive,
+            resident=self.resident,
+            aliases=self.aliases,
+            split_models=tuple(self.split_models),
+        )
+        _check_disjoint(plan)
+        _check_alias_names(plan)
+        return plan
+
+
+def _resolve_parts(
+    owner: str, path: str, dit: nn.Module, parts: Mapping[str, tuple[str, ...]]
+) -> dict[str, tuple[Member, ...]]:
+    resolved = {}
+    for part, part_paths in parts.items():
+        listed_in = f"{type(dit).__name__}._split_parts[{part!r}]"
+        if not part_paths:
+            raise ConfigError(
+                f"{owner}: {listed_in} (the split model at {path!r}) lists no paths; give the "
+                "part at least one dotted path, relative to the model"
+            )
+        resolved[part] = tuple(
+            (f"{path}.{sub}", resolve_path(owner, dit, sub, listed_in=listed_in, prefix=path))
+            for sub in part_paths
+        )
+    return resolved
+
+
+def _shared_members(owner: str, path: str, dit: nn.Module, part_ids: set[int]) -> list[Member]:
+    """The largest submodules of a split model that hold no part, and have tensors."""
+    shared: list[Member] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        _check_no_direct_tensors(owner, path, prefix, module)
+        for name, child in module._modules.items():
+            if child is None or id(child) in part_ids:
+                continue
+            child_path = f"{prefix}.{name}"
+            if any(id(m) in part_ids for m in child.modules()):
+                walk(child, child_path)
+            elif _has_tensors(child):
+                shared.append((child_path, child))
+
+    walk(dit, path)
+    return shared
+
+
+def _check_no_direct_tensors(owner: str, path: str, prefix: str, module: nn.Module) -> None:
+    for table, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
+        for name, tensor in table.items():
+            if tensor is not None:
+                raise ConfigError(
+                    f"{owner}: the split model at {path!r} holds {kind} {name!r} directly on "
+                    f"{prefix!r}, which also contains parts; a tensor shared by the parts must "
+                    f"live in a submodule that holds no part: move {name!r} into one (for "
+                    "example an nn.Module attribute named 'shared')"
+                )
+
+
+def _has_tensors(module: nn.Module) -> bool:
+    return next(itertools.chain(module.parameters(), module.buffers()), None) is not None
+
+
+def _check_disjoint(plan: ComponentPlan) -> None:
+    """Each module listed once; no listed module inside a listed module of another group."""
+    owner = plan.owner
+    seen: dict[int, tuple[str, str]] = {}
+    for group, path, module in plan.members():
+        if id(module) in seen:
+            other_group, other_path = seen[id(module)]
+            raise ConfigError(
+                f"{owner}: the {type(module).__name__} at {path!r} (group {group!r}) is listed "
+                f"twice: it is also {other_path!r} (group {other_group!r}); a module belongs to "
+                "one group: list it once"
+            )
+        seen[id(module)] = (group, path)
+    containers = [(group, path, {id(m) for m in module.modules()} - {id(module)})
+                  for group, path, module in plan.members()]
+    for group, path, module in plan.members():
+        for other_group, other_path, inside in containers:
+            if other_group != group and id(module) in inside:
+                raise ConfigError(
+                    f"{owner}: {path!r} (group {group!r}) is nested inside {other_path!r} (group "
+                    f"{other_group!r}); a module belongs to one group: remove {path!r} from its "
+                    f"list, or list it in the same category as {other_path!r}"
+                )
+
+
+def _check_alias_names(plan: ComponentPlan) -> None:
+    names = set(plan.exclusive) | set(plan.resident)
+    for alias, group in plan.aliases.items():
+        if alias in names:
+            raise ConfigError(
+                f"{plan.owner}: {alias!r} names group {alias!r} and is also a path or part of "
+                f"group {group!r}; rename the attribute or the part so that each name means one "
+                "group"
+            )
+
+
+# -- paths --------------------------------------------------------------------------------------
+
+
+def resolve_path(
+    owner: str, root: object, path: str, *, listed_in: str, prefix: str = ""
+) -> nn.Module:
+    """The module at dotted `path` from `root`; `ConfigError` (with the nearest name) if none.
+
+        resolve_path("MyPipeline", pipe, "prompt_adapter.encoder", listed_in="_encoder_modules")
+    """
+    shown = f"{prefix}.{path}" if prefix else path
+    if not isinstance(path, str) or not path or "" in path.split("."):
+        raise ConfigError(
+            f"{owner}: {listed_in} lists {shown!r}, which is not a dotted path; write attribute "
+            "names joined by dots, for example 'text_encoder' or 'prompt_adapter.encoder'"
+        )
+    target = root
+    walked = prefix
+    for name in path.split("."):
+        try:
+            target = getattr(target, name)
+        except AttributeError:
+            raise ConfigError(
+                f"{owner}: {listed_in} lists {shown!r}, which does not resolve: "
+                f"{type(target).__name__} at {walked or 'the pipeline'!r} has no attribute "
+                f"{name!r}.{_nearest(target, name)} Fix the path in {listed_in}"
+            ) from None
+        walked = f"{walked}.{name}" if walked else name
+    if not isinstance(target, nn.Module):
+        raise ConfigError(
+            f"{owner}: {listed_in} lists {shown!r}, which is a {type(target).__name__}, not an "
+            "nn.Module; list module paths only"
+        )
+    return target
+
+
+def _nearest(target: object, name: str) -> str:
+    children = list(target._modules) if isinstance(target, nn.Module) else []
+    instance = [n for n in getattr(target, "__dict__", {}) if not n.startswith("__")]
+    for candidates in (children + instance, [n for n in dir(target) if not n.startswith("__")]):
+        close = difflib.get_close_matches(name, candidates, n=1)
+        if close:
+            return f" Did you mean {close[0]!r}?"
+    return ""
+
+
+def _declared_modules(pipeline: SupportsComponentDiscovery, declaration: str) -> dict[str, nn.Module]:
+    owner = type(pipeline).__name__
+    paths = getattr(type(pipeline), declaration)
+    if isinstance(paths, str) or not isinstance(paths, (tuple, list)):
+        raise ConfigError(
+            f"{owner}.{declaration} is {paths!r}; it must be a tuple of dotted paths, for "
+            "example ('transformer',)"
+        )
+    modules: dict[str, nn.Module] = {}
+    for path in paths:
+        if path in modules:
+            raise ConfigError(
+                f"{owner}: {declaration} lists {path!r} twice; a module belongs to one group: "
+                "list it once"
+            )
+        modules[path] = resolve_path(owner, pipeline, path, listed_in=f"{owner}.{declaration}")
+    return modules
+
+
+# -- applying -----------------------------------------------------------------------------------
+
+
+def apply_plan(scheduler: Scheduler | NoOffload, plan: ComponentPlan) -> None:
+    """Register the plan's groups and aliases on `scheduler` and attach its split models.
+
+        apply_plan(Scheduler("cuda"), plan_components("MyPipeline", dits, encoders, vaes, {}, c))
+
+    With a `Scheduler`, groups that would share a tensor are refused first (`ConfigError`); if a
+    registration fails anyway, the groups added so far are removed before the error propagates.
+    """
+    offloading = isinstance(scheduler, Scheduler)
+    if offloading:
+        _check_no_shared_tensors(plan)
+    added: list[str] = []
+    try:
+        for name, policy, modules in plan.groups():
+            scheduler.add(name, modules, policy=policy)
+            added.append(name)
+    except BaseException:
+        if offloading:
+            for name in reversed(added):
+                scheduler.remove(name)
+        raise
+    if offloading:
+        for path, name in plan.aliases.items():
+            scheduler.alias(path, name)
+    for _, model in plan.split_models:
+        model.scheduler = scheduler
+
+
+def _check_no_shared_tensors(plan: ComponentPlan) -> None:
+    owners: dict[int, tuple[str, str]] = {}
+    for group, path, module in plan.members():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                continue
+            key = storage.data_ptr()
+            other_group, other_path = owners.setdefault(key, (group, path))
+            if other_group != group:
+                raise ConfigError(
+                    f"{plan.owner}: {path!r} (group {group!r}) shares a tensor with {other_path!r} "
+                    f"(group {other_group!r}); a tensor belongs to one group: list both modules in "
+                    "one category, or untie the weights"
+                )
+
+
+def scheduler_from_pipeline(
+    cls: type[Scheduler],
+    pipeline: object,
+    config: object = None,
+    *,
+    enable_cpu_offload: object = False,
+    device=None,
+) -> Scheduler | NoOffload:
+    """Build the scheduler for a `SupportsComponentDiscovery` pipeline (``Scheduler.from_pipeline``).
+
+        scheduler = Scheduler.from_pipeline(pipe, '{"mode": "module", "components": ["dit"]}')
+
+    `config` is an `OffloadConfig`, a mapping, a JSON string or None; with None and no
+    `enable_cpu_offload`, offloading is off and a `NoOffload` (modules moved to `device` when given)
+    is returned.  See the module docstring for the grouping rules.
+    """
+    parsed = resolve_config(config, enable_cpu_offload=enable_cpu_offload)
+    owner = type(pipeline).__name__
+    if not isinstance(pipeline, SupportsComponentDiscovery):
+        raise ConfigError(
+            f"{owner} does not declare its components: subclass SupportsComponentDiscovery and "
+            "list dotted paths in _dit_modules, _encoder_modules, _vae_modules and "
+            "_resident_modules"
+        )
+    dits, encoders, vaes, residents = (_declared_modules(pipeline, d) for d in _DECLARATIONS)
+    plan = plan_components(owner, dits, encoders, vaes, residents, parsed or _NOTHING_SELECTED)
+    if parsed is None:
+        scheduler: Scheduler | NoOffload = NoOffload(device)
+    else:
+        scheduler = cls(device, pin_memory=None if parsed.pin_memory else False)
+    apply_plan(scheduler, plan)
+    return scheduler
