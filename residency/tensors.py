@@ -128,8 +128,8 @@ class Inventory:
     layout: PackLayout
     #: Per region: (source storage, first byte in it) to copy from; dropped once packed.
     source_regions: list[tuple[torch.UntypedStorage, int]] | None
-    #: A cheap picture of the modules' structure, to notice tensors added or replaced after `add`.
-    structure: tuple[tuple[int, ...], ...]
+    #: A picture of the modules' structure, to notice tensors added or replaced after `add`.
+    structure: Structure
 
     @property
     def nbytes(self) -> int:
@@ -148,14 +148,18 @@ class Inventory:
         return [i for i, p in enumerate(self.placements) if p.region in wanted]
 
     def changed_structure(self) -> str | None:
-        """Describe the first slot whose tensor was replaced, added or removed; None if unchanged."""
+        """Describe how the modules changed since registration; None if they did not.
+
+        The common case is one comparison of identity tuples; the description is only worked out
+        when something did change.
+        """
+        if self.structure.unchanged():
+            return None
         for tensor, slots in zip(self.tensors, self.slots):
             for slot in slots:
                 if slot.current() is not tensor:
                     return f"the {slot.describe()} was replaced or removed"
-        if structure_of(self.modules) != self.structure:
-            return "a submodule, parameter or buffer was added or replaced"
-        return None
+        return "a submodule, parameter or buffer was added or replaced"
 
 
 def take_inventory(
@@ -186,22 +190,37 @@ def take_inventory(
         placements=placements,
         layout=layout,
         source_regions=region_sources,
-        structure=structure_of(_unique_submodules(modules)),
+        structure=Structure(_unique_submodules(modules)),
     )
 
 
-def structure_of(modules: Iterable[nn.Module]) -> tuple[tuple[int, ...], ...]:
-    """Identity of every child, parameter and buffer of each module (a cheap change detector)."""
-    return tuple(
-        (
-            *map(id, module._modules.values()),
-            -1,
-            *map(id, module._parameters.values()),
-            -1,
-            *map(id, module._buffers.values()),
-        )
-        for module in modules
-    )
+class Structure:
+    """Every (table, key) -> object entry of the modules' ``_parameters``, ``_buffers`` and
+    ``_modules`` tables, and each table's size, as seen at registration.
+
+    `unchanged()` is one pass of C-level ``map`` calls (about 0.1 us per entry): a replaced or
+    removed entry fails the identity test, an added one changes a table's size.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self._tables: list[dict] = []
+        self._entry_tables: list[dict] = []
+        self._keys: list[str] = []
+        self._values: list[object] = []
+        for module in modules:
+            for table in (module._parameters, module._buffers, module._modules):
+                self._tables.append(table)
+                for key, value in table.items():
+                    self._entry_tables.append(table)
+                    self._keys.append(key)
+                    self._values.append(value)
+        self._sizes = list(map(len, self._tables))
+
+    def unchanged(self) -> bool:
+        if list(map(len, self._tables)) != self._sizes:
+            return False
+        current = map(dict.get, self._entry_tables, self._keys)
+        return all(map(operator.is_, current, self._values))
 
 
 def make_views(
