@@ -353,6 +353,7 @@ class Scheduler:
         if self._closed:
             return
         with self._lock:
+            self._check_no_holders("close the scheduler")
             self._cancel_prefetch()
         for name in list(self._groups):
             self.remove(name)

@@ -546,3 +546,11 @@ def test_default_device_is_the_cpu_without_an_accelerator():
     if torch.accelerator.is_available():
         pytest.skip("an accelerator is present")
     assert Scheduler().device == torch.device("cpu")
+
+
+def test_close_inside_a_phase_is_refused_and_changes_nothing(scheduler):
+    three_groups(scheduler)
+    with scheduler.resident("dit"):
+        with pytest.raises(PhaseError, match="cannot close the scheduler while a phase is active"):
+            scheduler.close()
+        assert len(scheduler) == 3 and scheduler.current == "dit"
