@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from residency import Scheduler
+from residency.transport import CpuTransport
 
 
 def pytest_addoption(parser):
@@ -53,3 +54,27 @@ def scheduler():
     s = Scheduler("cpu")
     yield s
     s.close()
+
+
+class CountingTransport(CpuTransport):
+    """A CPU transport that counts what it is asked to do (a spy, injected, never patched in)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.loads = 0
+        self.to_device_pairs = 0
+        self.to_host_pairs = 0
+        self.device_allocations = 0
+
+    def allocate_device(self, nbytes):
+        self.device_allocations += 1
+        return super().allocate_device(nbytes)
+
+    def to_device(self, pairs):
+        self.loads += 1
+        self.to_device_pairs += len(pairs)
+        return super().to_device(pairs)
+
+    def to_host(self, pairs):
+        self.to_host_pairs += len(pairs)
+        return super().to_host(pairs)

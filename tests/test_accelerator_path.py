@@ -12,19 +12,8 @@ from torch import nn
 
 from residency import Scheduler, ResidencyState
 from residency.memory import _Progress
-from residency.transport import CpuTransport
 
-from conftest import make_block, run_block, twin
-
-
-class CountingTransport(CpuTransport):
-    def __init__(self) -> None:
-        super().__init__("cpu")
-        self.loads = 0
-
-    def to_device(self, pairs):
-        self.loads += 1
-        return super().to_device(pairs)
+from conftest import CountingTransport, make_block, run_block, twin
 
 
 def two_groups(**scheduler_options):

@@ -16,31 +16,8 @@ from residency import (
     SchedulerClosedError,
     UnknownGroupError,
 )
-from residency.transport import CpuTransport
 
-from conftest import make_block, run_block, twin
-
-
-class CountingTransport(CpuTransport):
-    """A CPU transport that counts what it is asked to copy (a spy, injected, not patched)."""
-
-    def __init__(self) -> None:
-        super().__init__("cpu")
-        self.to_device_pairs = 0
-        self.to_host_pairs = 0
-        self.device_allocations = 0
-
-    def allocate_device(self, nbytes):
-        self.device_allocations += 1
-        return super().allocate_device(nbytes)
-
-    def to_device(self, pairs):
-        self.to_device_pairs += len(pairs)
-        return super().to_device(pairs)
-
-    def to_host(self, pairs):
-        self.to_host_pairs += len(pairs)
-        return super().to_host(pairs)
+from conftest import CountingTransport, make_block, run_block, twin
 
 
 class TiedLM(nn.Module):
