@@ -200,31 +200,29 @@ def _check_both_listed(owner: str, dits: Mapping, encoders: Mapping, selected: s
 
 
 class _PlanBuilder:
-    """Collects groups and aliases for `plan_components`, checking names as it goes."""
+    """Collects groups and aliases for `plan_components`; `build` checks them all."""
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
-        self.exclusive: dict[str, tuple[Member, ...]] = {}
-        self.resident: dict[str, tuple[Member, ...]] = {}
+        self.groups: list[tuple[str, Policy, tuple[Member, ...]]] = []
         self.aliases: dict[str, str] = {}
         self.split_models: list[Member] = []
 
     def add(self, name: str, policy: Policy, members) -> None:
         members = tuple(members)
-        if name in self.exclusive or name in self.resident:
-            raise ConfigError(
-                f"{self.owner}: two groups would be named {name!r} (the second from path "
-                f"{members[0][0]!r}); group names come from DiT and resident-module paths and "
-                f"{ENCODER_GROUP!r}/{VAE_GROUP!r}: rename the attribute or list it elsewhere"
-            )
-        table = self.exclusive if policy is Policy.EXCLUSIVE else self.resident
-        table[name] = members
+        self.groups.append((name, policy, members))
         for path, _ in members:
             self.alias(path, name)
 
     def alias(self, path: str, name: str) -> None:
-        if path != name:
-            self.aliases[path] = name
+        if path == name:
+            return
+        if self.aliases.get(path, name) != name:
+            raise ConfigError(
+                f"{self.owner}: {path!r} would lead to two groups, {self.aliases[path]!r} and "
+                f"{name!r}; give split-model parts names that are unique in the pipeline"
+            )
+        self.aliases[path] = name
 
     def add_dit(self, path: str, dit: nn.Module, *, offload: bool) -> None:
         parts = split_parts(dit)
@@ -244,14 +242,27 @@ class _PlanBuilder:
             self.add(path, Policy.RESIDENT, shared)
 
     def build(self) -> ComponentPlan:
+        _check_disjoint(
+            self.owner,
+            [(name, path, module) for name, _, members in self.groups for path, module in members],
+        )
+        tables: dict[Policy, dict[str, tuple[Member, ...]]] = {p: {} for p in Policy}
+        for name, policy, members in self.groups:
+            if any(name in table for table in tables.values()):
+                raise ConfigError(
+                    f"{self.owner}: two groups would be named {name!r} (the second from path "
+                    f"{members[0][0]!r}); group names come from DiT paths, resident-module "
+                    f"paths, split-model parts, {ENCODER_GROUP!r} and {VAE_GROUP!r}: rename "
+                    "the attribute or the part"
+                )
+            tables[policy][name] = members
         plan = ComponentPlan(
             owner=self.owner,
-            exclusive=self.exclusive,
-            resident=self.resident,
+            exclusive=tables[Policy.EXCLUSIVE],
+            resident=tables[Policy.RESIDENT],
             aliases=self.aliases,
             split_models=tuple(self.split_models),
         )
-        _check_disjoint(plan)
         _check_alias_names(plan)
         return plan
 
@@ -309,11 +320,10 @@ def _has_tensors(module: nn.Module) -> bool:
     return next(itertools.chain(module.parameters(), module.buffers()), None) is not None
 
 
-def _check_disjoint(plan: ComponentPlan) -> None:
+def _check_disjoint(owner: str, members: Sequence[tuple[str, str, nn.Module]]) -> None:
     """Each module listed once; no listed module inside a listed module of another group."""
-    owner = plan.owner
     seen: dict[int, tuple[str, str]] = {}
-    for group, path, module in plan.members():
+    for group, path, module in members:
         if id(module) in seen:
             other_group, other_path = seen[id(module)]
             raise ConfigError(
@@ -323,8 +333,8 @@ def _check_disjoint(plan: ComponentPlan) -> None:
             )
         seen[id(module)] = (group, path)
     containers = [(group, path, {id(m) for m in module.modules()} - {id(module)})
-                  for group, path, module in plan.members()]
-    for group, path, module in plan.members():
+                  for group, path, module in members]
+    for group, path, module in members:
         for other_group, other_path, inside in containers:
             if other_group != group and id(module) in inside:
                 raise ConfigError(
@@ -369,8 +379,8 @@ def resolve_path(
         except AttributeError:
             raise ConfigError(
                 f"{owner}: {listed_in} lists {shown!r}, which does not resolve: "
-                f"{type(target).__name__} at {walked or 'the pipeline'!r} has no attribute "
-                f"{name!r}.{_nearest(target, name)} Fix the path in {listed_in}"
+                f"{type(target).__name__} at {repr(walked) if walked else 'the top'} has no "
+                f"attribute {name!r}.{_nearest(target, name)} Fix the path in {listed_in}"
             ) from None
         walked = f"{walked}.{name}" if walked else name
     if not isinstance(target, nn.Module):

@@ -1,0 +1,362 @@
+"""Component discovery: grouping rules, exclusion after each phase, aliases, and every error."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from residency import NoOffload, Scheduler
+from residency.config import OffloadConfig
+from residency.discovery import (
+    ComponentPlan,
+    SupportsComponentDiscovery,
+    apply_plan,
+    plan_components,
+)
+from residency.errors import ConfigError, RegistrationError
+
+from conftest import make_block, run_block
+
+WIDTH = 16
+PHASES = ("text_encoder", "transformer", "transformer_2", "vae")
+
+
+class PromptAdapter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = make_block(WIDTH, seed=2)
+
+
+class TwoExpertPipeline(SupportsComponentDiscovery, nn.Module):
+    """Two DiTs, two encoders (one at a dotted path), a VAE and a resident module."""
+
+    _dit_modules = ("transformer", "transformer_2")
+    _encoder_modules = ("text_encoder", "prompt_adapter.encoder")
+    _vae_modules = ("vae",)
+    _resident_modules = ("time_embed",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_encoder = make_block(WIDTH, seed=1)
+        self.prompt_adapter = PromptAdapter()
+        self.transformer = make_block(WIDTH, seed=3)
+        self.transformer_2 = make_block(WIDTH, seed=4)
+        self.vae = make_block(WIDTH, seed=5)
+        torch.manual_seed(6)
+        self.time_embed = nn.Embedding(4, WIDTH)
+
+    def generate(self, prompt, scheduler, after_phase=lambda phase: None) -> torch.Tensor:
+        with scheduler.resident("text_encoder"):
+            context = run_block(self.text_encoder, prompt)
+            context = context + run_block(self.prompt_adapter.encoder, prompt)
+        after_phase("text_encoder")
+        latents = torch.zeros_like(prompt)
+        for step, expert in enumerate(("transformer", "transformer", "transformer_2")):
+            with scheduler.resident(expert):
+                t = self.time_embed(torch.tensor([step]))
+                latents = run_block(getattr(self, expert), latents + context + t)
+            after_phase(expert)
+        with scheduler.resident("vae"):
+            image = run_block(self.vae, latents)
+        after_phase("vae")
+        return image
+
+
+def _on_device(group) -> bool:
+    buffer = group.device_storage.buffer
+    if buffer is None:
+        return False
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    return all(start <= t.data_ptr() < end for t in group.tensors)
+
+
+def _on_host_master(group) -> bool:
+    return [t.data_ptr() for t in group.tensors] == [v.data_ptr() for v in group.host_master.views]
+
+
+def _check_placement(scheduler: Scheduler, expected: set[str]) -> None:
+    assert set(scheduler.resident_groups()) == expected
+    for name in scheduler:
+        group = scheduler[name]
+        if name in expected:
+            assert _on_device(group) and not _on_host_master(group), name
+        else:
+            assert _on_host_master(group) and not _on_device(group), name
+
+
+@pytest.fixture
+def pipe() -> TwoExpertPipeline:
+    return TwoExpertPipeline().eval()
+
+
+ALWAYS = {"time_embed"}
+
+
+@pytest.mark.parametrize(
+    ("components", "resident_after"),
+    [
+        (["dit", "text_encoder"], {
+            "text_encoder": {"text_encoder", "vae"},
+            "transformer": {"transformer", "vae"},
+            "transformer_2": {"transformer_2", "vae"},
+            "vae": {"transformer_2", "vae"},
+        }),
+        (["dit", "text_encoder", "vae"], {
+            "text_encoder": {"text_encoder"},
+            "transformer": {"transformer"},
+            "transformer_2": {"transformer_2"},
+            "vae": {"vae"},
+        }),
+        (["dit"], {
+            "text_encoder": {"text_encoder", "vae"},
+            "transformer": {"transformer", "text_encoder", "vae"},
+            "transformer_2": {"transformer_2", "text_encoder", "vae"},
+            "vae": {"transformer_2", "text_encoder", "vae"},
+            # the second call: a resident-policy phase leaves the exclusive group where it is
+            "again text_encoder": {"transformer_2", "text_encoder", "vae"},
+        }),
+        (["text_encoder"], {
+            "text_encoder": {"text_encoder", "transformer", "transformer_2", "vae"},
+            # the DiTs are resident-policy: the encoder group, the only exclusive one, stays
+            "transformer": {"text_encoder", "transformer", "transformer_2", "vae"},
+            "transformer_2": {"text_encoder", "transformer", "transformer_2", "vae"},
+            "vae": {"text_encoder", "transformer", "transformer_2", "vae"},
+        }),
+    ],
+    ids=["dit+text_encoder", "dit+text_encoder+vae", "dit", "text_encoder"],
+)
+def test_exactly_the_expected_groups_are_resident_after_each_phase(pipe, components, resident_after):
+    plain = copy.deepcopy(pipe)
+    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": components},
+                                        device="cpu")
+    seen = []
+
+    def after_phase(phase):
+        again = f"again {phase}" if phase in seen else phase
+        _check_placement(scheduler, resident_after.get(again, resident_after[phase]) | ALWAYS)
+        seen.append(phase)
+
+    prompt = torch.randn(3, WIDTH)
+    with torch.no_grad():
+        for _ in range(2):  # the second call runs from the state the first one left
+            image = pipe.generate(prompt, scheduler, after_phase)
+            assert torch.equal(image, plain.generate(prompt, NoOffload()))
+    assert seen == ["text_encoder", "transformer", "transformer", "transformer_2", "vae"] * 2
+    scheduler.close()
+
+
+def test_groups_policies_and_names(pipe):
+    scheduler = Scheduler.from_pipeline(pipe, OffloadConfig(mode="module"), device="cpu")
+    assert {n: scheduler[n].policy.value for n in scheduler} == {
+        "transformer": "exclusive",
+        "transformer_2": "exclusive",
+        "text_encoder": "exclusive",
+        "vae": "resident",
+        "time_embed": "resident",
+    }
+    assert scheduler["text_encoder"].modules == (pipe.text_encoder, pipe.prompt_adapter.encoder)
+    scheduler.close()
+
+
+def test_resident_accepts_the_dotted_path_of_any_registered_module(pipe):
+    scheduler = Scheduler.from_pipeline(pipe, enable_cpu_offload=True, device="cpu")
+    assert "prompt_adapter.encoder" in scheduler
+    with scheduler.resident("prompt_adapter.encoder") as group:
+        assert group.name == "text_encoder"
+        _check_placement(scheduler, {"text_encoder", "vae", "time_embed"})
+    with scheduler.resident("transformer_2"):
+        _check_placement(scheduler, {"transformer_2", "vae", "time_embed"})
+    scheduler.close()
+
+
+def test_legacy_switch_builds_module_mode_with_dit_and_text_encoder(pipe):
+    legacy = Scheduler.from_pipeline(pipe, enable_cpu_offload=True, device="cpu")
+    policies = {n: legacy[n].policy.value for n in legacy}
+    legacy.close()
+    explicit = Scheduler.from_pipeline(
+        pipe, {"mode": "module", "components": ["dit", "text_encoder"]}, device="cpu"
+    )
+    assert policies == {n: explicit[n].policy.value for n in explicit}
+    explicit.close()
+
+
+def test_legacy_switch_with_a_disagreeing_config_is_refused(pipe):
+    with pytest.raises(ConfigError, match=r"enable_cpu_offload=True means mode 'module'"):
+        Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["vae"]},
+                                enable_cpu_offload=True, device="cpu")
+
+
+def test_no_config_means_offloading_off(pipe):
+    plain = copy.deepcopy(pipe)
+    pointers = [t.data_ptr() for t in pipe.state_dict().values()]
+    scheduler = Scheduler.from_pipeline(pipe, device="cpu")
+    assert isinstance(scheduler, NoOffload)
+    assert set(scheduler) == {"transformer", "transformer_2", "text_encoder", "vae", "time_embed"}
+    prompt = torch.randn(3, WIDTH)
+    with torch.no_grad():
+        assert torch.equal(pipe.generate(prompt, scheduler), plain.generate(prompt, NoOffload()))
+    assert [t.data_ptr() for t in pipe.state_dict().values()] == pointers  # nothing moved
+
+
+def test_pin_memory_false_gives_pageable_host_masters(pipe):
+    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "pin_memory": False},
+                                        device="cpu")
+    assert scheduler.pin_memory is False
+    assert not any(scheduler[n].host_master.pinned for n in scheduler)
+    scheduler.close()
+
+
+def test_layer_mode_parses_but_running_it_is_refused(pipe):
+    with pytest.raises(ConfigError, match=r"layer mode parses but is not available yet"):
+        Scheduler.from_pipeline(pipe, '{"mode": "layer", "components": ["dit"]}', device="cpu")
+
+
+# -- the pure building blocks -------------------------------------------------------------------
+
+
+def _categories(pipe):
+    return (
+        {"transformer": pipe.transformer, "transformer_2": pipe.transformer_2},
+        {"text_encoder": pipe.text_encoder, "prompt_adapter.encoder": pipe.prompt_adapter.encoder},
+        {"vae": pipe.vae},
+        {"time_embed": pipe.time_embed},
+    )
+
+
+def test_plan_components_is_pure_and_lists_groups(pipe):
+    pointers = [t.data_ptr() for t in pipe.state_dict().values()]
+    plan = plan_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module"))
+    assert isinstance(plan, ComponentPlan)
+    assert list(plan.exclusive) == ["transformer", "transformer_2", "text_encoder"]
+    assert list(plan.resident) == ["vae", "time_embed"]
+    assert plan.exclusive["text_encoder"] == (
+        ("text_encoder", pipe.text_encoder),
+        ("prompt_adapter.encoder", pipe.prompt_adapter.encoder),
+    )
+    assert dict(plan.aliases) == {"prompt_adapter.encoder": "text_encoder"}
+    assert [t.data_ptr() for t in pipe.state_dict().values()] == pointers
+
+
+def test_a_member_nested_in_a_member_of_the_same_group_adds_only_an_alias(pipe):
+    encoders = {"text_encoder": pipe.text_encoder, "text_encoder.0": pipe.text_encoder[0]}
+    plan = plan_components("P", {"transformer": pipe.transformer}, encoders, {}, {},
+                           OffloadConfig(mode="module"))
+    groups = {name: modules for name, _, modules in plan.groups()}
+    assert groups["text_encoder"] == (pipe.text_encoder,)
+    scheduler = Scheduler("cpu")
+    apply_plan(scheduler, plan)
+    with scheduler.resident("text_encoder.0"):
+        assert scheduler.current == "text_encoder"
+    scheduler.close()
+
+
+def test_apply_plan_removes_what_it_added_when_a_registration_fails(pipe):
+    plan = plan_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module"))
+    scheduler = Scheduler("cpu")
+    scheduler.add("time_embed", nn.Linear(2, 2), policy="resident")
+    with pytest.raises(RegistrationError, match=r"a group named 'time_embed' is already"):
+        apply_plan(scheduler, plan)
+    assert list(scheduler) == ["time_embed"]
+    assert "prompt_adapter.encoder" not in scheduler
+    scheduler.close()
+
+
+# -- errors: each names the pipeline class and the path -----------------------------------------
+
+
+def _variant(**declarations) -> TwoExpertPipeline:
+    cls = type("BadPipeline", (TwoExpertPipeline,), declarations)
+    return cls()
+
+
+CONFIG = {"mode": "module", "components": ["dit", "text_encoder"]}
+
+
+@pytest.mark.parametrize(
+    ("declarations", "message"),
+    [
+        ({"_encoder_modules": ("text_encoder", "prompt_adapter.encodr")},
+         r"BadPipeline: BadPipeline._encoder_modules lists 'prompt_adapter.encodr', which does "
+         r"not resolve: PromptAdapter at 'prompt_adapter' has no attribute 'encodr'\. Did you "
+         r"mean 'encoder'\? Fix the path in BadPipeline._encoder_modules"),
+        ({"_dit_modules": ("transformer", "transformer2")},
+         r"BadPipeline: BadPipeline._dit_modules lists 'transformer2', which does not resolve: "
+         r"BadPipeline at the top has no attribute 'transformer2'\. Did you mean "
+         r"'transformer_2'\?"),
+        ({"_vae_modules": ("vae..decoder",)},
+         r"BadPipeline: BadPipeline._vae_modules lists 'vae..decoder', which is not a dotted "
+         r"path"),
+        ({"_resident_modules": ("transformer.0.weight",)},
+         r"BadPipeline: BadPipeline._resident_modules lists 'transformer.0.weight', which is a "
+         r"Parameter, not an nn.Module; list module paths only"),
+        ({"_resident_modules": ("vae",)},
+         r"BadPipeline: the Sequential at 'vae' \(group 'vae'\) is listed twice: it is also "
+         r"'vae' \(group 'vae'\); a module belongs to one group: list it once"),
+        ({"_resident_modules": ("time_embed", "time_embed")},
+         r"BadPipeline: _resident_modules lists 'time_embed' twice; a module belongs to one "
+         r"group: list it once"),
+        ({"_resident_modules": ("transformer.1",)},
+         r"BadPipeline: 'transformer.1' \(group 'transformer.1'\) is nested inside "
+         r"'transformer' \(group 'transformer'\); a module belongs to one group: remove "
+         r"'transformer.1' from its list, or list it in the same category as 'transformer'"),
+        ({"_dit_modules": ()},
+         r"BadPipeline: the offload config selects 'dit' and 'text_encoder' \(module mode\), but "
+         r"BadPipeline lists no DiT modules \(_dit_modules is empty\)"),
+        ({"_encoder_modules": ()},
+         r"BadPipeline: the offload config selects 'dit' and 'text_encoder' \(module mode\), but "
+         r"BadPipeline lists no encoder modules \(_encoder_modules is empty\)"),
+        ({"_vae_modules": "vae"},
+         r"BadPipeline._vae_modules is 'vae'; it must be a tuple of dotted paths"),
+        ({"_encoder_modules": ("prompt_adapter.encoder",), "_resident_modules": ("text_encoder",)},
+         r"BadPipeline: two groups would be named 'text_encoder' \(the second from path "
+         r"'text_encoder'\)"),
+        ({"_encoder_modules": ("text_encoder", "vae"), "_vae_modules": ("time_embed",),
+          "_resident_modules": ()},
+         r"BadPipeline: 'vae' names group 'vae' and is also a path or part of group "
+         r"'text_encoder'"),
+    ],
+)
+def test_declaration_errors(declarations, message):
+    pipe = _variant(**declarations)
+    pointers = [t.data_ptr() for t in pipe.state_dict().values()]
+    with pytest.raises(ConfigError, match=message):
+        Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    assert [t.data_ptr() for t in pipe.state_dict().values()] == pointers  # nothing changed
+
+
+def test_nested_error_names_both_paths_and_groups():
+    pipe = _variant(_resident_modules=("prompt_adapter",))
+    with pytest.raises(ConfigError, match=r"BadPipeline: 'prompt_adapter.encoder' \(group "
+                                          r"'text_encoder'\) is nested inside 'prompt_adapter' "
+                                          r"\(group 'prompt_adapter'\)"):
+        Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+
+
+def test_a_module_listed_under_two_paths_is_refused():
+    pipe = _variant(_vae_modules=("vae", "decoder"))
+    pipe.decoder = pipe.vae  # the same module reached twice
+    with pytest.raises(ConfigError, match=r"BadPipeline: the Sequential at 'decoder' \(group "
+                                          r"'vae'\) is listed twice: it is also 'vae' \(group "
+                                          r"'vae'\); a module belongs to one group"):
+        Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+
+
+def test_groups_sharing_a_tensor_are_refused_before_anything_moves():
+    pipe = TwoExpertPipeline()
+    pipe.transformer_2[0].weight = pipe.transformer[0].weight  # tied across two DiT groups
+    pointers = [t.data_ptr() for t in pipe.state_dict().values()]
+    with pytest.raises(ConfigError, match=r"TwoExpertPipeline: 'transformer_2' \(group "
+                                          r"'transformer_2'\) shares a tensor with 'transformer' "
+                                          r"\(group 'transformer'\); a tensor belongs to one "
+                                          r"group"):
+        Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    assert [t.data_ptr() for t in pipe.state_dict().values()] == pointers
+
+
+def test_a_pipeline_without_declarations_is_refused():
+    with pytest.raises(ConfigError, match=r"Sequential does not declare its components: "
+                                          r"subclass SupportsComponentDiscovery"):
+        Scheduler.from_pipeline(make_block(), CONFIG, device="cpu")
