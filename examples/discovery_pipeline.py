@@ -1,4 +1,4 @@
-"""Component discovery: a pipeline lists its parts by dotted path; `from_pipeline` builds the groups.
+"""Component discovery: a pipeline lists its parts by dotted path; `from_pipeline` groups them.
 
     python examples/discovery_pipeline.py
 

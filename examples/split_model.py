@@ -2,7 +2,8 @@
 
     python examples/split_model.py
 
-The model names its parts in `_split_parts` and wraps each in ``with self.scheduler.resident(part):``.
+The model names its parts in `_split_parts` and wraps each in
+``with self.scheduler.resident(part):``.
 `Scheduler.from_pipeline` makes each part an exclusive group and keeps the shared embedding and norm
 on the device; a copy of the model that was never attached runs the same code with `NoOffload`.
 """

@@ -118,7 +118,7 @@ class LayerOptions:
 
     @classmethod
     def from_dict(cls, component: str, options: object) -> LayerOptions:
-        """Parse ``layer_options[component]``: a mapping with `weight_transfer`, `resident_layers`."""
+        """Parse ``layer_options[component]``: a mapping of `weight_transfer`, `resident_layers`."""
         field = f"layer_options.{component}"
         if not isinstance(options, Mapping):
             raise ConfigError(
@@ -261,7 +261,9 @@ class OffloadConfig:
         return {name: options.to_dict() for name, options in self.layer_options.items()}
 
 
-def resolve_config(config: object = None, *, enable_cpu_offload: object = False) -> OffloadConfig | None:
+def resolve_config(
+    config: object = None, *, enable_cpu_offload: object = False
+) -> OffloadConfig | None:
     """Merge a config (OffloadConfig, dict, JSON string or None) with the legacy switch.
 
         resolve_config(enable_cpu_offload=True)  # module mode, dit and text_encoder

@@ -5,7 +5,7 @@
         _encoder_modules = ("text_encoder",)
         _vae_modules = ("vae",)
 
-    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit", "text_encoder"]})
+    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]})
     with scheduler.resident("text_encoder"):      # the DiTs leave the device
         context = pipe.text_encoder(ids)
     with scheduler.resident("transformer"):       # the encoders and transformer_2 leave
@@ -67,7 +67,7 @@ _DECLARATIONS = ("_dit_modules", "_encoder_modules", "_vae_modules", "_resident_
 
 
 class SupportsComponentDiscovery:
-    """Mixin for a pipeline that lists its components by dotted path; subclass it beside `nn.Module`.
+    """Mixin for a pipeline that lists its components by dotted path; subclass beside `nn.Module`.
 
         class MyPipeline(SupportsComponentDiscovery, nn.Module):
             _dit_modules = ("transformer",)
@@ -207,6 +207,7 @@ class _PlanBuilder:
         self.groups: list[tuple[str, Policy, tuple[Member, ...]]] = []
         self.aliases: dict[str, str] = {}
         self.split_models: list[Member] = []
+        self._resident_part_names: set[str] = set()
 
     def add(self, name: str, policy: Policy, members) -> None:
         members = tuple(members)
@@ -231,7 +232,11 @@ class _PlanBuilder:
         if not (parts and offload):
             self.add(path, Policy.EXCLUSIVE if offload else Policy.RESIDENT, [(path, dit)])
             for part in parts:
-                self.alias(part, path)
+                # Entering any resident-policy group does the same (nothing), so when two
+                # resident split models share a part name, the first one's group serves both.
+                if part not in self._resident_part_names:
+                    self.alias(part, path)
+                    self._resident_part_names.add(part)
             return
         part_members = _resolve_parts(self.owner, path, dit, parts)
         for part, members in part_members.items():
@@ -401,7 +406,9 @@ def _nearest(target: object, name: str) -> str:
     return ""
 
 
-def _declared_modules(pipeline: SupportsComponentDiscovery, declaration: str) -> dict[str, nn.Module]:
+def _declared_modules(
+    pipeline: SupportsComponentDiscovery, declaration: str
+) -> dict[str, nn.Module]:
     owner = type(pipeline).__name__
     paths = getattr(type(pipeline), declaration)
     if isinstance(paths, str) or not isinstance(paths, (tuple, list)):
@@ -476,7 +483,7 @@ def scheduler_from_pipeline(
     enable_cpu_offload: object = False,
     device=None,
 ) -> Scheduler | NoOffload:
-    """Build the scheduler for a `SupportsComponentDiscovery` pipeline (``Scheduler.from_pipeline``).
+    """The scheduler for a `SupportsComponentDiscovery` pipeline (``Scheduler.from_pipeline``).
 
         scheduler = Scheduler.from_pipeline(pipe, '{"mode": "module", "components": ["dit"]}')
 

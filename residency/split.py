@@ -15,9 +15,9 @@ of its `scheduler`:
 
 `Scheduler.from_pipeline` picks the parts up when the model is a selected DiT of the pipeline: each
 part becomes an exclusive group named after the part (so exactly one part is on the device at a
-time), the model's remaining tensors (embeddings, norms) a resident-policy group named by the model's
-path, and it sets the model's `scheduler` attribute.  Until then `scheduler` is a `NoOffload`, so the
-model runs unchanged with offloading off.
+time), the model's remaining tensors (embeddings, norms) a resident-policy group named by the
+model's path, and it sets the model's `scheduler` attribute.  Until then `scheduler` is a
+`NoOffload`, so the model runs unchanged with offloading off.
 
 Rules: part paths are dotted paths relative to the model; parts may not contain each other; a
 tensor shared by the parts must live in a submodule that holds no part (not directly on the model).

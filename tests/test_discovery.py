@@ -128,7 +128,9 @@ ALWAYS = {"time_embed"}
     ],
     ids=["dit+text_encoder", "dit+text_encoder+vae", "dit", "text_encoder"],
 )
-def test_exactly_the_expected_groups_are_resident_after_each_phase(pipe, components, resident_after):
+def test_exactly_the_expected_groups_are_resident_after_each_phase(
+    pipe, components, resident_after
+):
     plain = copy.deepcopy(pipe)
     scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": components},
                                         device="cpu")
