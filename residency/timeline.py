@@ -1,0 +1,316 @@
+"""The phase timeline: what each phase change of a run moved and cost, against a copy floor.
+
+    recorder = PhaseRecorder(scheduler)             # a drop-in `scheduler` that times each phase
+    pipe.scheduler = recorder
+    pipe(prompt)
+    floor = measure_floor(scheduler)                 # same bytes, plain copies, this run
+    print(format_timeline(timeline_rows(scheduler.transitions, floor, recorder), ...))
+    write_trace("trace.json", scheduler.transitions, recorder.spans)
+
+The *floor* of a transition is a plain copy of the same bytes (the group's host master chunks) into a
+reused device buffer, measured in the same process right after the run; ``x floor`` is how many times
+slower the real transition was.  Everything above 1.0 is overhead (see docs/design.md).
+
+[Note: timing on accelerators]
+A scheduler's `TransitionRecord` times cover *issuing* an accelerator copy, which runs on a side
+stream.  To time the copy itself, `PhaseRecorder(synchronize=True)` waits for the device before a
+phase is entered (so earlier compute is not counted) and again after (so the copy is); the rows then
+carry those synchronised seconds.  On the host the copy is done when the record is made, and no
+synchronisation is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+from residency.records import TransitionRecord, chrome_trace
+
+__all__ = [
+    "PhaseRecorder",
+    "PhaseSpan",
+    "Row",
+    "device_bytes",
+    "format_timeline",
+    "measure_floor",
+    "timeline_rows",
+    "write_trace",
+]
+
+
+@attrs.frozen(kw_only=True)
+class PhaseSpan:
+    """One ``resident(name)`` block: when it was entered and left, and what entering it cost."""
+
+    name: str
+    start: float
+    end: float
+    #: Seconds spent entering (the phase change, if one happened).
+    enter_seconds: float
+    #: Index (counting every transition) of the transition the entry made, or None.
+    transition: int | None
+    thread: str
+
+
+class PhaseRecorder:
+    """Wraps a scheduler's ``resident()`` to record each phase's span; use it as the `scheduler`.
+
+        recorder = PhaseRecorder(scheduler)
+        with recorder.resident("transformer"):      # enters scheduler.resident("transformer")
+            out = pipe.transformer(x)
+        recorder.spans[-1].name                      # 'transformer'
+
+    It also samples `device_bytes(scheduler)` after each entry into `peak_device_bytes`.  With
+    ``synchronize=True`` it waits for the device around each entry (see [Note: timing on
+    accelerators]); only use that for measurement.
+    """
+
+    def __init__(self, scheduler, *, synchronize: bool = False) -> None:
+        self.scheduler = scheduler
+        self.synchronize = synchronize
+        #: Completed phases, in the order they ended.
+        self.spans: list[PhaseSpan] = []
+        #: Most bytes the scheduler's device storages held at any sampled moment.
+        self.peak_device_bytes = device_bytes(scheduler)
+
+    @property
+    def device(self) -> torch.device:
+        return self.scheduler.device
+
+    def resident(self, name: str) -> _RecordedPhase:
+        return _RecordedPhase(self, name)
+
+    def _sync(self) -> None:
+        if self.synchronize:
+            torch.accelerator.synchronize()
+
+
+class _RecordedPhase:
+    __slots__ = ("_recorder", "_name", "_phase", "_start", "_enter", "_transition")
+
+    def __init__(self, recorder: PhaseRecorder, name: str) -> None:
+        self._recorder = recorder
+        self._name = name
+        self._phase = recorder.scheduler.resident(name)
+
+    def __enter__(self):
+        recorder = self._recorder
+        count = recorder.scheduler.transitions.count
+        recorder._sync()
+        self._start = time.perf_counter()
+        group = self._phase.__enter__()
+        recorder._sync()
+        self._enter = time.perf_counter() - self._start
+        after = recorder.scheduler.transitions.count
+        self._transition = after - 1 if after > count else None
+        recorder.peak_device_bytes = max(recorder.peak_device_bytes, device_bytes(recorder.scheduler))
+        return group
+
+    def __exit__(self, *exc_info) -> None:
+        self._phase.__exit__(*exc_info)
+        self._recorder.spans.append(
+            PhaseSpan(name=self._name, start=self._start, end=time.perf_counter(),
+                      enter_seconds=self._enter, transition=self._transition,
+                      thread=threading.current_thread().name)
+        )
+
+
+def device_bytes(scheduler) -> int:
+    """Bytes of device storage the scheduler holds now (each storage once)."""
+    storages = {}
+    for name in scheduler:
+        storage = scheduler[name].device_storage
+        storages[id(storage)] = storage
+    return sum(storage.nbytes for storage in storages.values())
+
+
+def measure_floor(scheduler, names: Iterable[str] | None = None, *, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of a plain copy of each group's host master into one reused device buffer.
+
+        floor = measure_floor(scheduler)        # {"transformer": 0.0081, ...}
+
+    The buffer is allocated once (the largest group's size) and warmed by one copy before timing.
+    Call it between phases, after ``scheduler.offload_all()`` when device memory is tight.
+    """
+    groups = [scheduler[name] for name in (scheduler if names is None else names)]
+    sizes = [sum(chunk.numel() for chunk in g.host_master.chunks) for g in groups]
+    if not groups or max(sizes) == 0:
+        return {}
+    buffer = torch.empty(max(sizes), dtype=torch.uint8, device=scheduler.device)
+    floor = {}
+    for group in groups:
+        _copy_chunks(buffer, group.host_master.chunks)
+        seconds = []
+        for _ in range(repeats):
+            _synchronize(scheduler.device)
+            start = time.perf_counter()
+            _copy_chunks(buffer, group.host_master.chunks)
+            _synchronize(scheduler.device)
+            seconds.append(time.perf_counter() - start)
+        floor[group.name] = statistics.median(seconds)
+    return floor
+
+
+def _copy_chunks(buffer: torch.Tensor, chunks: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for chunk in chunks:
+        buffer[offset : offset + chunk.numel()].copy_(chunk, non_blocking=True)
+        offset += chunk.numel()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+@attrs.frozen(kw_only=True)
+class Row:
+    """One transition of the timeline."""
+
+    index: int
+    #: Seconds since the first transition of the run.
+    at: float
+    from_group: str | None
+    to_group: str | None
+    nbytes: int
+    written_back: int
+    seconds: float
+    #: Seconds of the floor copy of the same bytes (None when nothing was loaded).
+    floor_seconds: float | None
+
+    @property
+    def gbps(self) -> float | None:
+        return self.nbytes / self.seconds / 1e9 if self.nbytes and self.seconds > 0 else None
+
+    @property
+    def floor_gbps(self) -> float | None:
+        if not self.nbytes or not self.floor_seconds:
+            return None
+        return self.nbytes / self.floor_seconds / 1e9
+
+    @property
+    def times_floor(self) -> float | None:
+        return self.seconds / self.floor_seconds if self.nbytes and self.floor_seconds else None
+
+
+def timeline_rows(
+    records: Sequence[TransitionRecord],
+    floor: dict[str, float],
+    recorder: PhaseRecorder | None = None,
+    *,
+    first_index: int = 0,
+) -> list[Row]:
+    """One `Row` per record; seconds from the recorder's synchronised entries where it has them.
+
+    `first_index` is the overall index of ``records[0]`` (``log.count - len(log)`` for a log that
+    dropped old records).
+    """
+    synced = {}
+    if recorder is not None and recorder.synchronize:
+        synced = {s.transition: s.enter_seconds for s in recorder.spans if s.transition is not None}
+    origin = records[0].start if records else 0.0
+    rows = []
+    for offset, record in enumerate(records):
+        index = first_index + offset
+        rows.append(
+            Row(index=index + 1, at=record.start - origin, from_group=record.from_group,
+                to_group=record.to_group, nbytes=record.nbytes,
+                written_back=record.written_back, seconds=synced.get(index, record.seconds),
+                floor_seconds=floor.get(record.to_group) if record.to_group else None)
+        )
+    return rows
+
+
+def format_bytes(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_timeline(rows: Sequence[Row], *, peak_device_bytes: int, device: torch.device,
+                    allocator_peak: int | None = None) -> str:
+    """The timeline as a text table with totals, the floor ratio and peak device bytes."""
+    lines = [
+        f"phase timeline on {device}: {len(rows)} transition(s); floor = a plain copy of the same "
+        "bytes into a reused buffer, this run",
+        f"{'#':>3} {'at ms':>9}  {'transition':<34} {'moved':>10} {'written':>10} {'ms':>9} "
+        f"{'GB/s':>7} {'floor GB/s':>10} {'x floor':>8}",
+    ]
+    for row in rows:
+        change = f"{row.from_group or '-'} -> {row.to_group or '-'}"
+        lines.append(
+            f"{row.index:>3} {row.at * 1e3:>9.2f}  {change:<34} {format_bytes(row.nbytes):>10} "
+            f"{format_bytes(row.written_back):>10} {row.seconds * 1e3:>9.3f} "
+            f"{_number(row.gbps, '.2f'):>7} {_number(row.floor_gbps, '.2f'):>10} "
+            f"{_number(row.times_floor, '.2f'):>8}"
+        )
+    loads = [row for row in rows if row.nbytes and row.floor_seconds]
+    moved = sum(row.nbytes for row in rows)
+    seconds = sum(row.seconds for row in rows)
+    ratio = (sum(r.seconds for r in loads) / sum(r.floor_seconds for r in loads)) if loads else None
+    lines.append(
+        f"total: {format_bytes(moved)} moved in {seconds * 1e3:.2f} ms "
+        f"(x{_number(ratio, '.2f')} the floor), "
+        f"{format_bytes(sum(row.written_back for row in rows))} written back"
+    )
+    peak = f"peak device bytes: {format_bytes(peak_device_bytes)} in the scheduler's storages"
+    if allocator_peak is not None:
+        peak += f"; allocator peak {format_bytes(allocator_peak)} (weights and activations)"
+    lines.append(peak)
+    return "\n".join(lines)
+
+
+def write_trace(
+    path: str | Path,
+    records: Iterable[TransitionRecord],
+    spans: Iterable[PhaseSpan] = (),
+) -> dict:
+    """Write a Chrome/Perfetto trace: transfers, phases, and when each group was resident.
+
+    Extends `residency.records.chrome_trace` with "resident <group>" slices (from one transition
+    to the next) and integer thread ids with names, which Perfetto's JSON importer needs.
+    """
+    records, spans = list(records), list(spans)
+    trace = chrome_trace(records, [(span.name, span.start, span.end) for span in spans])
+    end = max([r.start + r.seconds for r in records] + [s.end for s in spans], default=0.0)
+    events = [e for e in trace["traceEvents"] if e["name"] not in ("evict None", "load None")]
+    events += _resident_slices(records, end)
+    tids: dict[str, int] = {}
+    for event in events:
+        event["tid"] = tids.setdefault(str(event["tid"]), len(tids) + 1)
+    events += [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
+        for name, tid in tids.items()
+    ]
+    events.append({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "residency"}})
+    trace["traceEvents"] = events
+    Path(path).write_text(json.dumps(trace))
+    return trace
+
+
+def _resident_slices(records: Sequence[TransitionRecord], end: float) -> list[dict]:
+    """A "resident <group>" slice per load: from its end until the group is evicted (or `end`)."""
+    slices = []
+    for position, record in enumerate(records):
+        if record.to_group is None:
+            continue
+        start = record.start + record.seconds
+        evicted = next((later.start for later in records[position + 1 :]
+                        if later.from_group == record.to_group), end)
+        slices.append({"name": f"resident {record.to_group}", "cat": "residency", "ph": "X",
+                       "ts": start * 1e6, "dur": max(evicted - start, 0.0) * 1e6, "pid": 0,
+                       "tid": "resident groups", "args": {"nbytes": record.nbytes}})
+    return slices

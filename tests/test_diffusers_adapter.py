@@ -1,0 +1,313 @@
+"""The diffusers adapter on real pipelines built tiny in code: Wan2.2 (two experts) and Flux (two encoders).
+
+Every comparison is against the same pipeline never offloaded, call by call: a diffusers pipeline
+carries state between calls, so the n-th offloaded call is compared with the n-th plain call.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from _tiny_pipelines import flux_call, tiny_flux, tiny_wan22, wan22_call  # noqa: E402
+
+from residency import ConfigError, RegistrationError, ResidencyError, Scheduler  # noqa: E402
+from residency.adapters.diffusers import (  # noqa: E402
+    ENTRY_POINTS,
+    disable_offload,
+    enable_offload,
+    offload_scheduler,
+)
+
+ALL_COMPONENTS = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, OpenMP waits make tiny ops 30x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def frames(pipe, seed: int, prompt: str = "a cat on the moon") -> torch.Tensor:
+    return pipe(**wan22_call(seed, prompt)).frames
+
+
+def images(pipe, seed: int, prompt: str = "a red dog") -> torch.Tensor:
+    return pipe(**flux_call(seed, prompt)).images
+
+
+def in_buffer(tensor: torch.Tensor, buffer: torch.Tensor | None) -> bool:
+    """Whether `tensor`'s data lies inside `buffer` (where its storage really lives)."""
+    if buffer is None:
+        return False
+    start = buffer.data_ptr()
+    return start <= tensor.data_ptr() < start + buffer.numel()
+
+
+def instance_entry_points(pipe) -> list[str]:
+    """Every instance-level forward/encode/decode left on any module of the pipeline."""
+    return [
+        f"{name}.{path}.{attribute}"
+        for name, component in pipe.components.items()
+        if isinstance(component, torch.nn.Module)
+        for path, module in component.named_modules()
+        for attribute in ENTRY_POINTS
+        if attribute in vars(module)
+    ]
+
+
+# -- bit-identical outputs ------------------------------------------------------------------------
+
+
+def test_wan22_bit_identical_call_by_call_and_both_experts_take_turns():
+    plain, pipe = tiny_wan22(), tiny_wan22()
+    scheduler = enable_offload(pipe, device="cpu")
+    calls = [(0, "a cat on the moon"), (1, "a red dog"), (0, "a cat on the moon")]
+    for seed, prompt in calls:
+        assert torch.equal(frames(pipe, seed, prompt), frames(plain, seed, prompt))
+    assert scheduler["transformer"].exclusive and scheduler["transformer_2"].exclusive
+    assert not scheduler["vae"].exclusive  # "vae" not selected: it stays resident
+    changes = [(r.from_group, r.to_group) for r in scheduler.transitions]
+    assert changes.count(("transformer", "transformer_2")) == len(calls)
+    assert changes.count(("transformer_2", "text_encoder")) == len(calls) - 1
+    disable_offload(pipe)
+
+
+def test_wan22_with_every_component_offloaded():
+    plain, pipe = tiny_wan22(), tiny_wan22()
+    scheduler = enable_offload(pipe, ALL_COMPONENTS, device="cpu")
+    for seed in (3, 4):
+        assert torch.equal(frames(pipe, seed), frames(plain, seed))
+    assert scheduler["vae"].exclusive
+    assert ("transformer_2", "vae") in [(r.from_group, r.to_group) for r in scheduler.transitions]
+    disable_offload(pipe)
+
+
+def test_flux_clip_and_t5_share_one_encoder_group():
+    plain, pipe = tiny_flux(), tiny_flux()
+    scheduler = enable_offload(pipe, device="cpu")
+    encoders = scheduler["text_encoder"]
+    assert encoders.modules == (pipe.text_encoder, pipe.text_encoder_2)
+    for seed, prompt in ((0, "a red dog"), (1, "blue sky"), (0, "a red dog")):
+        assert torch.equal(images(pipe, seed, prompt), images(plain, seed, prompt))
+    assert sorted(scheduler) == ["text_encoder", "transformer", "vae"]
+    disable_offload(pipe)
+
+
+def test_vae_decode_and_encode_run_in_the_vae_phase():
+    plain, pipe = tiny_wan22(), tiny_wan22()
+    scheduler = enable_offload(pipe, ALL_COMPONENTS, device="cpu")
+    latents = torch.randn(1, 4, 2, 2, 2, generator=torch.Generator().manual_seed(5))
+    with scheduler.resident("transformer"):
+        pass  # make sure the VAE is offloaded before each direct call
+    decoded = pipe.vae.decode(latents, return_dict=False)[0]
+    assert scheduler.current == "vae"
+    assert torch.equal(decoded, plain.vae.decode(latents, return_dict=False)[0])
+    with scheduler.resident("transformer"):
+        pass
+    encoded = pipe.vae.encode(decoded).latent_dist.mean
+    assert scheduler.current == "vae"
+    assert torch.equal(encoded, plain.vae.encode(decoded).latent_dist.mean)
+    disable_offload(pipe)
+
+
+# -- residency inside each forward ----------------------------------------------------------------
+
+
+class Probe:
+    """Records, from inside a component's forward, which groups are resident (a test-only pre-hook).
+
+    The hook sits on a *submodule*, so it runs inside the component's wrapped entry point.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.seen: dict[str, list[tuple]] = {}
+        self.handles = []
+
+    def watch(self, label: str, submodule: torch.nn.Module, group: str) -> None:
+        weight = next(submodule.parameters())
+
+        def hook(module, args):
+            scheduler = self.scheduler
+            buffer = scheduler[group].device_storage.buffer
+            self.seen.setdefault(label, []).append(
+                (scheduler.current, frozenset(scheduler.resident_groups()), in_buffer(weight, buffer))
+            )
+
+        self.handles.append(submodule.register_forward_pre_hook(hook))
+
+    def check(self, expected: dict[str, str], resident_policy: set[str]) -> None:
+        assert set(self.seen) == set(expected), "every probed forward ran"
+        for label, group in expected.items():
+            for current, resident, weight_on_device in self.seen[label]:
+                assert current == group, label
+                assert resident == {group} | resident_policy, label
+                assert weight_on_device, f"{label}: weights not in the device storage"
+
+
+def test_inside_each_wan22_forward_exactly_its_group_is_resident():
+    pipe = tiny_wan22()
+    scheduler = enable_offload(pipe, ALL_COMPONENTS, device="cpu")
+    probe = Probe(scheduler)
+    probe.watch("text_encoder", pipe.text_encoder.encoder, "text_encoder")
+    probe.watch("transformer", pipe.transformer.patch_embedding, "transformer")
+    probe.watch("transformer_2", pipe.transformer_2.patch_embedding, "transformer_2")
+    probe.watch("vae.decode", pipe.vae.decoder, "vae")
+    frames(pipe, 0)
+    frames(pipe, 1)
+    probe.check({"text_encoder": "text_encoder", "transformer": "transformer",
+                 "transformer_2": "transformer_2", "vae.decode": "vae"}, resident_policy=set())
+    disable_offload(pipe)
+
+
+def test_inside_each_flux_forward_exactly_its_group_is_resident():
+    pipe = tiny_flux()
+    scheduler = enable_offload(pipe, device="cpu")
+    probe = Probe(scheduler)
+    probe.watch("clip", pipe.text_encoder.encoder, "text_encoder")
+    probe.watch("t5", pipe.text_encoder_2.encoder, "text_encoder")
+    probe.watch("transformer", pipe.transformer.x_embedder, "transformer")
+    images(pipe, 0)
+    probe.check({"clip": "text_encoder", "t5": "text_encoder", "transformer": "transformer"},
+                resident_policy={"vae"})
+    disable_offload(pipe)
+
+
+# -- the execution device -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [None, ALL_COMPONENTS], ids=["vae resident", "all offloaded"])
+def test_a_component_is_always_on_the_device_so_execution_device_is_right(config):
+    pipe = tiny_wan22()
+    scheduler = enable_offload(pipe, config, device="cpu")
+    on_device = [
+        name for name in scheduler
+        if scheduler[name].is_resident
+        and all(in_buffer(t, scheduler[name].device_storage.buffer) for t in scheduler[name].tensors)
+    ]
+    assert on_device, "no component sits on the device: diffusers would pick the host"
+    if config is ALL_COMPONENTS:
+        assert scheduler.current == "text_encoder"  # the group pipelines run first
+    assert pipe._execution_device == scheduler.device
+    frames(pipe, 0)
+    assert pipe._execution_device == scheduler.device
+    disable_offload(pipe)
+
+
+# -- disable, and refusals ------------------------------------------------------------------------
+
+
+def test_disable_offload_restores_the_pipeline_exactly():
+    plain, pipe = tiny_wan22(), tiny_wan22()
+    scheduler = enable_offload(pipe, ALL_COMPONENTS, device="cpu")
+    assert torch.equal(frames(pipe, 0), frames(plain, 0))
+    assert instance_entry_points(pipe)  # the wrappers are there while enabled
+    buffers = {id(s): s.buffer for s in (scheduler[n].device_storage for n in scheduler)}
+    disable_offload(pipe)
+
+    assert instance_entry_points(pipe) == []
+    assert offload_scheduler(pipe) is None
+    assert pipe.transformer.forward.__func__ is type(pipe.transformer).forward
+    tensors = [t for c in (pipe.text_encoder, pipe.transformer, pipe.transformer_2, pipe.vae)
+               for t in [*c.parameters(), *c.buffers()]]
+    assert {t.device for t in tensors} == {torch.device("cpu")}
+    assert not any(in_buffer(t, b) for t in tensors for b in buffers.values())
+    assert torch.equal(frames(pipe, 1), frames(plain, 1))  # the second call, plain on both sides
+    enable_offload(pipe, device="cpu")  # and it can be offloaded again
+    assert torch.equal(frames(pipe, 2), frames(plain, 2))
+    disable_offload(pipe)
+
+
+def test_a_second_enable_offload_is_refused_and_changes_nothing():
+    pipe = tiny_flux()
+    scheduler = enable_offload(pipe, device="cpu")
+    wrapper = vars(pipe.transformer)["forward"]
+    with pytest.raises(RegistrationError, match="already enabled on this FluxPipeline.*"
+                       r"disable_offload\(pipe\) first"):
+        enable_offload(pipe, device="cpu")
+    assert offload_scheduler(pipe) is scheduler
+    assert vars(pipe.transformer)["forward"] is wrapper
+    images(pipe, 0)
+    assert scheduler.current == "transformer"
+    disable_offload(pipe)
+
+
+def test_another_offloaders_hook_is_refused_and_changes_nothing():
+    pipe = tiny_flux()
+    original = pipe.transformer.x_embedder.forward
+    pipe.transformer.x_embedder.forward = lambda *a, **k: original(*a, **k)  # a foreign hook
+    pointers = [p.data_ptr() for p in pipe.transformer.parameters()]
+    with pytest.raises(ResidencyError, match=r"'transformer.x_embedder' already has an "
+                       r"instance-level 'forward'.*remove_all_hooks"):
+        enable_offload(pipe, device="cpu")
+    assert offload_scheduler(pipe) is None
+    assert instance_entry_points(pipe) == ["transformer.x_embedder.forward"]
+    assert [p.data_ptr() for p in pipe.transformer.parameters()] == pointers
+
+
+def test_a_refused_config_changes_nothing():
+    pipe = tiny_flux()
+    with pytest.raises(ConfigError, match="layer mode parses but is not available yet"):
+        enable_offload(pipe, {"mode": "layer", "components": ["dit"]}, device="cpu")
+    with pytest.raises(ConfigError, match="unknown field 'component'"):
+        enable_offload(pipe, '{"mode": "module", "component": ["dit"]}', device="cpu")
+    assert offload_scheduler(pipe) is None
+    assert instance_entry_points(pipe) == []
+
+
+def test_disable_without_enable_is_refused():
+    with pytest.raises(ResidencyError, match="not enabled on this FluxPipeline"):
+        disable_offload(tiny_flux())
+
+
+def test_enable_offload_refuses_what_is_not_a_pipeline():
+    with pytest.raises(ResidencyError, match="no `components` mapping.*Scheduler.from_pipeline"):
+        enable_offload(torch.nn.Linear(2, 2), device="cpu")
+
+
+def test_a_dropped_pipeline_leaves_no_adapter_state_behind():
+    pipe = tiny_flux()
+    enable_offload(pipe, device="cpu")
+    images(pipe, 0)
+    gone = weakref.ref(pipe)
+    del pipe
+    gc.collect()
+    assert gone() is None
+
+
+# -- inputs follow the compute device -------------------------------------------------------------
+
+
+def test_tensor_arguments_are_sent_to_the_compute_device():
+    from residency.adapters.diffusers import _to_device
+
+    meta = torch.device("meta")
+    args = (torch.ones(2), [torch.ones(1), 3], {"mask": torch.ones(1), "n": None}, "text")
+    moved = _to_device(args, meta)
+    assert moved[0].device == meta and moved[1][0].device == meta and moved[1][1] == 3
+    assert moved[2]["mask"].device == meta and moved[2]["n"] is None and moved[3] == "text"
+    kept = torch.ones(1, device=meta)
+    assert _to_device(kept, meta) is kept  # already there: not copied
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, ALL_COMPONENTS], ids=["vae resident", "all offloaded"])
+def test_wan22_on_an_accelerator_matches_the_plain_pipeline_there(config):
+    device = torch.accelerator.current_accelerator()
+    plain, pipe = tiny_wan22().to(device), tiny_wan22()
+    scheduler = enable_offload(pipe, config, device=device)
+    assert pipe._execution_device.type == device.type
+    for seed in (0, 1):
+        assert torch.equal(frames(pipe, seed), frames(plain, seed))
+    assert pipe._execution_device.type == device.type
+    assert scheduler.transitions.count >= 4
+    disable_offload(pipe)
