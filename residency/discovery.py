@@ -5,10 +5,11 @@
         _encoder_modules = ("text_encoder",)
         _vae_modules = ("vae",)
 
-    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]})
+    config = {"mode": "module", "components": ["dit", "text_encoder"]}
+    scheduler = Scheduler.from_pipeline(pipe, config)
     with scheduler.resident("text_encoder"):      # the DiTs leave the device
         context = pipe.text_encoder(ids)
-    with scheduler.resident("transformer"):       # the encoders and transformer_2 leave
+    with scheduler.resident("transformer"):       # the encoder and transformer_2 leave
         latents = pipe.transformer(latents, context)
 
 The grouping rule, in one place (`plan_components`):
@@ -42,10 +43,13 @@ from residency.component import Policy
 from residency.config import OffloadConfig, resolve_config
 from residency.errors import ConfigError
 from residency.scheduler import NoOffload, Scheduler
-from residency.split import SplitModel, split_parts
+from residency.split import split_parts
 
 __all__ = [
+    "ENCODER_GROUP",
+    "VAE_GROUP",
     "ComponentPlan",
+    "Member",
     "SupportsComponentDiscovery",
     "apply_plan",
     "plan_components",
@@ -459,13 +463,13 @@ def apply_plan(scheduler: Scheduler | NoOffload, plan: ComponentPlan) -> None:
 
 
 def _check_no_shared_tensors(plan: ComponentPlan) -> None:
-    owners: dict[int, tuple[str, str]] = {}
+    owners: dict[tuple, tuple[str, str]] = {}
     for group, path, module in plan.members():
         for tensor in itertools.chain(module.parameters(), module.buffers()):
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0:
                 continue
-            key = storage.data_ptr()
+            key = (storage.device, storage.data_ptr())
             other_group, other_path = owners.setdefault(key, (group, path))
             if other_group != group:
                 raise ConfigError(
@@ -505,5 +509,10 @@ def scheduler_from_pipeline(
         scheduler: Scheduler | NoOffload = NoOffload(device)
     else:
         scheduler = cls(device, pin_memory=None if parsed.pin_memory else False)
-    apply_plan(scheduler, plan)
+    try:
+        apply_plan(scheduler, plan)
+    except BaseException:
+        if isinstance(scheduler, Scheduler):
+            scheduler.close()
+        raise
     return scheduler

@@ -65,7 +65,8 @@ class SplitModel:
 
     `_split_parts` maps each part name (its group name) to one dotted path or a tuple of them,
     relative to the model.  A copy (``copy.deepcopy``, pickling) of the model is detached: its
-    `scheduler` is a fresh `NoOffload`.
+    `scheduler` is a fresh `NoOffload`.  After ``scheduler.close()`` the model still points at the
+    closed scheduler; assign a new one (``model.scheduler = NoOffload()``) to run it again.
     """
 
     #: Part name -> dotted path(s) of the part's modules, relative to the model.

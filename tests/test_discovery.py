@@ -358,6 +358,17 @@ def test_groups_sharing_a_tensor_are_refused_before_anything_moves():
     assert [t.data_ptr() for t in pipe.state_dict().values()] == pointers
 
 
+def test_tensors_shared_inside_one_group_or_with_offloading_off_are_fine():
+    pipe = TwoExpertPipeline()
+    pipe.prompt_adapter.encoder[0].weight = pipe.text_encoder[0].weight  # both in text_encoder
+    scheduler = Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    with scheduler.resident("text_encoder"):
+        assert pipe.prompt_adapter.encoder[0].weight is pipe.text_encoder[0].weight
+    scheduler.close()
+    pipe.transformer_2[0].weight = pipe.transformer[0].weight  # across groups: harmless when off
+    assert isinstance(Scheduler.from_pipeline(pipe), NoOffload)
+
+
 def test_a_pipeline_without_declarations_is_refused():
     with pytest.raises(ConfigError, match=r"Sequential does not declare its components: "
                                           r"subclass SupportsComponentDiscovery"):
