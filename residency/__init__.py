@@ -13,6 +13,13 @@
 """
 
 from residency.component import Policy, Residency, ResidencyState
+from residency.config import OffloadConfig, resolve_config
+from residency.discovery import (
+    ComponentPlan,
+    SupportsComponentDiscovery,
+    apply_plan,
+    plan_components,
+)
 from residency.errors import (
     ConfigError,
     DeadlockError,
@@ -26,6 +33,7 @@ from residency.errors import (
 )
 from residency.records import TransitionRecord, chrome_trace, summarize
 from residency.scheduler import NoOffload, Phase, Scheduler
+from residency.split import SplitModel
 
 __all__ = [
     # the top-level API
@@ -35,6 +43,14 @@ __all__ = [
     "Phase",
     "Policy",
     "ResidencyState",
+    # configuration and pipelines
+    "OffloadConfig",
+    "resolve_config",
+    "SupportsComponentDiscovery",
+    "SplitModel",
+    "ComponentPlan",
+    "plan_components",
+    "apply_plan",
     # records
     "TransitionRecord",
     "summarize",

@@ -73,9 +73,13 @@ class Residency:
         host_master: HostMaster,
         device_storage: DeviceStorage,
         transport: Transport,
+        *,
+        excluded: tuple[nn.Module, ...] = (),
     ) -> None:
         self.name = name
         self.modules = modules
+        #: Submodules of `modules` left out of the group (they belong to other groups or none).
+        self.excluded = excluded
         self.policy = policy
         #: Whether the group is swapped by phases (policy EXCLUSIVE); read on the hot path.
         self.exclusive = policy is Policy.EXCLUSIVE

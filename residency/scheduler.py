@@ -196,25 +196,29 @@ class Scheduler:
         modules: nn.Module | Iterable[nn.Module],
         *,
         policy: str | Policy = "exclusive",
+        exclude: nn.Module | Iterable[nn.Module] = (),
     ) -> Residency:
         """Register `modules` as group `name` and pack their weights into a host master.
 
         ``policy="exclusive"`` groups are swapped by ``resident()``; ``policy="resident"`` groups
-        are placed on the device now and never evicted.  A refused call changes nothing.
+        are placed on the device now and never evicted.  Submodules in `exclude` (and all under
+        them) are left out, so they can form groups of their own.  A refused call changes nothing.
 
             scheduler.add("text_encoder", [clip, t5])
             scheduler.add("vae", pipe.vae, policy="resident")
+            scheduler.add("shared", model, policy="resident", exclude=[model.reasoner, model.generator])
         """
         self._check_open()
         _check_name(name, self._groups)
         policy = _parse_policy(policy)
         roots = _as_modules(name, modules)
+        excluded = _as_excluded(name, exclude, roots)
         with self._lock:
-            self._check_modules_free(name, roots)
-            inventory = take_inventory(roots, chunk_nbytes=self.chunk_nbytes)
+            inventory = take_inventory(roots, chunk_nbytes=self.chunk_nbytes, exclude=excluded)
+            self._check_modules_free(name, inventory.modules)
             self._check_tensors_free(name, inventory)
             self._check_budget(name, inventory, policy)
-            residency = self._register(name, roots, policy, inventory)
+            residency = self._register(name, roots, policy, inventory, excluded)
         if policy is Policy.RESIDENT:
             self._place_resident(residency)
         return residency
@@ -323,10 +327,14 @@ class Scheduler:
         group = self._lookup(name)
         with self._lock:
             self._check_not_held(group, "refresh")
-            inventory = take_inventory(group.modules, chunk_nbytes=self.chunk_nbytes)
+            inventory = take_inventory(
+                group.modules, chunk_nbytes=self.chunk_nbytes, exclude=group.excluded
+            )
             self._check_tensors_free(name, inventory, ignore=group)
             self._unregister(group)
-            residency = self._register(name, group.modules, group.policy, inventory)
+            residency = self._register(
+                name, group.modules, group.policy, inventory, group.excluded
+            )
         if residency.policy is Policy.RESIDENT:
             self._place_resident(residency)
         return residency
@@ -567,13 +575,20 @@ class Scheduler:
     # -- registration helpers ------------------------------------------------------------------
 
     def _register(
-        self, name: str, roots: tuple[nn.Module, ...], policy: Policy, inventory: Inventory
+        self,
+        name: str,
+        roots: tuple[nn.Module, ...],
+        policy: Policy,
+        inventory: Inventory,
+        excluded: tuple[nn.Module, ...],
     ) -> Residency:
         storage = self._exclusive_slots[0]
         if policy is Policy.RESIDENT:
             storage = self._resident_storages[name] = DeviceStorage(self._transport)
         master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory)
-        residency = Residency(name, roots, policy, inventory, master, storage, self._transport)
+        residency = Residency(
+            name, roots, policy, inventory, master, storage, self._transport, excluded=excluded
+        )
         self._groups[name] = residency
         return residency
 
@@ -646,17 +661,16 @@ class Scheduler:
                 "Call it between phases"
             )
 
-    def _check_modules_free(self, name: str, roots: tuple[nn.Module, ...]) -> None:
-        for other in self._groups.values():
-            theirs = {id(m) for root in other.modules for m in root.modules()}
-            for root in roots:
-                for module in root.modules():
-                    if id(module) in theirs:
-                        raise RegistrationError(
-                            f"cannot add group {name!r}: its {type(module).__name__} module "
-                            f"already belongs to group {other.name!r}. A module belongs to one "
-                            f"group; remove it from {other.name!r} or register a different module"
-                        )
+    def _check_modules_free(self, name: str, submodules: Iterable[nn.Module]) -> None:
+        owners = {id(m): other for other in self._groups.values() for m in other.inventory.modules}
+        for module in submodules:
+            other = owners.get(id(module))
+            if other is not None:
+                raise RegistrationError(
+                    f"cannot add group {name!r}: its {type(module).__name__} module already "
+                    f"belongs to group {other.name!r}. A module belongs to one group; remove it "
+                    f"from {other.name!r}, register a different module, or exclude it"
+                )
 
     def _check_tensors_free(
         self, name: str, inventory: Inventory, ignore: Residency | None = None
@@ -797,6 +811,20 @@ def _as_modules(name: str, modules: object) -> tuple[nn.Module, ...]:
                 "pass modules (for example pipe.text_encoder), not tensors or names"
             )
     return roots
+
+
+def _as_excluded(
+    name: str, exclude: nn.Module | Iterable[nn.Module], roots: tuple[nn.Module, ...]
+) -> tuple[nn.Module, ...]:
+    excluded = (exclude,) if isinstance(exclude, nn.Module) else tuple(exclude)
+    inside = {id(m) for root in roots for m in root.modules()}
+    for module in excluded:
+        if not isinstance(module, nn.Module) or id(module) not in inside:
+            raise RegistrationError(
+                f"group {name!r}: exclude= takes submodules of the modules being added, and "
+                f"{type(module).__name__} is not one of them; pass modules reached from them"
+            )
+    return excluded
 
 
 def _storage_spans(groups: Iterable[Residency]) -> list[tuple[int, int, Residency]]:

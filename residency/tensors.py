@@ -163,14 +163,19 @@ class Inventory:
 
 
 def take_inventory(
-    modules: Sequence[nn.Module], *, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES
+    modules: Sequence[nn.Module],
+    *,
+    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+    exclude: Sequence[nn.Module] = (),
 ) -> Inventory:
     """List the unique tensors of `modules`, group them by storage and lay out their pack.
 
-    Raises `RegistrationError` (and touches nothing) for meta or lazy tensors, tensor subclasses,
-    non-strided layouts, or a module set without any tensor.
+    Submodules in `exclude` (and everything under them) are left out.  Raises `RegistrationError`
+    (and touches nothing) for meta or lazy tensors, tensor subclasses, non-strided layouts, or a
+    module set without any tensor.
     """
-    owners = _collect_slots(modules)
+    submodules = unique_submodules(modules, exclude)
+    owners = _collect_slots(submodules)
     if not owners:
         names = ", ".join(type(m).__name__ for m in modules)
         raise RegistrationError(
@@ -184,13 +189,13 @@ def take_inventory(
     placements, region_sources, region_nbytes = _place_in_regions(tensors)
     layout = _lay_out(region_nbytes, chunk_nbytes)
     return Inventory(
-        modules=tuple(_unique_submodules(modules)),
+        modules=tuple(submodules),
         tensors=tensors,
         slots=slots,
         placements=placements,
         layout=layout,
         source_regions=region_sources,
-        structure=Structure(_unique_submodules(modules)),
+        structure=Structure(submodules),
     )
 
 
@@ -259,20 +264,28 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
-def _unique_submodules(modules: Sequence[nn.Module]) -> list[nn.Module]:
+def unique_submodules(
+    modules: Sequence[nn.Module], exclude: Sequence[nn.Module] = ()
+) -> list[nn.Module]:
+    """Every module under `modules` once, depth first, skipping the subtrees in `exclude`."""
+    skipped = {id(module) for module in exclude}
     seen: dict[int, nn.Module] = {}
-    for root in modules:
-        for module in root.modules():
-            seen.setdefault(id(module), module)
+    pending = list(reversed(modules))
+    while pending:
+        module = pending.pop()
+        if id(module) in skipped or id(module) in seen:
+            continue
+        seen[id(module)] = module
+        pending.extend(reversed([m for m in module._modules.values() if m is not None]))
     return list(seen.values())
 
 
 def _collect_slots(
-    modules: Sequence[nn.Module],
+    submodules: Sequence[nn.Module],
 ) -> dict[int, tuple[torch.Tensor, list[TensorSlot]]]:
     """Map id(tensor) -> (tensor, every slot that holds it), in module traversal order."""
     owners: dict[int, tuple[torch.Tensor, list[TensorSlot]]] = {}
-    for module in _unique_submodules(modules):
+    for module in submodules:
         for table, is_buffer in ((module._parameters, False), (module._buffers, True)):
             for name, tensor in table.items():
                 if tensor is None:

@@ -531,3 +531,29 @@ def test_close_inside_a_phase_is_refused_and_changes_nothing(scheduler):
         with pytest.raises(PhaseError, match="cannot close the scheduler while a phase is active"):
             scheduler.close()
         assert len(scheduler) == 3 and scheduler.current == "dit"
+
+
+def test_excluded_submodules_can_form_groups_of_their_own(scheduler):
+    model = nn.Module()
+    model.pos_embed = nn.Parameter(torch.randn(32))  # held directly by the parent
+    model.reasoner, model.generator = make_block(seed=1), make_block(seed=2)
+    plain = twin(model)
+    shared = scheduler.add("shared", model, policy="resident",
+                           exclude=[model.reasoner, model.generator])
+    scheduler.add("reasoner", model.reasoner)
+    scheduler.add("generator", model.generator)
+    assert shared.tensors == (model.pos_embed,)
+    x = torch.randn(2, 32)
+    with scheduler.resident("reasoner"):
+        hidden = run_block(model.reasoner, x + model.pos_embed)
+    with scheduler.resident("generator"):
+        out = run_block(model.generator, hidden)
+    expected = run_block(plain.generator, run_block(plain.reasoner, x + plain.pos_embed))
+    assert torch.equal(out, expected)
+    assert scheduler.resident_groups() == ["shared", "generator"]
+
+
+def test_exclude_takes_only_submodules(scheduler):
+    with pytest.raises(RegistrationError, match="exclude= takes submodules of the modules being added"):
+        scheduler.add("a", make_block(), exclude=[nn.Linear(2, 2)])
+    assert len(scheduler) == 0
