@@ -1,0 +1,48 @@
+"""The speed goals of the project, as data: what is measured, the limit, and the words.
+
+    REENTRY.judge({"median_s": 2.4e-6})   # {"goal": "re-entry ...", "value": 2.4e-06, "met": True, ...}
+
+A case names its goal in ``benchmark.extra_info["goal"]``; the report judges it from the JSON alone.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["EVICT_UNCHANGED", "Goal", "PER_TENSOR", "REENTRY", "REGISTRATION", "SWAP"]
+
+
+@attrs.frozen(kw_only=True)
+class Goal:
+    """Met when the case's figure named `metric` is at most `limit`."""
+
+    #: A key of the case's figures (see `benchmarks.figures.derive`).
+    metric: str
+    limit: float
+    #: The goal in words, with its unit.
+    text: str
+
+    def as_dict(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Goal:
+        return cls(metric=data["metric"], limit=float(data["limit"]), text=data["text"])
+
+    def judge(self, figures: dict) -> dict:
+        """The verdict on `figures`; ``met`` is None when the figure is missing (benchmark disabled)."""
+        value = figures.get(self.metric)
+        met = None if value is None else bool(value <= self.limit)
+        return {"goal": self.text, "metric": self.metric, "limit": self.limit, "value": value,
+                "met": met}
+
+
+REENTRY = Goal(metric="median_s", limit=3e-6, text="re-entry of the resident group <= 3 us")
+SWAP = Goal(metric="ratio", limit=1.10,
+            text="swap between two 400 MiB groups of 400 tensors <= 1.10x the copy floor")
+PER_TENSOR = Goal(metric="per_tensor_overhead_s", limit=0.5e-6,
+                  text="per-tensor overhead of a transition <= 0.5 us")
+REGISTRATION = Goal(metric="ratio", limit=1.5,
+                    text="cold start (Scheduler.add) <= 1.5x the copy floor")
+EVICT_UNCHANGED = Goal(metric="per_1000_tensors_s", limit=1e-3,
+                       text="eviction of unchanged weights <= 1 ms per 1,000 tensors")

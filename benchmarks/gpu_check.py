@@ -1,0 +1,640 @@
+"""``python -m benchmarks.gpu_check``: the prepared check for one GPU (issue 4, item 8).
+
+    python -m benchmarks.gpu_check --out benchmarks/results/      # one CUDA GPU; < 8 min on an H200
+    python -m benchmarks.gpu_check --dry-run --out /tmp/check/    # the CPU, tiny sizes: code paths only
+
+Measures, in one run, on one device:
+
+* ``ceiling``       the pinned host-to-device ceiling: one large bulk copy (and device-to-host);
+* ``onload``        our onload GB/s for 1, 4 and 16 GiB groups, the transition latency against the
+                    ceiling, registration (seconds, pinned bytes, peak host RSS), peak device memory;
+* ``eviction``      eviction of unchanged weights per 1,000 tensors; write-back of changed ones;
+* ``reentry``       re-entry of the resident group, beside accelerate's hook on the same model;
+* ``steady_state``  host syncs in a loop of phases (``torch.cuda.set_sync_debug_mode("error")`` and a
+                    profiler count of synchronize calls), ``memory_reserved`` over 1,000 transitions;
+* ``pipeline``      the synthetic Wan2.2-shaped pipeline (`benchmarks.wan_shaped`, ~5.3 GiB) with no
+                    offload, with ours, and under diffusers' ``enable_model_cpu_offload`` and group
+                    offloading (skipped, with the reason, when diffusers is not importable).
+
+Writes ``gpu-check-<device>-<date>.json`` under ``--out`` after every section (a run cut short still
+leaves what it measured), with a ``must_show`` block judging issue 4's goals.  Each section catches
+its own errors and records them; the exit code is 1 when any section failed.  ``--budget-s`` (default
+420) skips what would not fit.  In ``--dry-run`` the CPU stands in for the GPU: every code path runs
+at tiny sizes, the CUDA-only checks are recorded as skipped, and the figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import re
+import statistics
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import torch
+
+from benchmarks.floor import synchronize
+from benchmarks.machine import describe_machine
+from benchmarks.models import ManyModules, Stack
+from benchmarks.peers import OFFLOADERS, install, unavailable
+from benchmarks.scale import GiB, KiB, MiB
+from benchmarks import wan_shaped
+from residency import Scheduler
+from residency.tensors import DEFAULT_CHUNK_NBYTES
+
+__all__ = ["CheckSizes", "main"]
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+@attrs.frozen(kw_only=True)
+class CheckSizes:
+    """How big each section is: `full` for an H200, `dry` for a CPU dry run."""
+
+    ceiling_nbytes: int
+    repeats: int
+    onload_sizes: tuple[int, ...] = attrs.field(converter=tuple)
+    #: Bytes per tensor of the onload groups (16 MiB: 1,024 tensors in a 16 GiB group).
+    onload_tensor_nbytes: int
+    evict_nbytes: int
+    evict_tensors: int
+    steady_nbytes: int
+    steady_tensors: int
+    steady_phases: int
+    reserved_transitions: int
+    reentry_modules: int
+    reentry_calls: int
+    pipeline: wan_shaped.WanShaped
+    pipeline_calls: int
+    dtype: torch.dtype = torch.bfloat16
+
+    @classmethod
+    def full(cls) -> CheckSizes:
+        return cls(ceiling_nbytes=4 * GiB, repeats=5, onload_sizes=(1 * GiB, 4 * GiB, 16 * GiB),
+                   onload_tensor_nbytes=16 * MiB, evict_nbytes=256 * MiB, evict_tensors=10_000,
+                   steady_nbytes=256 * MiB, steady_tensors=256, steady_phases=200,
+                   reserved_transitions=1_000, reentry_modules=1_000, reentry_calls=5_000,
+                   pipeline=wan_shaped.WanShaped.full(), pipeline_calls=3)
+
+    @classmethod
+    def dry(cls) -> CheckSizes:
+        return cls(ceiling_nbytes=4 * MiB, repeats=2, onload_sizes=(256 * KiB, 1 * MiB),
+                   onload_tensor_nbytes=64 * KiB, evict_nbytes=256 * KiB, evict_tensors=100,
+                   steady_nbytes=64 * KiB, steady_tensors=8, steady_phases=10,
+                   reserved_transitions=20, reentry_modules=50, reentry_calls=50,
+                   pipeline=wan_shaped.WanShaped.tiny(), pipeline_calls=1, dtype=torch.float32)
+
+
+@attrs.define
+class _Check:
+    """What the sections share: the device, the sizes, the clock, and the results so far."""
+
+    device: torch.device
+    sizes: CheckSizes
+    dry_run: bool
+    deadline: float
+    path: Path
+    results: dict
+    #: Pinned host-to-device bytes per second, once ``ceiling`` has run.
+    ceiling_bps: float | None = None
+
+    def save(self) -> None:
+        """Write the results so far (atomically: a run cut short leaves a whole file)."""
+        temporary = self.path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps(self.results, indent=2, default=str) + "\n")
+        temporary.replace(self.path)
+
+
+# -- sections ------------------------------------------------------------------------------------
+
+
+def ceiling(check: _Check) -> dict:
+    """The physical limit: one bulk copy from pinned host memory to the device, and back."""
+    n, device = check.sizes.ceiling_nbytes, check.device
+    pinned = device.type != "cpu"
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=pinned).fill_(1)
+    back = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+    on_device = torch.empty(n, dtype=torch.uint8, device=device)
+    h2d = _seconds(lambda: on_device.copy_(host, non_blocking=pinned), device, check.sizes.repeats)
+    d2h = _seconds(lambda: back.copy_(on_device, non_blocking=pinned), device, check.sizes.repeats)
+    check.ceiling_bps = n / statistics.median(h2d)
+    return {"nbytes": n, "pinned": pinned, "h2d_seconds": h2d, "d2h_seconds": d2h,
+            "h2d_gbps": n / statistics.median(h2d) / 1e9, "d2h_gbps": n / statistics.median(d2h) / 1e9}
+
+
+def onload(check: _Check) -> dict:
+    """Our onload GB/s per group size, against the ceiling; registration facts for each group."""
+    groups = {}
+    for size in check.sizes.onload_sizes:
+        remaining = check.deadline - time.monotonic()
+        if remaining < 30 + 6 * size / 1e9:
+            groups[_size_name(size)] = {"skipped": f"time budget: {remaining:.0f} s left"}
+            continue
+        groups[_size_name(size)] = _onload_one(check, size)
+        _release_memory(check.device)
+    return {"groups": groups}
+
+
+def _onload_one(check: _Check, size: int) -> dict:
+    device, sizes = check.device, check.sizes
+    scheduler = Scheduler(device)
+    module = Stack(size, max(1, size // sizes.onload_tensor_nbytes), dtype=sizes.dtype)
+    registration = _register(scheduler, "big", module)
+    group = scheduler["big"]
+    scheduler.add("small", Stack(4 * KiB, 1, dtype=sizes.dtype))
+    _reset_peak(device)
+    seconds = []
+    for _ in range(sizes.repeats + 1):
+        _enter(scheduler, "small", device)
+        start = time.perf_counter()
+        _enter(scheduler, "big", device)
+        seconds.append(time.perf_counter() - start)
+    seconds = seconds[1:]  # the first load allocates device storage
+    evictions = [r.evict_seconds for r in scheduler.transitions if r.from_group == "big"]
+    median = statistics.median(seconds)
+    result = {
+        "nbytes": group.nbytes, "tensors": len(group.tensors), "onload_seconds": seconds,
+        "onload_gbps": group.nbytes / median / 1e9,
+        "evict_unchanged_median_s": statistics.median(evictions),
+        "peak_device_bytes": _peak(device), "registration": registration,
+    }
+    if check.ceiling_bps:
+        result["fraction_of_ceiling"] = group.nbytes / median / check.ceiling_bps
+        result["latency_vs_ceiling"] = median / (group.nbytes / check.ceiling_bps)
+    scheduler.close()
+    return result
+
+
+def _register(scheduler: Scheduler, name: str, module) -> dict:
+    """Time ``add``; report pinned bytes against weight bytes and the peak host RSS it needed."""
+    _reset_peak_rss()
+    rss_before = _rss()
+    start = time.perf_counter()
+    group = scheduler.add(name, module)
+    seconds = time.perf_counter() - start
+    peak = _peak_rss()
+    return {
+        "seconds": seconds, "gbps": group.nbytes / seconds / 1e9, "weight_nbytes": group.nbytes,
+        "master_nbytes": group.host_master.nbytes, "pinned": group.host_master.pinned,
+        "master_over_weights": group.host_master.nbytes / group.nbytes,
+        "chunk_nbytes": scheduler.chunk_nbytes,
+        "peak_rss_over_start_nbytes": None if peak is None or rss_before is None else peak - rss_before,
+        "host_allocator": _host_allocator_stats(scheduler.device),
+    }
+
+
+def eviction(check: _Check) -> dict:
+    """Eviction time of unchanged weights per 1,000 tensors; write-back of changed weights."""
+    device, sizes = check.device, check.sizes
+    scheduler = Scheduler(device)
+    group = scheduler.add("many", Stack(sizes.evict_nbytes, sizes.evict_tensors, dtype=sizes.dtype))
+    scheduler.add("small", Stack(4 * KiB, 1, dtype=sizes.dtype))
+    result = {"nbytes": group.nbytes, "tensors": len(group.tensors)}
+    for changed in (False, True):
+        records = []
+        for _ in range(sizes.repeats + 1):
+            with scheduler.resident("many"):
+                if changed:
+                    with torch.no_grad():
+                        for tensor in group.tensors:
+                            tensor.mul_(1)
+            synchronize(device)
+            _enter(scheduler, "small", device)
+            records.append(scheduler.transitions[-1])
+        records = records[1:]
+        evict_s = statistics.median(r.evict_seconds for r in records)
+        key = "changed" if changed else "unchanged"
+        result[key] = {"evict_median_s": evict_s, "written_back": records[-1].written_back,
+                       "per_1000_tensors_s": evict_s / len(group.tensors) * 1_000}
+        if changed:
+            result[key]["write_back_gbps"] = records[-1].written_back / evict_s / 1e9
+    scheduler.close()
+    return result
+
+
+def reentry(check: _Check) -> dict:
+    """Re-entering the resident group, and accelerate's hook per forward, on ~1,000 modules."""
+    device, calls = check.device, check.sizes.reentry_calls
+    scheduler = Scheduler(device)
+    model = ManyModules(check.sizes.reentry_modules)
+    scheduler.add("model", model)
+    _enter(scheduler, "model", device)
+
+    def reenter():
+        with scheduler.resident("model"):
+            pass
+
+    result = {"modules": len(list(model.modules())), "reentry_s": _per_call(reenter, calls)}
+    x = torch.ones(1, device=device)
+    with torch.no_grad():
+        result["residency_forward_s"] = _per_call(lambda: _forward_in_phase(scheduler, model, x),
+                                                  calls)
+        plain = ManyModules(check.sizes.reentry_modules).to(device)
+        result["plain_forward_s"] = _per_call(lambda: plain(x), calls)
+        result["accelerate"] = _accelerate_forward(check, x, calls)
+    synchronize(device)
+    scheduler.close()
+    return result
+
+
+def _forward_in_phase(scheduler, model, x):
+    with scheduler.resident("model"):
+        return model(x)
+
+
+def _accelerate_forward(check: _Check, x: torch.Tensor, calls: int) -> dict:
+    try:
+        from accelerate import cpu_offload_with_hook
+    except ImportError:
+        return {"skipped": "accelerate is not installed"}
+    result = {}
+    for label, execution_device in (("device", check.device), ("str", str(check.device))):
+        model = ManyModules(check.sizes.reentry_modules)
+        cpu_offload_with_hook(model, execution_device=execution_device)
+        model(x)
+        result[f"forward_s_execution_device_{label}"] = _per_call(lambda: model(x), calls)
+    return result
+
+
+def steady_state(check: _Check) -> dict:
+    """Host syncs in a loop of phases, and memory_reserved over many transitions."""
+    device, sizes = check.device, check.sizes
+    scheduler = Scheduler(device)
+    modules = {name: Stack(sizes.steady_nbytes, sizes.steady_tensors, dtype=sizes.dtype)
+               for name in ("a", "b")}
+    for name, module in modules.items():
+        scheduler.add(name, module)
+    x = torch.ones(1, dtype=sizes.dtype, device=device)
+
+    def phases(count: int) -> None:
+        with torch.no_grad():
+            for i in range(count):
+                name = "ab"[i % 2]
+                with scheduler.resident(name):
+                    modules[name](x)
+
+    phases(4)
+    synchronize(device)
+    result = {"phases": sizes.steady_phases, "sync_debug": _sync_debug(phases, sizes.steady_phases,
+                                                                        device),
+              "profiled_syncs": _profiled_syncs(phases, sizes.steady_phases, device),
+              "memory_reserved": _reserved_over(phases, sizes.reserved_transitions, device)}
+    synchronize(device)
+    scheduler.close()
+    return result
+
+
+def _sync_debug(phases: Callable[[int], None], count: int, device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"skipped": "torch.cuda.set_sync_debug_mode needs CUDA"}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        phases(count)
+        outcome = {"host_syncs": 0}
+    except RuntimeError as error:  # raised at the first sync: at least one
+        outcome = {"host_syncs": 1, "first_sync": str(error).splitlines()[0]}
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return outcome
+
+
+def _profiled_syncs(phases: Callable[[int], None], count: int, device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"skipped": "counting CUDA runtime synchronize calls needs CUDA"}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        phases(count)
+    torch.cuda.synchronize()
+    calls = Counter(e.name for e in profiler.events()
+                    if "Synchronize" in e.name or e.name in ("cudaMemcpy", "cudaFree", "cudaMalloc"))
+    return {"calls": dict(calls), "host_syncs": sum(n for k, n in calls.items() if "Synchronize" in k)}
+
+
+def _reserved_over(phases: Callable[[int], None], transitions: int, device: torch.device) -> dict:
+    if device.type != "cuda":
+        phases(transitions)
+        return {"skipped": "memory_reserved needs CUDA (the loop still ran)", "transitions": transitions}
+    marks, done = {}, 0
+    for mark in (10, 100, transitions):
+        phases(mark - done)
+        done = mark
+        torch.cuda.synchronize()
+        marks[str(mark)] = torch.cuda.memory_reserved()
+    return {"transitions": transitions, "reserved_at": marks,
+            "flat": marks[str(transitions)] == marks["10"],
+            "max_reserved": torch.cuda.max_memory_reserved()}
+
+
+def pipeline(check: _Check) -> dict:
+    """The Wan2.2-shaped pipeline under every offloader; overhead against bytes moved / ceiling."""
+    device, config = check.device, check.sizes.pipeline
+    state = wan_shaped.make_state(config, device)
+    ids, latents = wan_shaped.inputs(config, device)
+    modes, reference = {}, None
+    for mode in OFFLOADERS:
+        reason = unavailable(mode, device, allow_cpu=check.dry_run)
+        remaining = check.deadline - time.monotonic()
+        if reason is None and remaining < 45:
+            reason = f"time budget: {remaining:.0f} s left"
+        if reason is not None:
+            modes[mode] = {"skipped": reason}
+            continue
+        modes[mode], output = _pipeline_mode(check, mode, state, ids, latents)
+        reference = output if reference is None else reference
+        modes[mode]["bit_identical_to_none"] = bool(torch.equal(output, reference))
+        del output
+        _release_memory(device)
+    weights = {name: sum(t.nbytes for t in part.values()) for name, part in state.items()}
+    moved = sum(n for name, n in weights.items() if name != "vae")
+    result = {"config": attrs.asdict(config, value_serializer=lambda i, a, v: str(v)
+                                     if isinstance(v, torch.dtype) else v),
+              "weight_nbytes": weights, "moved_per_call_nbytes": moved, "modes": modes}
+    result.update(_pipeline_verdicts(modes, moved, check.ceiling_bps))
+    return result
+
+
+def _pipeline_mode(check: _Check, mode: str, state, ids, latents) -> tuple[dict, torch.Tensor]:
+    device, config = check.device, check.sizes.pipeline
+    parts = wan_shaped.build(config, state)
+    start = time.perf_counter()
+    offload = install(mode, parts, device, resident=("vae",))
+    setup_s = time.perf_counter() - start
+    _reset_peak(device)
+    output = wan_shaped.run(parts, offload, config, ids, latents)  # warm-up call
+    seconds = []
+    for _ in range(check.sizes.pipeline_calls):
+        synchronize(device)
+        start = time.perf_counter()
+        output = wan_shaped.run(parts, offload, config, ids, latents)
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    result = {"setup_s": setup_s, "call_seconds": seconds, "median_s": statistics.median(seconds),
+              "peak_device_bytes": _peak(device)}
+    output = output.to("cpu")
+    offload.close()
+    return result, output
+
+
+def _pipeline_verdicts(modes: dict, moved: int, ceiling_bps: float | None) -> dict:
+    none, ours = modes.get("none", {}).get("median_s"), modes.get("residency", {}).get("median_s")
+    if none is None or ours is None:
+        return {}
+    verdicts = {"residency_overhead_s": ours - none}
+    if ceiling_bps:
+        floor = moved / ceiling_bps
+        verdicts["moved_over_ceiling_s"] = floor
+        verdicts["overhead_over_floor"] = (ours - none) / floor
+    peer = modes.get("diffusers_model_cpu_offload", {}).get("median_s")
+    if peer is not None and ours > none:
+        verdicts["speedup_vs_model_cpu_offload"] = (peer - none) / (ours - none)
+    return verdicts
+
+
+SECTIONS: dict[str, Callable[[_Check], dict]] = {
+    "ceiling": ceiling, "onload": onload, "eviction": eviction, "reentry": reentry,
+    "steady_state": steady_state, "pipeline": pipeline,
+}
+
+
+# -- issue 4's "Must show" -------------------------------------------------------------------------
+
+
+def must_show(results: dict) -> dict:
+    """Judge issue 4's goals from the sections' results (None where a section did not run)."""
+    sections = results["sections"]
+    onloads = [r for r in sections.get("onload", {}).get("groups", {}).values()
+               if "fraction_of_ceiling" in r]
+    registrations = [r["registration"] for r in onloads]
+    steady = sections.get("steady_state", {})
+    counts = [steady.get(key, {}).get("host_syncs") for key in ("sync_debug", "profiled_syncs")]
+    counts = [n for n in counts if n is not None]
+    evict = sections.get("eviction", {}).get("unchanged", {}).get("per_1000_tensors_s")
+    pipe = sections.get("pipeline", {})
+    peak_rss = [r["peak_rss_over_start_nbytes"] - r["chunk_nbytes"] for r in registrations
+                if r.get("peak_rss_over_start_nbytes") is not None]
+    return {
+        "onload_fraction_of_ceiling": _verdict(min((r["fraction_of_ceiling"] for r in onloads),
+                                                   default=None), 0.90, at_least=True),
+        "evict_unchanged_per_1000_tensors_s": _verdict(evict, 1e-3),
+        "host_syncs_in_steady_state": _verdict(max(counts) if counts else None, 0),
+        "pipeline_overhead_over_floor": _verdict(pipe.get("overhead_over_floor"), 1.10),
+        "speedup_vs_model_cpu_offload": _verdict(pipe.get("speedup_vs_model_cpu_offload"), 3.0,
+                                                 at_least=True),
+        "pinned_over_weights": _verdict(max((r["master_over_weights"] for r in registrations),
+                                            default=None), 1.02),
+        "peak_rss_over_weights_plus_one_chunk_nbytes": _verdict(max(peak_rss, default=None), 0),
+    }
+
+
+def _verdict(value, limit, *, at_least: bool = False) -> dict:
+    met = None if value is None else bool(value >= limit if at_least else value <= limit)
+    return {"value": value, "limit": limit, "at_least" if at_least else "at_most": True, "met": met}
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device here: run on a GPU machine, or pass --dry-run to exercise the code "
+              "paths on the CPU at tiny sizes", file=sys.stderr)
+        return 2
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
+    threads = torch.get_num_threads()
+    if args.dry_run:
+        torch.set_num_threads(1)  # tiny ops; a second thread only adds wake-up latency on small VMs
+    try:
+        return _check(args, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(args: argparse.Namespace, device: torch.device) -> int:
+    sizes = CheckSizes.dry() if args.dry_run else CheckSizes.full()
+    wanted = args.sections.split(",") if args.sections else list(SECTIONS)
+    unknown = [name for name in wanted if name not in SECTIONS]
+    if unknown:
+        print(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    check = _Check(device=device, sizes=sizes, dry_run=args.dry_run, deadline=start + args.budget_s,
+                   path=_output_path(Path(args.out), device, args.dry_run), results={})
+    check.results.update(_header(check))
+    failed = _run_sections(check, wanted, start)
+    print(json.dumps(check.results["must_show"], indent=2))
+    print(f"wrote {check.path} in {time.monotonic() - start:.0f} s")
+    return 1 if failed else 0
+
+
+def _run_sections(check: _Check, wanted: list[str], start: float) -> list[str]:
+    failed = []
+    for name in wanted:
+        remaining = check.deadline - time.monotonic()
+        if remaining < 10:
+            check.results["sections"][name] = {"skipped": f"time budget: {remaining:.0f} s left"}
+            continue
+        print(f"[{time.monotonic() - start:6.1f} s] {name} ...", flush=True)
+        section_start = time.monotonic()
+        try:
+            outcome = SECTIONS[name](check)
+        except Exception as error:  # one broken section must not lose the others' figures
+            failed.append(name)
+            outcome = {"error": f"{type(error).__name__}: {error}",
+                       "traceback": traceback.format_exc().splitlines()[-8:]}
+            _release_memory(check.device)
+        outcome["section_seconds"] = time.monotonic() - section_start
+        check.results["sections"][name] = outcome
+        check.results["elapsed_s"] = time.monotonic() - start
+        check.results["must_show"] = must_show(check.results)
+        check.save()
+    return failed
+
+
+def _header(check: _Check) -> dict:
+    machine = describe_machine()
+    name = torch.cuda.get_device_name(check.device) if check.device.type == "cuda" else "cpu"
+    return {
+        "check": "benchmarks/gpu_check.py (issue 4, item 8)",
+        "dry_run": check.dry_run,
+        "note": ("CPU dry run at tiny sizes: it exercises the code paths; the figures mean nothing"
+                 if check.dry_run else "medians of repeated runs; host wall clock with the device "
+                                       "synchronized around each measured step"),
+        "device": str(check.device), "device_name": name,
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine, "sizes": attrs.asdict(check.sizes, recurse=False, value_serializer=
+                                                  lambda i, a, v: str(v) if not isinstance(
+                                                      v, (int, float, tuple, list)) else v),
+        "default_chunk_nbytes": DEFAULT_CHUNK_NBYTES, "sections": {}, "must_show": {},
+    }
+
+
+def _output_path(out: Path, device: torch.device, dry_run: bool) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    name = "dry-run-cpu" if dry_run else torch.cuda.get_device_name(device)
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return out / f"gpu-check-{slug}-{date}.json"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(_ROOT / "benchmarks" / "results"),
+                        help="directory for the JSON (default benchmarks/results/)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run every section on the CPU at tiny sizes (no GPU needed)")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="skip sections that would start after this many seconds (default 420)")
+    parser.add_argument("--sections", default="",
+                        help=f"comma-separated subset of: {', '.join(SECTIONS)}")
+    return parser
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+
+
+def _enter(scheduler: Scheduler, name: str, device: torch.device) -> None:
+    with scheduler.resident(name):
+        pass
+    synchronize(device)
+
+
+def _seconds(copy: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
+    copy()
+    synchronize(device)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _per_call(function: Callable[[], object], calls: int) -> float:
+    """Median over 5 loops of the mean seconds per call (the device synchronized per loop)."""
+    means = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            function()
+        means.append((time.perf_counter() - start) / calls)
+    return statistics.median(means)
+
+
+def _size_name(nbytes: int) -> str:
+    return f"{nbytes // GiB}GiB" if nbytes >= GiB else f"{nbytes // MiB}MiB" if nbytes >= MiB \
+        else f"{nbytes // KiB}KiB"
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def _release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _host_allocator_stats(device: torch.device) -> dict | None:
+    """Bytes the pinned (caching host) allocator holds, when torch exposes them."""
+    stats_of = getattr(torch.cuda, "host_memory_stats", None)
+    if device.type != "cuda" or stats_of is None:
+        return None
+    try:
+        stats = stats_of()
+    except RuntimeError:
+        return None
+    return {k: v for k, v in stats.items() if "bytes" in k and ("current" in k or "peak" in k)}
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _rss() -> int | None:
+    return _status_kib("VmRSS")
+
+
+def _peak_rss() -> int | None:
+    return _status_kib("VmHWM")
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark (Linux: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Eviction of unchanged weights (re-pointing only) against changed weights (written back).
+
+Each round loads the group (and, for "changed", changes every weight in place under ``no_grad``, as
+an optimizer step would), then times the transition to a one-tensor group.  The judged figure is the
+eviction part of that transition, read from ``scheduler.transitions``; the floor is a plain copy of
+the group's bytes, which is what writing every weight back costs at best.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.figures import record
+from benchmarks.floor import CopyFloor, FloorSamples, synchronize
+from benchmarks.goals import EVICT_UNCHANGED
+from benchmarks.models import Stack
+
+
+@pytest.mark.parametrize("weights", ["unchanged", "changed"])
+def test_eviction(benchmark, scheduler, scale, device, weights):
+    group = scheduler.add("weights", Stack(scale.evict_nbytes, scale.evict_tensors))
+    scheduler.add("other", Stack(4096, 1))
+    floor = FloorSamples(CopyFloor(group.nbytes, device))
+    changed = weights == "changed"
+
+    def load_group():
+        floor.before_round()
+        with scheduler.resident("weights"):
+            if changed:
+                with torch.no_grad():
+                    for tensor in group.tensors:
+                        tensor.mul_(1)  # an in-place change: the version counter moves
+        synchronize(device)
+
+    def leave_group():
+        with scheduler.resident("other"):
+            pass
+        synchronize(device)
+
+    rounds = scale.rounds(group.nbytes)
+    benchmark.pedantic(leave_group, setup=load_group, rounds=rounds, warmup_rounds=1)
+    evictions = [r for r in scheduler.transitions if r.from_group == "weights"]
+    evictions = evictions[-(1 if benchmark.disabled else rounds):]
+    expected = group.nbytes if changed else 0
+    assert all(r.written_back == expected for r in evictions), "write-back did not match the case"
+    seconds = sorted(r.evict_seconds for r in evictions)
+    record(benchmark, case=f"evict_{weights}", nbytes=group.nbytes, tensors=len(group.tensors),
+           floor_s=floor.median(), measured_s=seconds[len(seconds) // 2],
+           goal=None if changed else EVICT_UNCHANGED, written_back=expected)

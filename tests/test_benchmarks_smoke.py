@@ -1,0 +1,138 @@
+"""The benchmark code cannot rot: the suite at the tiny scale, the report, the GPU check's dry run.
+
+No figure is asserted here (speed goals live in benchmarks/); these tests check that every case
+runs, records its floor and ratio, that the report writes what it promises, and that the prepared
+GPU script runs every section on the CPU without an error.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _import_benchmarks():
+    """Import the `benchmarks` package from the repository root (it is not installed), leaving
+    ``sys.path`` as it was: the root also holds ``adapters/``, a name other packages use."""
+    added = str(ROOT) not in sys.path
+    if added:
+        sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import gpu_check, goals, report
+    finally:
+        if added:
+            sys.path.remove(str(ROOT))
+    return gpu_check, goals, report
+
+
+gpu_check, goals, report = _import_benchmarks()
+
+
+@pytest.fixture(scope="module")
+def tiny_suite(tmp_path_factory):
+    """Start the whole suite at the tiny scale in a subprocess; it runs beside the dry run below."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "benchmarks/", "-q", "-p", "no:cacheprovider",
+         "--bench-scale=tiny", f"--benchmark-json={out}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    yield process, out
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_suite) -> dict:
+    """The tiny suite's pytest-benchmark JSON (benchmarks enabled, so floors and ratios exist)."""
+    process, out = tiny_suite
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_gpu_check_dry_run_runs_every_section(tiny_suite, tmp_path):
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("gpu-check-dry-run-cpu-*.json")
+    results = json.loads(path.read_text())
+    assert results["dry_run"] is True and results["torch"] and results["date"]
+    sections = results["sections"]
+    assert set(sections) == set(gpu_check.SECTIONS)
+    assert not [name for name, section in sections.items() if "error" in section]
+    assert sections["ceiling"]["h2d_gbps"] > 0
+    assert all(r["onload_gbps"] > 0 for r in sections["onload"]["groups"].values())
+    assert sections["eviction"]["changed"]["written_back"] == sections["eviction"]["nbytes"]
+    assert "needs CUDA" in sections["steady_state"]["sync_debug"]["skipped"]
+    modes = sections["pipeline"]["modes"]
+    assert modes["residency"]["bit_identical_to_none"] is True
+    for peer in ("diffusers_model_cpu_offload", "diffusers_group_offload"):
+        assert "skipped" in modes[peer] or modes[peer]["bit_identical_to_none"] is True
+    assert set(results["must_show"]) >= {"onload_fraction_of_ceiling", "pinned_over_weights"}
+
+
+def test_every_case_records_its_floor_and_ratio(tiny_run):
+    cases = {b["name"]: b["extra_info"] for b in tiny_run["benchmarks"]}
+    expected = {"test_reentry", "test_swap_400mib", "test_eviction[unchanged]",
+                "test_eviction[changed]", "test_per_forward_overhead[accelerate_hook_str]",
+                "test_pipeline_cycle[residency]"}
+    assert expected <= set(cases)
+    assert any(name.startswith("test_transition_vs_size[") for name in cases)
+    assert any(name.startswith("test_transition_vs_tensor_count[") for name in cases)
+    assert any(name.startswith("test_cold_start[") for name in cases)
+    for name, info in cases.items():
+        assert info["floor_s"] > 0, name
+        assert info["ratio"] > 0, name
+    assert cases["test_eviction[changed]"]["written_back"] == cases["test_eviction[changed]"]["nbytes"]
+    assert cases["test_eviction[unchanged]"]["written_back"] == 0
+    assert tiny_run["machine_info"]["cpu_model"]
+    assert tiny_run["residency"]["scale"] == "tiny"
+
+
+def test_a_peer_without_an_accelerator_is_skipped_with_its_reason(tiny_run):
+    skipped = {s["case"]: s["reason"] for s in tiny_run["skipped"]}
+    if tiny_run["residency"]["device"] == "cpu":
+        assert "no accelerator" in skipped["test_pipeline_cycle[diffusers_model_cpu_offload]"]
+        assert "test_pipeline_cycle[diffusers_model_cpu_offload]" not in {
+            b["name"] for b in tiny_run["benchmarks"]}
+
+
+def test_report_writes_summary_table_and_plot(tiny_run, tmp_path):
+    source = tmp_path / "bench.json"
+    source.write_text(json.dumps(tiny_run))
+    assert report.main(["--json", str(source), "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "cpu-summary.json").read_text())
+    assert summary["machine"]["cores"] >= 1 and summary["machine"]["torch"]
+    reentry = next(c for c in summary["cases"] if c["name"] == "test_reentry")
+    assert reentry["goal"]["goal"] == goals.REENTRY.text
+    assert reentry["goal"]["met"] is None, "the tiny scale must not judge goals"
+    assert summary["skipped"] == tiny_run["skipped"]
+    assert summary["plot"] == {"path": "cpu-latency.png"}
+    assert (tmp_path / "out" / "cpu-latency.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| test_swap_400mib |" in (tmp_path / "out" / "cpu-table.md").read_text()
+
+
+def test_report_without_matplotlib_still_writes_the_summary(tiny_run, tmp_path, monkeypatch,
+                                                             capsys):
+    source = tmp_path / "bench.json"
+    source.write_text(json.dumps(tiny_run))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert report.main(["--json", str(source), "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "cpu-summary.json").read_text())
+    assert "matplotlib is not installed" in summary["plot"]["skipped"]
+    assert not (tmp_path / "cpu-latency.png").exists()
+    assert "plot: skipped: matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_gpu_check_without_cuda_refuses_and_says_how(tmp_path, capsys):
+    if gpu_check.torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert "--dry-run" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
