@@ -10,7 +10,8 @@ What it finds in ``pipe.components`` (modules only; ``None`` and non-module part
 
 * DiTs: ``transformer``, ``transformer_2``, ``transformer_3``, ... — each its own exclusive group,
   named by the component name, so Wan2.2's two experts exclude each other;
-* encoders: ``text_encoder``, ``text_encoder_2``, ..., ``image_encoder`` — one group, "text_encoder";
+* encoders: ``text_encoder``, ``text_encoder_2``, ..., ``image_encoder`` — one group,
+  "text_encoder";
 * the VAE: ``vae`` — group "vae";
 * every other module component — a resident-policy group named by its component name.
 
@@ -42,7 +43,7 @@ arguments already there, that costs a device comparison.
 
 [Note: adapter state]
 `_OFFLOADED` maps each offloaded pipeline to what `disable_offload` must undo: its scheduler, the
-instance attributes the wrappers replaced, and the device each component was on.  It is a
+wrappers it set, and the device each component was on.  It is a
 ``WeakKeyDictionary``: no attribute is stuck on the pipeline or its modules, and a pipeline that is
 dropped takes its entry with it.  It holds state of live pipelines, not configuration.
 """
@@ -60,7 +61,7 @@ from torch import nn
 
 from residency.config import OffloadConfig, resolve_config
 from residency.discovery import ENCODER_GROUP, ComponentPlan, apply_plan, plan_components
-from residency.errors import RegistrationError, ResidencyError
+from residency.errors import ConfigError, RegistrationError, ResidencyError
 from residency.scheduler import Scheduler
 
 __all__ = ["disable_offload", "enable_offload", "offload_scheduler"]
@@ -74,17 +75,14 @@ VAE_NAMES = re.compile(r"vae")
 #: The entry points wrapped on every module of an exclusive group (those the module has).
 ENTRY_POINTS = ("forward", "encode", "decode")
 
-#: An instance attribute that did not exist before the wrapper was set.
-_ABSENT = object()
-
 
 @attrs.frozen(eq=False)
 class _Offload:
     """What `enable_offload` changed on one pipeline, so that `disable_offload` can undo it."""
 
     scheduler: Scheduler
-    #: (module, attribute name, the instance attribute before, or _ABSENT), in wrapping order.
-    replaced: tuple[tuple[nn.Module, str, object], ...]
+    #: (module, entry point name) of every wrapper set as an instance attribute.
+    wrapped: tuple[tuple[nn.Module, str], ...]
     #: (component module, the device its weights were on before).
     devices: tuple[tuple[nn.Module, torch.device], ...]
 
@@ -109,7 +107,7 @@ def enable_offload(
     (``{"mode": "module", "components": ["dit", "text_encoder"]}``).  `device` defaults to the
     current accelerator, else the CPU.  Returns the pipeline's `Scheduler`.
 
-    Raises `ResidencyError` when the pipeline is already offloaded (by this function or another
+    Raises `RegistrationError` when the pipeline is already offloaded (by this function or another
     offloader's hooks) and `ConfigError` for a config or pipeline the grouping rules refuse; a
     refused call changes nothing.
     """
@@ -131,8 +129,8 @@ def enable_offload(
     except BaseException:
         scheduler.close()
         raise
-    replaced = tuple(_wrap_exclusive_groups(scheduler, plan))
-    _OFFLOADED[pipe] = _Offload(scheduler, replaced, devices)
+    wrapped = tuple(_wrap_exclusive_groups(scheduler, plan))
+    _OFFLOADED[pipe] = _Offload(scheduler, wrapped, devices)
     _place_execution_device(pipe, scheduler, plan)
     return scheduler
 
@@ -154,11 +152,8 @@ def disable_offload(pipe: object) -> None:
             "disable (enable_offload(pipe) turns it on)"
         )
     offload.scheduler.close()
-    for module, name, previous in reversed(offload.replaced):
-        if previous is _ABSENT:
-            delattr(module, name)
-        else:
-            setattr(module, name, previous)
+    for module, name in offload.wrapped:
+        delattr(module, name)  # the class's method shows through again
     for module, device in offload.devices:
         if device.type != "cpu":
             module.to(device)
@@ -188,8 +183,26 @@ def _plan(owner: str, components: dict[str, nn.Module], config: OffloadConfig) -
     categories: dict[str, dict[str, nn.Module]] = {"dit": {}, "encoder": {}, "vae": {}, "other": {}}
     for name, module in components.items():
         categories[_category(name)][name] = module
+    _check_both_found(owner, categories, config)
     return plan_components(owner, categories["dit"], categories["encoder"], categories["vae"],
                            categories["other"], config)
+
+
+def _check_both_found(owner: str, categories: dict[str, dict], config: OffloadConfig) -> None:
+    """The grouping rule's refusal, worded for component names rather than declarations."""
+    if config.mode != "module" or not {"dit", "text_encoder"} <= set(config.components):
+        return
+    for category, names in (("dit", "transformer, transformer_2, ..."),
+                            ("encoder", "text_encoder, text_encoder_2, ..., image_encoder")):
+        if not categories[category]:
+            found = sorted(name for table in categories.values() for name in table)
+            other = "text_encoder" if category == "dit" else "dit"
+            raise ConfigError(
+                f"{owner}: the offload config selects 'dit' and 'text_encoder', but {owner} has "
+                f"no {category} component (named {names}); its module components are {found}. "
+                f'Select only the components it has, for example {{"mode": "module", '
+                f'"components": ["{other}"]}}'
+            )
 
 
 def _category(name: str) -> str:
@@ -200,12 +213,12 @@ def _category(name: str) -> str:
 
 
 def _check_no_instance_wrappers(owner: str, components: dict[str, nn.Module]) -> None:
-    """Refuse modules whose entry points are already replaced on the instance (another offloader)."""
+    """Refuse modules whose entry points are already instance attributes (another offloader)."""
     for component, module in components.items():
         for path, submodule in module.named_modules(prefix=component):
             replaced = [name for name in ENTRY_POINTS if name in vars(submodule)]
             if replaced:
-                raise ResidencyError(
+                raise RegistrationError(
                     f"{owner}: {path!r} already has an instance-level {replaced[0]!r} (a hook of "
                     "another offloader, e.g. enable_model_cpu_offload, enable_sequential_cpu_"
                     "offload or group offloading, or residency's own wrapper from a pipeline "
@@ -227,17 +240,18 @@ def _device_of(module: nn.Module) -> torch.device:
 
 def _wrap_exclusive_groups(
     scheduler: Scheduler, plan: ComponentPlan
-) -> Iterator[tuple[nn.Module, str, object]]:
-    """Wrap every entry point of every module of an exclusive group; yield what was replaced."""
+) -> Iterator[tuple[nn.Module, str]]:
+    """Wrap each entry point of each module of an exclusive group; yield (module, name) of each.
+
+    `_check_no_instance_wrappers` made sure none of them is an instance attribute yet.
+    """
     for group, members in plan.exclusive.items():
         for _, module in members:
             for name in ENTRY_POINTS:
                 method = getattr(module, name, None)
-                if not callable(method):
-                    continue
-                previous = vars(module).get(name, _ABSENT)
-                setattr(module, name, _in_phase(scheduler, group, method))
-                yield module, name, previous
+                if callable(method):
+                    setattr(module, name, _in_phase(scheduler, group, method))
+                    yield module, name
 
 
 def _in_phase(scheduler: Scheduler, group: str, method: Callable) -> Callable:

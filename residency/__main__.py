@@ -1,15 +1,15 @@
 """``python -m residency``: run a pipeline with and without offloading, print the phase timeline.
 
-    python -m residency                                    # synthetic Wan2.2-shaped pipeline, "small"
+    python -m residency                              # synthetic Wan2.2-shaped pipeline, "small"
     python -m residency --size tiny --steps 4 --trace trace.json
-    python -m residency --diffusion-offload-config '{"mode": "module", "components": ["dit", "vae"]}'
+    python -m residency --diffusion-offload-config '{"mode": "module", "components": ["dit"]}'
     python -m residency --pipeline ./Wan2.2-T2V-A14B-Diffusers --height 480 --width 832 --no-check
 
-It runs the pipeline once without offloading and once under the offload config (default: module mode,
-dit and text_encoder), checks that the outputs are bit-identical, and prints each phase change: bytes
-moved, seconds, GB/s, the floor (a plain copy of the same bytes, measured in the same run) and the
-peak device bytes.  Exit status: 0 when the outputs are identical, 1 when they differ, 2 for bad
-arguments or a refused configuration.
+It runs the pipeline once without offloading and once under the offload config (default: module
+mode, dit and text_encoder), checks that the outputs are bit-identical, and prints each phase
+change: bytes moved, seconds, GB/s, the floor (a plain copy of the same bytes, measured in the same
+run) and the peak device bytes.  Exit status: 0 when the outputs are identical, 1 when they
+differ, 2 for bad arguments or a refused configuration.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "are bit-identical and print the phase timeline.",
     )
     parser.add_argument("--size", choices=list(SIZES), default="small",
-                        help="synthetic pipeline size (default: small; a14b is Wan2.2's real shape)")
+                        help="synthetic pipeline size (default: small; a14b: Wan2.2's real shape)")
     parser.add_argument("--steps", type=_positive, default=8, help="denoising steps (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="noise and weight seed (default: 0)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     config = offload_config_from_args(parser, args) or DEFAULT_CONFIG
     device = torch.device(args.device) if args.device else default_device()
     try:
-        run = _run_pipeline(args, config, device) if args.pipeline else _run_synthetic(args, config, device)
+        run = (_run_pipeline if args.pipeline else _run_synthetic)(args, config, device)
     except ResidencyError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(_report(run, config, device))
@@ -222,8 +222,9 @@ def _finish(scheduler: Scheduler, *, recorder: PhaseRecorder | None, device: tor
     scheduler.offload_all()
     floor = measure_floor(scheduler)
     groups = [(name, scheduler[name].policy.value, scheduler[name].nbytes) for name in scheduler]
-    return Run(scheduler=scheduler, groups=groups, records=records, first_index=first_index, recorder=recorder,
-               floor=floor, allocator_peak=allocator_peak, peak_device_bytes=peak, **measured)
+    return Run(scheduler=scheduler, groups=groups, records=records, first_index=first_index,
+               recorder=recorder, floor=floor, allocator_peak=allocator_peak,
+               peak_device_bytes=peak, **measured)
 
 
 def _reset_allocator_peak(device: torch.device) -> None:
@@ -253,7 +254,7 @@ def _report(run: Run, config: OffloadConfig, device: torch.device) -> str:
             f"{run.offloaded_seconds:.3f} s (x{run.offloaded_seconds / run.plain_seconds:.2f})"
         )
     else:
-        lines.append(f"run with offloading: {run.offloaded_seconds:.3f} s (no plain run: --no-check)")
+        lines.append(f"run with offloading: {run.offloaded_seconds:.3f} s (--no-check)")
     rows = timeline_rows(run.records, run.floor, run.recorder, first_index=run.first_index)
     lines.append(format_timeline(rows, peak_device_bytes=run.peak_device_bytes, device=device,
                                  allocator_peak=run.allocator_peak))

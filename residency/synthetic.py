@@ -1,6 +1,6 @@
 """A built-in synthetic pipeline shaped like Wan2.2-T2V-A14B, for the main job and for benchmarks.
 
-    pipe = SyntheticWan22.build("small")              # text encoder, two experts, VAE (plain modules)
+    pipe = SyntheticWan22.build("small")    # text encoder, two experts, VAE (plain modules)
     pipe.scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]})
     video = pipe("a cat on the moon", steps=8, seed=0)
 
@@ -10,8 +10,9 @@ VAE decoder.  Each DiT block has Wan's parameter layout (self-attention, cross-a
 8*dim^2 + 2*dim*ffn weights), so the ``"a14b"`` size has Wan2.2's 14 B parameters per expert.
 
 Rules: weights come from a seeded generator, never from torch's global RNG, so two builds of a size
-are bit-identical; the model code wraps each component's work in ``with self.scheduler.resident(path):``
-(a `NoOffload` until a scheduler is attached), which is all offloading needs.
+are bit-identical; the model code wraps each component's work in
+``with self.scheduler.resident(path):`` (a `NoOffload` until a scheduler is attached), which is all
+offloading needs.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ class DiT(nn.Module):
 
 
 class VAEDecoder(nn.Module):
-    """Latents (batch, channels, frames, h, w) -> video (batch, frames, 3, 8h, 8w), frame by frame."""
+    """Latents (batch, channels, frames, h, w) -> video (batch, frames, 3, 8h, 8w), per frame."""
 
     def __init__(self, size: SyntheticSize) -> None:
         super().__init__()
@@ -276,12 +277,12 @@ class SyntheticWan22(SupportsComponentDiscovery, nn.Module):
         sigmas = [SHIFT * s / (1 + (SHIFT - 1) * s) for s in sigmas]
         return [
             ("transformer" if sigma >= BOUNDARY else "transformer_2", sigma, following)
-            for sigma, following in zip(sigmas, sigmas[1:])
+            for sigma, following in zip(sigmas, sigmas[1:], strict=False)
         ]
 
     @torch.no_grad()
     def forward(self, prompt: str, *, steps: int = 8, seed: int = 0) -> torch.Tensor:
-        """Generate a video (batch, frames, 3, height, width) from `prompt` in `steps` Euler steps."""
+        """A video (batch, frames, 3, height, width) for `prompt`, in `steps` Euler steps."""
         device, size = self.device, self.size
         with self.scheduler.resident("text_encoder"):
             context = self.text_encoder(self.tokenize(prompt).to(device))

@@ -7,9 +7,9 @@
     print(format_timeline(timeline_rows(scheduler.transitions, floor, recorder), ...))
     write_trace("trace.json", scheduler.transitions, recorder.spans)
 
-The *floor* of a transition is a plain copy of the same bytes (the group's host master chunks) into a
-reused device buffer, measured in the same process right after the run; ``x floor`` is how many times
-slower the real transition was.  Everything above 1.0 is overhead (see docs/design.md).
+The *floor* of a transition is a plain copy of the same bytes (the group's host master chunks) into
+a reused device buffer, measured in the same process right after the run; ``x floor`` is how many
+times slower the real transition was.  Everything above 1.0 is overhead (see docs/design.md).
 
 [Note: timing on accelerators]
 A scheduler's `TransitionRecord` times cover *issuing* an accelerator copy, which runs on a side
@@ -110,7 +110,8 @@ class _RecordedPhase:
         self._enter = time.perf_counter() - self._start
         after = recorder.scheduler.transitions.count
         self._transition = after - 1 if after > count else None
-        recorder.peak_device_bytes = max(recorder.peak_device_bytes, device_bytes(recorder.scheduler))
+        now = device_bytes(recorder.scheduler)
+        recorder.peak_device_bytes = max(recorder.peak_device_bytes, now)
         return group
 
     def __exit__(self, *exc_info) -> None:
@@ -131,7 +132,9 @@ def device_bytes(scheduler) -> int:
     return sum(storage.nbytes for storage in storages.values())
 
 
-def measure_floor(scheduler, names: Iterable[str] | None = None, *, repeats: int = 5) -> dict[str, float]:
+def measure_floor(
+    scheduler, names: Iterable[str] | None = None, *, repeats: int = 5
+) -> dict[str, float]:
     """Median seconds of a plain copy of each group's host master into one reused device buffer.
 
         floor = measure_floor(scheduler)        # {"transformer": 0.0081, ...}

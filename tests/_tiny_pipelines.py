@@ -37,7 +37,7 @@ def word_tokenizer(*, eos: bool = False, model_max_length: int = 8):
 
 
 def tiny_wan22(seed: int = 0):
-    """Wan2.2 T2V: a UMT5 encoder, the high-noise `transformer`, the low-noise `transformer_2`, Wan VAE."""
+    """Wan2.2 T2V: UMT5 encoder, high-noise `transformer`, low-noise `transformer_2`, Wan VAE."""
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,

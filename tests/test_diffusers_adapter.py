@@ -1,4 +1,4 @@
-"""The diffusers adapter on real pipelines built tiny in code: Wan2.2 (two experts) and Flux (two encoders).
+"""The diffusers adapter on tiny real pipelines built in code: Wan2.2 (two experts), Flux.
 
 Every comparison is against the same pipeline never offloaded, call by call: a diffusers pipeline
 carries state between calls, so the n-th offloaded call is compared with the n-th plain call.
@@ -140,7 +140,8 @@ class Probe:
             scheduler = self.scheduler
             buffer = scheduler[group].device_storage.buffer
             self.seen.setdefault(label, []).append(
-                (scheduler.current, frozenset(scheduler.resident_groups()), in_buffer(weight, buffer))
+                (scheduler.current, frozenset(scheduler.resident_groups()),
+                 in_buffer(weight, buffer))
             )
 
         self.handles.append(submodule.register_forward_pre_hook(hook))
@@ -192,7 +193,8 @@ def test_a_component_is_always_on_the_device_so_execution_device_is_right(config
     on_device = [
         name for name in scheduler
         if scheduler[name].is_resident
-        and all(in_buffer(t, scheduler[name].device_storage.buffer) for t in scheduler[name].tensors)
+        and all(in_buffer(t, scheduler[name].device_storage.buffer)
+                for t in scheduler[name].tensors)
     ]
     assert on_device, "no component sits on the device: diffusers would pick the host"
     if config is ALL_COMPONENTS:
@@ -246,7 +248,7 @@ def test_another_offloaders_hook_is_refused_and_changes_nothing():
     original = pipe.transformer.x_embedder.forward
     pipe.transformer.x_embedder.forward = lambda *a, **k: original(*a, **k)  # a foreign hook
     pointers = [p.data_ptr() for p in pipe.transformer.parameters()]
-    with pytest.raises(ResidencyError, match=r"'transformer.x_embedder' already has an "
+    with pytest.raises(RegistrationError, match=r"'transformer.x_embedder' already has an "
                        r"instance-level 'forward'.*remove_all_hooks"):
         enable_offload(pipe, device="cpu")
     assert offload_scheduler(pipe) is None
@@ -311,3 +313,17 @@ def test_wan22_on_an_accelerator_matches_the_plain_pipeline_there(config):
     assert pipe._execution_device.type == device.type
     assert scheduler.transitions.count >= 4
     disable_offload(pipe)
+
+
+def test_a_pipeline_without_encoders_is_refused_by_component_name():
+    class Unconditional:  # a pipeline-like object: only `components` is read
+        components = {"transformer": torch.nn.Linear(2, 2), "vae": torch.nn.Linear(2, 2),
+                      "scheduler": object()}
+
+    with pytest.raises(ConfigError, match=r"Unconditional: the offload config selects 'dit' and "
+                       r"'text_encoder', but Unconditional has no encoder component \(named "
+                       r"text_encoder, .*\); its module components are \['transformer', 'vae'\]"):
+        enable_offload(Unconditional(), device="cpu")
+    scheduler = enable_offload(Unconditional(), {"mode": "module", "components": ["dit"]},
+                               device="cpu")
+    assert list(scheduler) == ["transformer", "vae"]

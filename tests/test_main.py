@@ -1,0 +1,219 @@
+"""The main job (``python -m residency``), its synthetic pipeline, the timeline and the trace."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+from residency import Scheduler
+from residency.__main__ import main
+from residency.records import TransitionRecord
+from residency.synthetic import SIZES, SyntheticWan22
+from residency.timeline import PhaseRecorder, format_timeline, timeline_rows, write_trace
+
+#: One intra-op thread in the subprocesses: on a shared 2-core machine OpenMP waits dominate.
+ENV = os.environ | {"OMP_NUM_THREADS": "1"}
+WAN_CALL = ["--height", "16", "--width", "16", "--num-frames", "5",
+            "--call-args", '{"max_sequence_length": 8}']
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "residency", *args], capture_output=True,
+                          text=True, env=ENV, timeout=120)
+
+
+def timeline_row(stdout: str, change: str) -> list[str]:
+    """The fields of the timeline row for `change` ("from -> to")."""
+    for line in stdout.splitlines():
+        if re.match(rf"\s*\d+\s+[\d.]+\s+{re.escape(change)}\s", line):
+            return line.split()
+    raise AssertionError(f"no row {change!r} in:\n{stdout}")
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def test_main_job_prints_the_timeline_and_writes_a_perfetto_trace(tmp_path: Path):
+    trace = tmp_path / "trace.json"
+    done = run_main("--size", "tiny", "--steps", "4", "--trace", str(trace))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert '"components": ["dit", "text_encoder"]' in out  # the default config
+    assert "output: bit-identical to the run without offloading" in out
+    for change in ("- -> vae", "- -> text_encoder", "text_encoder -> transformer",
+                   "transformer -> transformer_2"):
+        row = timeline_row(out, change)
+        assert row[-1] != "-" and float(row[-1]) > 0  # x floor was measured
+    assert "peak device bytes:" in out
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    phases = [e["name"] for e in slices if e["cat"] == "phase"]
+    assert phases == ["text_encoder"] + ["transformer"] * 2 + ["transformer_2"] * 2 + ["vae"]
+    loads = {e["name"]: e["args"]["nbytes"] for e in slices if e["cat"] == "transfer"
+             and e["name"].startswith("load")}
+    assert set(loads) == {"load vae", "load text_encoder", "load transformer", "load transformer_2"}
+    assert loads["load transformer"] == loads["load transformer_2"] > 0
+    assert {e["name"] for e in slices if e["cat"] == "residency"} >= {"resident transformer"}
+    assert all(isinstance(e["tid"], int) for e in events if "tid" in e)
+    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"phases", "resident groups", "MainThread"} <= names
+
+
+def test_a_config_that_offloads_the_vae_swaps_it_in_last(capsys):
+    config = '{"mode": "module", "components": ["dit", "text_encoder", "vae"]}'
+    assert main(["--size", "tiny", "--steps", "2", "--diffusion-offload-config", config]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"vae\s+exclusive", out)
+    moved = timeline_row(out, "transformer_2 -> vae")
+    assert moved[4:6] != ["0", "B"]
+    assert "bit-identical" in out
+
+
+def test_a_bad_config_is_a_usage_error_with_the_config_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--size", "tiny", "--diffusion-offload-config",
+              '{"mode": "module", "componets": []}'])
+    assert exit_info.value.code == 2
+    assert "unknown field 'componets'" in capsys.readouterr().err
+
+
+def test_pipeline_flag_runs_a_saved_diffusers_pipeline(tmp_path: Path):
+    pytest.importorskip("diffusers")
+    from _tiny_pipelines import tiny_wan22
+
+    tiny_wan22().save_pretrained(tmp_path / "wan")
+    done = run_main("--pipeline", str(tmp_path / "wan"), "--steps", "4", *WAN_CALL)
+    assert done.returncode == 0, done.stderr
+    assert "WanPipeline from" in done.stdout
+    assert "output: bit-identical to the run without offloading (torch.equal on 1x5x3x16x16" \
+        in done.stdout
+    timeline_row(done.stdout, "transformer -> transformer_2")
+
+
+def test_pipeline_flag_on_a_folder_without_a_model_exits_2(tmp_path: Path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--pipeline", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"--pipeline {tmp_path}: no model_index.json there" in capsys.readouterr().err
+
+
+def test_the_console_script_runs_main(capsys):
+    scripts = entry_points(group="console_scripts", name="residency")
+    if not scripts:
+        pytest.skip("the package is not installed with its console script")
+    assert [s.value for s in scripts] == ["residency.__main__:main"]
+    with pytest.raises(SystemExit) as exit_info:
+        next(iter(scripts)).load()(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--diffusion-offload-config" in help_text and "--pipeline PATH" in help_text
+
+
+# -- transfers in torch.profiler ------------------------------------------------------------------
+
+
+def test_transfers_are_named_ranges_in_a_profiler_trace(tmp_path: Path):
+    pipe = SyntheticWan22.build("tiny")
+    pipe.scheduler = Scheduler.from_pipeline(pipe, {"mode": "module"}, device="cpu")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as profiler:
+        pipe("a red dog", steps=4)
+    profiler.export_chrome_trace(str(tmp_path / "profile.json"))
+    names = {e["name"] for e in json.loads((tmp_path / "profile.json").read_text())["traceEvents"]}
+    assert {"residency::load text_encoder", "residency::evict text_encoder",
+            "residency::load transformer", "residency::evict transformer",
+            "residency::load transformer_2"} <= names
+    pipe.scheduler.close()
+
+
+# -- the synthetic pipeline -----------------------------------------------------------------------
+
+
+def test_synthetic_builds_are_deterministic_and_leave_the_global_rng_alone():
+    state = torch.random.get_rng_state()
+    first, second = SyntheticWan22.build("tiny", seed=3), SyntheticWan22.build("tiny", seed=3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    other = SyntheticWan22.build("tiny", seed=4)
+    assert not torch.equal(other.transformer.head.weight, first.transformer.head.weight)
+    assert torch.equal(first("a cat", steps=2), second("a cat", steps=2))
+
+
+def test_synthetic_offloaded_run_is_bit_identical_and_phases_are_exclusive():
+    plain, pipe = SyntheticWan22.build("tiny"), SyntheticWan22.build("tiny")
+    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module"}, device="cpu")
+    recorder = PhaseRecorder(scheduler)
+    pipe.scheduler = recorder
+    assert torch.equal(pipe("a red dog", steps=4), plain("a red dog", steps=4))
+    assert [s.name for s in recorder.spans] == (
+        ["text_encoder"] + ["transformer"] * 2 + ["transformer_2"] * 2 + ["vae"])
+    assert [s.transition is not None for s in recorder.spans] == [True, True, False, True, False,
+                                                                  False]
+    assert recorder.peak_device_bytes == scheduler["transformer"].device_storage.nbytes + \
+        scheduler["vae"].device_storage.nbytes
+    scheduler.close()
+
+
+def test_the_a14b_size_has_wan22s_parameter_counts():
+    with torch.device("meta"):
+        pipe = SyntheticWan22(SIZES["a14b"])
+
+    def billions(module):
+        return sum(p.numel() for p in module.parameters()) / 1e9
+
+    assert 14.0 < billions(pipe.transformer) < 14.5  # Wan2.2 A14B: ~14 B per expert
+    assert 5.6 < billions(pipe.text_encoder) < 5.8    # UMT5-XXL encoder: ~5.7 B
+    experts = [path for path, _, _ in pipe.timesteps(40)]
+    assert experts[0] == "transformer" and experts[-1] == "transformer_2"
+
+
+# -- the timeline ---------------------------------------------------------------------------------
+
+
+def record(source, target, nbytes, start, seconds, written=0):
+    return TransitionRecord(from_group=source, to_group=target, nbytes=nbytes,
+                            written_back=written, start=start, evict_seconds=0.0,
+                            load_seconds=seconds, thread="MainThread")
+
+
+def test_timeline_rows_compare_each_load_with_its_floor():
+    records = [record(None, "a", 2_000_000, 10.0, 0.002), record("a", "b", 1_000_000, 10.5, 0.004),
+               record("b", None, 0, 11.0, 0.001, written=512)]
+    rows = timeline_rows(records, {"a": 0.001, "b": 0.002}, first_index=7)
+    assert [r.index for r in rows] == [8, 9, 10]
+    assert [r.at for r in rows] == [0.0, 0.5, 1.0]
+    assert rows[0].gbps == pytest.approx(1.0) and rows[0].floor_gbps == pytest.approx(2.0)
+    assert rows[1].times_floor == pytest.approx(2.0)
+    assert rows[2].gbps is None and rows[2].times_floor is None
+    text = format_timeline(rows, peak_device_bytes=3 * 2**20, device=torch.device("cpu"))
+    assert "x2.00 the floor" in text  # (0.002 + 0.004) / (0.001 + 0.002)
+    assert "512 B written back" in text and "peak device bytes: 3.0 MiB" in text
+
+
+def test_trace_shows_when_each_group_was_resident(tmp_path: Path):
+    records = [record(None, "a", 100, 1.0, 0.1), record("a", "b", 100, 2.0, 0.1)]
+    trace = write_trace(tmp_path / "t.json", records)
+    resident = {e["name"]: (e["ts"], e["dur"]) for e in trace["traceEvents"]
+                if e.get("cat") == "residency"}
+    assert resident["resident a"] == pytest.approx((1.1e6, 0.9e6))  # loaded, then evicted at 2.0
+    assert resident["resident b"] == pytest.approx((2.1e6, 0.0))    # still resident at the end
+    assert not [e for e in trace["traceEvents"] if e["name"] == "evict None"]
+    assert json.loads((tmp_path / "t.json").read_text()) == trace
