@@ -29,8 +29,8 @@ offloading hooks that property returns ``pipe.device``, which is documented to p
 that is *not* on the host ("When components are split across devices ... the accelerator device is
 returned").  So it is right as long as one component sits on the compute device: resident-policy
 groups (the VAE by default) always do, and the scheduler keeps the last exclusive group resident
-until another one is asked for.  When every component is offloadable, `enable_offload` makes the
-first exclusive group resident at once, so the rule holds from the first call on.  This is the
+until another one is asked for.  When every component is offloadable, `enable_offload` loads the
+encoder group (what pipelines run first) at once, so the rule holds from the first call on.  This is the
 legitimate mechanism: the alternatives are accelerate's ``_hf_hook.execution_device`` and diffusers'
 group-offloading hook registry, both attributes stuck on user modules that other code probes.
 After ``scheduler.offload_all()`` no component is on the device; enter any phase before the next
@@ -43,9 +43,10 @@ arguments already there, that costs a device comparison.
 
 [Note: adapter state]
 `_OFFLOADED` maps each offloaded pipeline to what `disable_offload` must undo: its scheduler, the
-wrappers it set, and the device each component was on.  It is a
-``WeakKeyDictionary``: no attribute is stuck on the pipeline or its modules, and a pipeline that is
-dropped takes its entry with it.  It holds state of live pipelines, not configuration.
+wrappers it set, and the device each component was on.  It is a ``WeakKeyDictionary``: nothing is
+stuck on the pipeline, a pipeline that is dropped takes its entry with it, and the wrappers are the
+only instance attributes set on modules.  It holds state of live pipelines, not configuration.
+The originals need no saving: deleting a wrapper lets the class's method show through again.
 """
 
 from __future__ import annotations
@@ -213,18 +214,22 @@ def _category(name: str) -> str:
 
 
 def _check_no_instance_wrappers(owner: str, components: dict[str, nn.Module]) -> None:
-    """Refuse modules whose entry points are already instance attributes (another offloader)."""
-    for component, module in components.items():
-        for path, submodule in module.named_modules(prefix=component):
-            replaced = [name for name in ENTRY_POINTS if name in vars(submodule)]
-            if replaced:
-                raise RegistrationError(
-                    f"{owner}: {path!r} already has an instance-level {replaced[0]!r} (a hook of "
-                    "another offloader, e.g. enable_model_cpu_offload, enable_sequential_cpu_"
-                    "offload or group offloading, or residency's own wrapper from a pipeline "
-                    "sharing this component). Remove it first (pipe.remove_all_hooks(), or "
-                    "disable_offload on the other pipeline), then call enable_offload"
-                )
+    """Refuse components whose entry points are already instance attributes.
+
+    That is another offloader's hook (accelerate's model and sequential offload and diffusers'
+    group offloading all replace the component's own ``forward``) or residency's wrapper through a
+    pipeline sharing the component.  Hooks on submodules only (a block cache) do not conflict.
+    """
+    for name, module in components.items():
+        replaced = [entry for entry in ENTRY_POINTS if entry in vars(module)]
+        if replaced:
+            raise RegistrationError(
+                f"{owner}: component {name!r} already has an instance-level {replaced[0]!r}: a "
+                "hook of another offloader (enable_model_cpu_offload, enable_sequential_cpu_"
+                "offload, group offloading) or residency's wrapper from a pipeline sharing this "
+                "component. Remove it first (pipe.remove_all_hooks(), or disable_offload on the "
+                "other pipeline), then call enable_offload"
+            )
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -15,6 +15,7 @@ differ, 2 for bad arguments or a refused configuration.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -126,6 +127,7 @@ def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torc
         expected = pipe(args.prompt, steps=args.steps, seed=args.seed).cpu()
         plain_seconds = time.perf_counter() - start
         pipe.to("cpu")
+        _release_device_memory(device)
     scheduler = Scheduler.from_pipeline(pipe, config, device=device)
     recorder = PhaseRecorder(scheduler, synchronize=device.type != "cpu")
     pipe.scheduler = recorder
@@ -144,30 +146,36 @@ def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torc
 
 
 def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch.device) -> Run:
+    """The first call of a plain copy against the first call of an offloaded copy.
+
+    A diffusers pipeline may carry state between calls, so each copy is loaded fresh and called
+    once; the plain copy is dropped before the offloaded one is loaded (never both in memory).
+    """
     from residency.adapters.diffusers import disable_offload, enable_offload
 
-    pipe = _load_pipeline(args.pipeline)
     kwargs = {"prompt": args.prompt, "num_inference_steps": args.steps, "output_type": "pt"}
     for name in ("height", "width", "num_frames"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     kwargs |= args.call_args
 
-    def generate() -> torch.Tensor:
+    def generate(pipe) -> torch.Tensor:
         generator = torch.Generator().manual_seed(args.seed)
         return _first_tensor(pipe(**kwargs, generator=generator)).cpu()
 
     expected, plain_seconds = None, None
     if args.check:
-        pipe.to(device)
+        plain = _load_pipeline(args.pipeline).to(device)
         start = time.perf_counter()
-        expected = generate()
+        expected = generate(plain)
         plain_seconds = time.perf_counter() - start
-        pipe.to("cpu")
+        del plain
+        _release_device_memory(device)
+    pipe = _load_pipeline(args.pipeline)
     scheduler = enable_offload(pipe, config, device=device)
     _reset_allocator_peak(device)
     start = time.perf_counter()
-    output = generate()
+    output = generate(pipe)
     seconds = time.perf_counter() - start
     run = _finish(
         scheduler, recorder=None, output=output, expected=expected, plain_seconds=plain_seconds,
@@ -225,6 +233,12 @@ def _finish(scheduler: Scheduler, *, recorder: PhaseRecorder | None, device: tor
     return Run(scheduler=scheduler, groups=groups, records=records, first_index=first_index,
                recorder=recorder, floor=floor, allocator_peak=allocator_peak,
                peak_device_bytes=peak, **measured)
+
+
+def _release_device_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type != "cpu":
+        torch.accelerator.memory.empty_cache()
 
 
 def _reset_allocator_peak(device: torch.device) -> None:

@@ -55,7 +55,7 @@ def in_buffer(tensor: torch.Tensor, buffer: torch.Tensor | None) -> bool:
 def instance_entry_points(pipe) -> list[str]:
     """Every instance-level forward/encode/decode left on any module of the pipeline."""
     return [
-        f"{name}.{path}.{attribute}"
+        ".".join(filter(None, (name, path, attribute)))
         for name, component in pipe.components.items()
         if isinstance(component, torch.nn.Module)
         for path, module in component.named_modules()
@@ -245,15 +245,29 @@ def test_a_second_enable_offload_is_refused_and_changes_nothing():
 
 def test_another_offloaders_hook_is_refused_and_changes_nothing():
     pipe = tiny_flux()
-    original = pipe.transformer.x_embedder.forward
-    pipe.transformer.x_embedder.forward = lambda *a, **k: original(*a, **k)  # a foreign hook
+    original = pipe.vae.decode
+    pipe.vae.decode = lambda *a, **k: original(*a, **k)  # stands in for a foreign hook
     pointers = [p.data_ptr() for p in pipe.transformer.parameters()]
-    with pytest.raises(RegistrationError, match=r"'transformer.x_embedder' already has an "
-                       r"instance-level 'forward'.*remove_all_hooks"):
+    with pytest.raises(RegistrationError, match=r"FluxPipeline: component 'vae' already has an "
+                       r"instance-level 'decode'.*remove_all_hooks"):
         enable_offload(pipe, device="cpu")
     assert offload_scheduler(pipe) is None
-    assert instance_entry_points(pipe) == ["transformer.x_embedder.forward"]
+    assert instance_entry_points(pipe) == ["vae.decode"]
     assert [p.data_ptr() for p in pipe.transformer.parameters()] == pointers
+
+
+def test_a_component_shared_with_an_offloaded_pipeline_is_refused():
+    from diffusers import FluxPipeline
+
+    pipe = tiny_flux()
+    enable_offload(pipe, device="cpu")
+    sibling = FluxPipeline(**pipe.components)
+    with pytest.raises(RegistrationError, match="component 'text_encoder' already has an "
+                       "instance-level 'forward'"):
+        enable_offload(sibling, device="cpu")
+    disable_offload(pipe)
+    enable_offload(sibling, device="cpu")  # once the first lets go, the sibling may
+    disable_offload(sibling)
 
 
 def test_a_refused_config_changes_nothing():
