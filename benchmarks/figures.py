@@ -46,6 +46,8 @@ def derive(median_s: float | None, info: dict) -> dict:
         figures["overhead_s"] = measured - floor
         if tensors:
             figures["per_tensor_overhead_s"] = (measured - floor) / tensors
+    if info.get("fresh_copy_s"):
+        figures["ratio_vs_fresh_copy"] = measured / info["fresh_copy_s"]
     if tensors:
         figures["per_1000_tensors_s"] = measured / tensors * 1_000
     if info.get("nbytes") and measured > 0:

@@ -53,6 +53,16 @@ class CopyFloor:
         self()
         return time.perf_counter() - start
 
+    def fresh_host_seconds(self) -> float:
+        """Time one copy of the host source into a freshly allocated host buffer (pinned on an
+        accelerator): the least a registration must do, first-touch page faults included."""
+        start = time.perf_counter()
+        fresh = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self._non_blocking)
+        fresh.copy_(self._source)
+        seconds = time.perf_counter() - start
+        del fresh
+        return seconds
+
 
 class FloorSamples:
     """Floor timings taken one per measured round (see [Note: why the floor is timed before every round])."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["EVICT_UNCHANGED", "Goal", "PER_TENSOR", "REENTRY", "REGISTRATION", "SWAP"]
+__all__ = ["EVICT_UNCHANGED", "PER_TENSOR", "REENTRY", "REGISTRATION", "SWAP", "Goal"]
 
 
 @attrs.frozen(kw_only=True)

@@ -41,12 +41,12 @@ from pathlib import Path
 import attrs
 import torch
 
+from benchmarks import wan_shaped
 from benchmarks.floor import synchronize
 from benchmarks.machine import describe_machine
 from benchmarks.models import ManyModules, Stack
 from benchmarks.peers import OFFLOADERS, install, unavailable
 from benchmarks.scale import GiB, KiB, MiB
-from benchmarks import wan_shaped
 from residency import Scheduler
 from residency.tensors import DEFAULT_CHUNK_NBYTES
 
@@ -175,8 +175,7 @@ def _onload_one(check: _Check, size: int) -> dict:
 
 def _register(scheduler: Scheduler, name: str, module) -> dict:
     """Time ``add``; report pinned bytes against weight bytes and the peak host RSS it needed."""
-    _reset_peak_rss()
-    rss_before = _rss()
+    rss_before = _rss() if _reset_peak_rss() else None  # without a reset, VmHWM means nothing
     start = time.perf_counter()
     group = scheduler.add(name, module)
     seconds = time.perf_counter() - start
@@ -260,7 +259,7 @@ def _accelerate_forward(check: _Check, x: torch.Tensor, calls: int) -> dict:
         model = ManyModules(check.sizes.reentry_modules)
         cpu_offload_with_hook(model, execution_device=execution_device)
         model(x)
-        result[f"forward_s_execution_device_{label}"] = _per_call(lambda: model(x), calls)
+        result[f"forward_s_execution_device_{label}"] = _per_call(lambda m=model: m(x), calls)
     return result
 
 
@@ -350,7 +349,13 @@ def pipeline(check: _Check) -> dict:
         if reason is not None:
             modes[mode] = {"skipped": reason}
             continue
-        modes[mode], output = _pipeline_mode(check, mode, state, ids, latents)
+        try:
+            modes[mode], output = _pipeline_mode(check, mode, state, ids, latents)
+        except Exception as error:  # one offloader failing must not hide the others
+            modes[mode] = {"error": f"{type(error).__name__}: {error}",
+                           "traceback": traceback.format_exc().splitlines()[-6:]}
+            _release_memory(device)
+            continue
         reference = output if reference is None else reference
         modes[mode]["bit_identical_to_none"] = bool(torch.equal(output, reference))
         del output
@@ -627,13 +632,14 @@ def _peak_rss() -> int | None:
     return _status_kib("VmHWM")
 
 
-def _reset_peak_rss() -> None:
-    """Reset the kernel's peak-RSS mark (Linux: write 5 to /proc/self/clear_refs)."""
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux: write 5 to /proc/self/clear_refs); True if done."""
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
     except OSError:
-        pass
+        return False
+    return True
 
 
 if __name__ == "__main__":

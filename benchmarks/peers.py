@@ -50,6 +50,11 @@ def unavailable(offloader: str, device: torch.device, *, allow_cpu: bool = False
         return "diffusers is not installed (pip install -e '.[peers]')"
     if device.type == "cpu" and not allow_cpu:
         return "no accelerator: diffusers' offloading moves weights to one, and none is present"
+    try:
+        importlib.import_module("diffusers.hooks")
+        importlib.import_module("diffusers.pipelines.pipeline_utils")
+    except Exception as error:  # a broken install is a missing peer, not a crash
+        return f"diffusers cannot be imported ({type(error).__name__}: {error})"
     return None
 
 

@@ -51,6 +51,8 @@ def _draw_latency(axes, cases) -> None:
     axes.plot(sizes, floor, "k--", label="floor: one copy of the bytes (same run)")
     cold_x, cold_y = _series(cases, "cold_start")
     axes.plot(cold_x, cold_y, "s-", color="C2", label="ours: cold start (Scheduler.add)")
+    fresh_x, fresh_y = _series(cases, "cold_start", y="fresh_copy_s")
+    axes.plot(fresh_x, fresh_y, "g:", label="a copy into freshly allocated host memory")
     for kind, marker, color, label in (
         ("swap", "*", "C3", "ours: 400 MiB / 400 tensors swap"),
         ("evict_changed", "v", "C4", "ours: eviction, all weights changed"),
@@ -71,8 +73,12 @@ def _draw_latency(axes, cases) -> None:
             style = ":" if case["offloader"].endswith("device") else "-."
             axes.axhline(max(case["overhead_s"], 1e-8), color="C1", linestyle=style, linewidth=1.2,
                          label=f"accelerate hook per forward, nothing moved ({case['offloader']})")
-    axes.set_xscale("log")
-    axes.set_yscale("log")
+    if not axes.lines or not any(len(line.get_xdata()) for line in axes.lines):
+        axes.text(0.5, 0.5, "no transition cases in this run", ha="center",
+                  transform=axes.transAxes)
+    else:
+        axes.set_xscale("log")
+        axes.set_yscale("log")
     axes.set_xlabel("bytes moved per transition")
     axes.set_ylabel("latency (s)")
     axes.set_title("Transition latency against bytes")
@@ -86,8 +92,13 @@ def _draw_per_tensor(axes, cases) -> None:
     axes.plot(counts, [v * 1e6 for v in overhead], "o-", color="C0",
               label="ours: (swap - floor) / tensors")
     axes.axhline(0.5, color="C3", linestyle="--", label="goal: 0.5 us")
-    axes.set_xscale("log")
-    axes.set_yscale("log")
+    if not counts:
+        axes.text(0.5, 0.5, "no tensor-count cases in this run", ha="center",
+                  transform=axes.transAxes)
+    else:
+        axes.set_xscale("log")
+        if min(overhead) > 0:  # noise can make a small count's overhead negative: keep it visible
+            axes.set_yscale("log")
     axes.set_xlabel("tensors per group (fixed bytes)")
     axes.set_ylabel("overhead per tensor (us)")
     axes.set_title("Per-tensor overhead of a transition")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-__all__ = ["KiB", "MiB", "GiB", "SCALE_NAMES", "Scale", "tensors_for"]
+__all__ = ["SCALE_NAMES", "GiB", "KiB", "MiB", "Scale", "tensors_for"]
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 

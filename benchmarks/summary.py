@@ -15,7 +15,7 @@ from benchmarks.goals import Goal
 __all__ = ["markdown_table", "summarize_run"]
 
 _FACTS = ("case", "nbytes", "tensors", "offloader", "model_nbytes", "modules", "written_back",
-          "load_median_s", "evict_median_s", "pinned", "master_nbytes", "floor")
+          "load_median_s", "evict_median_s", "pinned", "master_nbytes", "floor", "fresh_copy_s")
 
 
 def summarize_run(run: dict) -> dict:

@@ -14,6 +14,7 @@ A peer that is not installed, or needs an accelerator that is not here, is skipp
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 import torch
@@ -37,8 +38,9 @@ def test_per_forward_overhead(benchmark, scheduler, scale, device, offloader):
     def plain_forward():
         plain(x)
 
-    iterations, rounds = max(1, scale.reentry_iterations // 20), scale.micro_rounds
+    rounds = scale.micro_rounds
     with torch.no_grad():
+        iterations = _iterations_for(forward, ceiling=max(1, scale.reentry_iterations // 20))
         before = median_call_seconds(plain_forward, iterations, rounds)
         benchmark.pedantic(forward, rounds=rounds, iterations=iterations, warmup_rounds=1)
         after = median_call_seconds(plain_forward, iterations, rounds)
@@ -46,6 +48,14 @@ def test_per_forward_overhead(benchmark, scheduler, scale, device, offloader):
     record(benchmark, case="per_forward", nbytes=0, floor_s=(before + after) / 2,
            offloader=offloader, model_nbytes=sum(p.nbytes for p in model.parameters()),
            modules=len(list(model.modules())), floor="the same forward, never offloaded")
+
+
+def _iterations_for(function, *, ceiling: int, round_seconds: float = 0.01) -> int:
+    """Calls per round so that a round lasts about `round_seconds` (at least 1, at most `ceiling`)."""
+    start = time.perf_counter()
+    function()
+    once = time.perf_counter() - start
+    return max(1, min(ceiling, int(round_seconds / max(once, 1e-9))))
 
 
 def _offloaded_forward(offloader, model, scheduler, device, x):

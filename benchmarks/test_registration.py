@@ -3,6 +3,8 @@
 Each round builds a fresh module of the size (its weights touched, so only registration is timed)
 and a fresh scheduler, and times ``add``.  The floor is a plain copy of the same bytes into a reused
 buffer: registration has to copy every byte into the master once, and the goal is to cost little more.
+A second reference, a copy into a freshly allocated host buffer (``fresh_copy_s``), shows what the
+first touch of new memory costs on the machine: the master is new memory by nature.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from residency import Scheduler
 
 def test_cold_start(benchmark, scale, device, cold_nbytes):
     tensors = tensors_for(cold_nbytes)
-    floor = FloorSamples(CopyFloor(cold_nbytes, device))
+    copy_floor = CopyFloor(cold_nbytes, device)
+    floor = FloorSamples(copy_floor)
+    fresh_copy = FloorSamples(copy_floor.fresh_host_seconds)
     registered = []
 
     def fresh():
         floor.before_round()
+        fresh_copy.before_round()
         return (Scheduler(device), Stack(cold_nbytes, tensors)), {}
 
     def register(scheduler, module):
@@ -35,5 +40,6 @@ def test_cold_start(benchmark, scale, device, cold_nbytes):
     group = registered[-1]
     assert group.host_master.nbytes >= group.nbytes
     record(benchmark, case="cold_start", nbytes=group.nbytes, tensors=tensors,
-           floor_s=floor.median(), goal=REGISTRATION, pinned=group.host_master.pinned,
+           floor_s=floor.median(), goal=REGISTRATION, fresh_copy_s=fresh_copy.median(),
+           pinned=group.host_master.pinned,
            master_nbytes=group.host_master.nbytes)

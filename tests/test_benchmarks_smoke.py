@@ -24,7 +24,7 @@ def _import_benchmarks():
     if added:
         sys.path.insert(0, str(ROOT))
     try:
-        from benchmarks import gpu_check, goals, report
+        from benchmarks import goals, gpu_check, report
     finally:
         if added:
             sys.path.remove(str(ROOT))
@@ -71,6 +71,7 @@ def test_gpu_check_dry_run_runs_every_section(tiny_suite, tmp_path):
     assert sections["eviction"]["changed"]["written_back"] == sections["eviction"]["nbytes"]
     assert "needs CUDA" in sections["steady_state"]["sync_debug"]["skipped"]
     modes = sections["pipeline"]["modes"]
+    assert not [mode for mode, result in modes.items() if "error" in result]
     assert modes["residency"]["bit_identical_to_none"] is True
     for peer in ("diffusers_model_cpu_offload", "diffusers_group_offload"):
         assert "skipped" in modes[peer] or modes[peer]["bit_identical_to_none"] is True

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The device-machine entry point: install carried wheels if any, say what is installed, run the check.
+#
+#   bash benchmarks/run_gpu_check.sh              # writes into $OUT (the device tool's folder), else
+#                                                 # benchmarks/results/
+#   bash benchmarks/run_gpu_check.sh --sections ceiling,onload
+#
+# Wheels: the device machine has no network.  Put wheels (diffusers, accelerate, attrs and what they
+# import) in .wheels/ here (see benchmarks/README.md) and carry that folder; they are installed with
+# --no-deps so the machine's own CUDA torch is never replaced.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if compgen -G ".wheels/*.whl" > /dev/null; then
+    python -m pip install --quiet --no-deps --no-index .wheels/*.whl 2>&1 | tail -3
+fi
+python - <<'PY'
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu",
+      torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+for name in ("attrs", "accelerate", "diffusers"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as error:
+        print(name, "unavailable:", error)
+PY
+exec python -m benchmarks.gpu_check --out "${OUT:-benchmarks/results}" "$@"
