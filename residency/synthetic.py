@@ -225,7 +225,7 @@ class SyntheticWan22(SupportsComponentDiscovery, nn.Module):
     """Text encoder, high-noise expert, low-noise expert, VAE: Wan2.2 T2V's parts and phases.
 
         pipe = SyntheticWan22.build("tiny")
-        pipe.scheduler = Scheduler.from_pipeline(pipe)   # or NoOffload(): offloading off
+        pipe.scheduler = Scheduler.from_pipeline(pipe, {"mode": "module"})  # dit + text_encoder
         video = pipe("a red dog", steps=4, seed=0)
 
     Declares its components the vLLM-Omni way (`_dit_modules`, `_encoder_modules`, `_vae_modules`)
