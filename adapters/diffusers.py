@@ -30,9 +30,10 @@ that is *not* on the host ("When components are split across devices ... the acc
 returned").  So it is right as long as one component sits on the compute device: resident-policy
 groups (the VAE by default) always do, and the scheduler keeps the last exclusive group resident
 until another one is asked for.  When every component is offloadable, `enable_offload` loads the
-encoder group (what pipelines run first) at once, so the rule holds from the first call on.  This is the
-legitimate mechanism: the alternatives are accelerate's ``_hf_hook.execution_device`` and diffusers'
-group-offloading hook registry, both attributes stuck on user modules that other code probes.
+encoder group (what pipelines run first) at once, so the rule holds from the first call on.  This
+is the legitimate mechanism: the alternatives are accelerate's ``_hf_hook.execution_device`` and
+diffusers' group-offloading hook registry, both attributes stuck on user modules that other code
+probes.
 After ``scheduler.offload_all()`` no component is on the device; enter any phase before the next
 call (``with scheduler.resident("text_encoder"): pass``).
 
