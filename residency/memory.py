@@ -104,6 +104,9 @@ class DeviceStorage:
 
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
+        #: Allocate at least this many bytes (the largest group that will load here), so the
+        #: buffer is allocated once rather than grown group by group.
+        self.size_hint = 0
         self.buffer: torch.Tensor | None = None
         self._views: dict[object, list[torch.Tensor]] = {}
         self._view_count = 0
@@ -129,7 +132,7 @@ class DeviceStorage:
         if self.buffer is not None and self.is_aliased():
             _log.info("device storage is aliased outside the scheduler; allocating a fresh buffer")
         self.release()
-        self.buffer = self._transport.allocate_device(nbytes)
+        self.buffer = self._transport.allocate_device(max(nbytes, self.size_hint))
         return True
 
     def views_for(self, key: object, inventory: Inventory) -> list[torch.Tensor]:

@@ -117,23 +117,59 @@ def chrome_trace(
     phases: Iterable[tuple[str, float, float]] = (),
     path: str | Path | None = None,
 ) -> dict:
-    """A Chrome/Perfetto trace: one slice per eviction and load, plus optional (name, start, end) phases.
+    """A Chrome/Perfetto trace of transfers, of when each group was resident, and of phases.
 
-    Written to `path` as JSON when given; returned as a dict either way.
+    One slice per eviction and load (on the thread that made it), a "resident <group>" slice from
+    each load until that group's eviction, and one slice per (name, start, end) phase given.
+    Thread ids are integers with names, as Perfetto's JSON importer wants.  Written to `path` as
+    JSON when given; returned as a dict either way.
     """
+    records = list(records)
+    phases = list(phases)
+    end = max([r.start + r.seconds for r in records] + [e for _, _, e in phases], default=0.0)
     events = []
     for record in records:
-        events.append(_slice(f"evict {record.from_group}", "transfer", record.start,
-                             record.evict_seconds, record.thread, {"written_back": record.written_back}))
-        events.append(_slice(f"load {record.to_group}", "transfer",
-                             record.start + record.evict_seconds, record.load_seconds,
-                             record.thread, {"nbytes": record.nbytes}))
-    for name, start, end in phases:
-        events.append(_slice(name, "phase", start, end - start, "phases", {}))
-    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if record.from_group is not None:
+            events.append(_slice(f"evict {record.from_group}", "transfer", record.start,
+                                 record.evict_seconds, record.thread,
+                                 {"written_back": record.written_back}))
+        if record.to_group is not None:
+            events.append(_slice(f"load {record.to_group}", "transfer",
+                                 record.start + record.evict_seconds, record.load_seconds,
+                                 record.thread, {"nbytes": record.nbytes}))
+    events += _resident_slices(records, end)
+    for name, start, stop in phases:
+        events.append(_slice(name, "phase", start, stop - start, "phases", {}))
+    trace = {"traceEvents": _with_thread_ids(events), "displayTimeUnit": "ms"}
     if path is not None:
         Path(path).write_text(json.dumps(trace))
     return trace
+
+
+def _resident_slices(records: list[TransitionRecord], end: float) -> list[dict]:
+    """A "resident <group>" slice per load: from its end until the group is evicted (or `end`)."""
+    slices = []
+    for position, record in enumerate(records):
+        if record.to_group is None:
+            continue
+        start = record.start + record.seconds
+        evicted = next((later.start for later in records[position + 1 :]
+                        if later.from_group == record.to_group), end)
+        slices.append(_slice(f"resident {record.to_group}", "residency", start,
+                             max(evicted - start, 0.0), "resident groups",
+                             {"nbytes": record.nbytes}))
+    return slices
+
+
+def _with_thread_ids(events: list[dict]) -> list[dict]:
+    """Replace track names by integer thread ids and add the metadata that names them."""
+    tids: dict[str, int] = {}
+    for event in events:
+        event["tid"] = tids.setdefault(str(event["tid"]), len(tids) + 1)
+    names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
+             for name, tid in tids.items()]
+    process = {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "residency"}}
+    return events + names + [process]
 
 
 def _slice(name: str, category: str, start: float, seconds: float, track: str, args: dict) -> dict:

@@ -590,6 +590,8 @@ class Scheduler:
             name, roots, policy, inventory, master, storage, self._transport, excluded=excluded
         )
         self._groups[name] = residency
+        for slot in self._exclusive_slots:
+            slot.size_hint = self._largest_exclusive()
         return residency
 
     def _unregister(self, group: Residency) -> None:
@@ -690,6 +692,11 @@ class Scheduler:
                     f"group {other.name!r}. A tensor belongs to one group; put both modules in "
                     "one group, or untie the weights before registering"
                 )
+
+    def _largest_exclusive(self) -> int:
+        """Device bytes of the largest exclusive group (the shared buffer's size)."""
+        sizes = [g.inventory.layout.contiguous_nbytes for g in self._groups.values() if g.exclusive]
+        return max(sizes, default=0)
 
     def _check_budget(self, name: str, inventory: Inventory, policy: Policy) -> None:
         """Refuse a group whose device bytes, with those already planned, exceed the limit."""

@@ -21,7 +21,6 @@ synchronisation is needed.
 
 from __future__ import annotations
 
-import json
 import statistics
 import threading
 import time
@@ -93,7 +92,7 @@ class PhaseRecorder:
 
 
 class _RecordedPhase:
-    __slots__ = ("_recorder", "_name", "_phase", "_start", "_enter", "_transition")
+    __slots__ = ("_enter", "_name", "_phase", "_recorder", "_start", "_transition")
 
     def __init__(self, recorder: PhaseRecorder, name: str) -> None:
         self._recorder = recorder
@@ -281,39 +280,6 @@ def write_trace(
     records: Iterable[TransitionRecord],
     spans: Iterable[PhaseSpan] = (),
 ) -> dict:
-    """Write a Chrome/Perfetto trace: transfers, phases, and when each group was resident.
-
-    Extends `residency.records.chrome_trace` with "resident <group>" slices (from one transition
-    to the next) and integer thread ids with names, which Perfetto's JSON importer needs.
-    """
-    records, spans = list(records), list(spans)
-    trace = chrome_trace(records, [(span.name, span.start, span.end) for span in spans])
-    end = max([r.start + r.seconds for r in records] + [s.end for s in spans], default=0.0)
-    events = [e for e in trace["traceEvents"] if e["name"] not in ("evict None", "load None")]
-    events += _resident_slices(records, end)
-    tids: dict[str, int] = {}
-    for event in events:
-        event["tid"] = tids.setdefault(str(event["tid"]), len(tids) + 1)
-    events += [
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
-        for name, tid in tids.items()
-    ]
-    events.append({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "residency"}})
-    trace["traceEvents"] = events
-    Path(path).write_text(json.dumps(trace))
-    return trace
-
-
-def _resident_slices(records: Sequence[TransitionRecord], end: float) -> list[dict]:
-    """A "resident <group>" slice per load: from its end until the group is evicted (or `end`)."""
-    slices = []
-    for position, record in enumerate(records):
-        if record.to_group is None:
-            continue
-        start = record.start + record.seconds
-        evicted = next((later.start for later in records[position + 1 :]
-                        if later.from_group == record.to_group), end)
-        slices.append({"name": f"resident {record.to_group}", "cat": "residency", "ph": "X",
-                       "ts": start * 1e6, "dur": max(evicted - start, 0.0) * 1e6, "pid": 0,
-                       "tid": "resident groups", "args": {"nbytes": record.nbytes}})
-    return slices
+    """Write a Chrome/Perfetto trace of transfers, resident groups and the recorded phases."""
+    phases = [(span.name, span.start, span.end) for span in spans]
+    return chrome_trace(records, phases, path)

@@ -25,6 +25,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def one_intra_op_thread():
+    """Run each test on one intra-op thread: on 2 shared cores, two threads only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def soak_scale(request) -> int:
     """1 in CI (a short soak), 5 with --soak (the full one)."""
