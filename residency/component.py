@@ -91,7 +91,10 @@ class Residency:
         self._device_views: list[torch.Tensor] = []
         self._device_ptrs: list[int] = []
         self._host_ptrs = data_ptrs(host_master.views)
-        self._loaded_versions: list[int] = []
+        #: Version counters as of the last registration or eviction.  Re-pointing keeps a tensor's
+        #: counter, so a load need not read them again; an edit made on the host in between only
+        #: costs a redundant write-back at the next eviction.
+        self._loaded_versions = versions(inventory.tensors)
         self._marked_dirty = False
         #: While LOADING: (storage, views, completion) of the copy in flight.
         self._pending: tuple[DeviceStorage, list[torch.Tensor], Completion] | None = None
@@ -164,7 +167,6 @@ class Residency:
         self.device_storage = storage
         if views is not self._device_views:
             self._device_views, self._device_ptrs = views, data_ptrs(views)
-        self._loaded_versions = versions(self.inventory.tensors)
         self.state = ResidencyState.RESIDENT
         return self.inventory.layout.nbytes
 
@@ -184,10 +186,11 @@ class Residency:
         """
         self._require(ResidencyState.RESIDENT, "evict")
         tensors = self.inventory.tensors
-        dirty = self._dirty_indices()
+        dirty, now_versions = self._dirty_indices()
         written = self._write_back(dirty) if dirty else 0
         repoint(tensors, self.host_master.views)
         self.device_storage.retire()
+        self._loaded_versions = now_versions
         self._marked_dirty = False
         self.state = ResidencyState.OFFLOADED
         return written
@@ -219,7 +222,8 @@ class Residency:
                 "parameters so the scheduler can take the new tensors over"
             )
 
-    def _dirty_indices(self) -> list[int]:
+    def _dirty_indices(self) -> tuple[list[int], list[int]]:
+        """Indices of tensors changed while resident, and every tensor's version counter now."""
         tensors = self.inventory.tensors
         now_versions, now_ptrs = versions(tensors), data_ptrs(tensors)
         if (
@@ -227,14 +231,14 @@ class Residency:
             and now_versions == self._loaded_versions
             and now_ptrs == self._device_ptrs
         ):
-            return []
+            return [], now_versions
         dirty = [
             i
             for i, (v, p) in enumerate(zip(now_versions, now_ptrs))
             if self._marked_dirty or v != self._loaded_versions[i] or p != self._device_ptrs[i]
         ]
         self._check_same_kind(dirty)
-        return dirty
+        return dirty, now_versions
 
     def _check_same_kind(self, indices: list[int]) -> None:
         """Refuse (changing nothing) when a replaced tensor no longer fits its place in the master."""

@@ -132,7 +132,8 @@ class DeviceStorage:
         if self.buffer is not None and self.is_aliased():
             _log.info("device storage is aliased outside the scheduler; allocating a fresh buffer")
         self.release()
-        self.buffer = self._transport.allocate_device(max(nbytes, self.size_hint))
+        with torch.inference_mode(False):  # the buffer outlives the caller's mode
+            self.buffer = self._transport.allocate_device(max(nbytes, self.size_hint))
         return True
 
     def views_for(self, key: object, inventory: Inventory) -> list[torch.Tensor]:
@@ -202,8 +203,13 @@ class _Progress:
             sys.stderr.write(f" done in {seconds:.1f} s\n")
 
 
+@torch.inference_mode(False)
 def _allocate_host(transport: Transport, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
-    """A host chunk; falls back to pageable memory with one warning when pinning fails."""
+    """A host chunk; falls back to pageable memory with one warning when pinning fails.
+
+    Always a normal tensor, even when registration runs under ``torch.inference_mode()``: the
+    master is written again (write-back) long after that mode has ended.
+    """
     if not pin:
         return transport.allocate_host(nbytes, pin=False), False
     try:

@@ -236,7 +236,8 @@ def make_views(
 ) -> list[torch.Tensor]:
     """One tensor per placement, viewing `storage` at byte `region_base[region]` + its offset."""
     views = []
-    with torch.no_grad():
+    # Views outlive the call; made under inference mode they could never be written again.
+    with torch.inference_mode(False), torch.no_grad():
         for p in placements:
             byte_offset = region_base[p.region] + p.byte_offset
             itemsize = p.dtype.itemsize

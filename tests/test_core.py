@@ -557,3 +557,40 @@ def test_exclude_takes_only_submodules(scheduler):
     with pytest.raises(RegistrationError, match="exclude= takes submodules of the modules being added"):
         scheduler.add("a", make_block(), exclude=[nn.Linear(2, 2)])
     assert len(scheduler) == 0
+
+
+def test_phases_under_inference_mode_do_not_poison_later_loads(scheduler):
+    a, b = make_block(seed=1), make_block(seed=2)
+    plain = twin(a)
+    x = torch.randn(2, 32)
+    with torch.inference_mode():
+        scheduler.add("a", a)
+        scheduler.add("b", b)
+        with scheduler.resident("a"):
+            run_block(a, x)
+        with scheduler.resident("b"):
+            run_block(b, x)
+    with scheduler.resident("a"):
+        with torch.no_grad():
+            a[0].weight.add_(1.0)
+            plain[0].weight.add_(1.0)
+    with scheduler.resident("b"):
+        pass
+    with scheduler.resident("a"):
+        assert torch.equal(run_block(a, x), run_block(plain, x))
+
+
+def test_an_edit_made_while_offloaded_then_loaded_again_is_kept(scheduler):
+    block = make_block(seed=9)
+    plain = twin(block)
+    scheduler.add("g", block)
+    scheduler.add("other", make_block())
+    for _ in range(2):
+        with torch.no_grad():
+            block[0].bias.add_(1.0)
+            plain[0].bias.add_(1.0)
+        with scheduler.resident("g"):
+            pass
+        with scheduler.resident("other"):
+            pass
+    assert torch.equal(block[0].bias, plain[0].bias)
