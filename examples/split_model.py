@@ -4,8 +4,10 @@
 
 The model names its parts in `_split_parts` and wraps each in
 ``with self.scheduler.resident(part):``.
-`Scheduler.from_pipeline` makes each part an exclusive group and keeps the shared embedding and norm
-on the device; a copy of the model that was never attached runs the same code with `NoOffload`.
+`Scheduler.from_pipeline` makes each part an exclusive group and the model minus its parts one
+resident group, so what the parts share stays on the device: the embedding, the norm, and the
+tensors the model holds directly (`pos_embed`, `scale_shift_table`, as many DiTs do).  A copy of
+the model that was never attached runs the same code with `NoOffload`.
 """
 
 import copy
@@ -31,15 +33,19 @@ class Cosmos3Like(SplitModel, nn.Module):
         super().__init__()
         self.embed = nn.Embedding(16, WIDTH)  # shared by both parts: stays resident
         self.norm = nn.LayerNorm(WIDTH)
+        self.pos_embed = nn.Parameter(torch.randn(WIDTH) / 10)  # held directly: resident too
+        self.register_buffer("scale_shift_table", torch.randn(2, WIDTH) / 10)
         self.reasoner, self.generator, self.head = stack(3), stack(3), nn.Linear(WIDTH, WIDTH)
 
     def reason(self, tokens: torch.Tensor) -> torch.Tensor:
         with self.scheduler.resident("reasoner"):
-            return self.reasoner(self.norm(self.embed(tokens)))
+            return self.reasoner(self.norm(self.embed(tokens) + self.pos_embed))
 
     def denoise(self, latents: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.scale_shift_table
         with self.scheduler.resident("generator"):
-            return self.head(self.norm(self.generator(latents + context.mean(0))))
+            hidden = self.norm(self.generator(latents + context.mean(0))) * (1 + scale) + shift
+            return self.head(hidden)
 
     def forward(self, tokens: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         return self.denoise(latents, self.reason(tokens))
@@ -62,6 +68,12 @@ def main() -> None:
                                         device="cpu")  # "cpu" still performs the real swap
     model = pipe.transformer
     print("groups:", {name: scheduler[name].policy.value for name in scheduler})
+    shared = scheduler["transformer"]  # the model minus its parts
+    held = {id(tensor) for tensor in shared.tensors}
+    print("resident group 'transformer' holds:",
+          [name for name, tensor in model.state_dict(keep_vars=True).items() if id(tensor) in held])
+    buffer = shared.device_storage.buffer  # pos_embed reads the device copy from now on
+    assert model.pos_embed.data_ptr() - buffer.data_ptr() in range(buffer.numel())
 
     tokens, noise = torch.randint(0, 16, (5,)), torch.randn(5, WIDTH)
     latents, expected = noise, noise
@@ -71,6 +83,7 @@ def main() -> None:
             assert scheduler.current == "reasoner" and not scheduler["generator"].is_resident
             latents = model.denoise(latents, context)
             assert scheduler.current == "generator" and not scheduler["reasoner"].is_resident
+            assert model.pos_embed.data_ptr() - buffer.data_ptr() in range(buffer.numel())  # stayed
             print(f"step {step}: resident {scheduler.resident_groups()}")
             expected = plain.transformer(tokens, expected)  # the same forward, offloading off
         image, expected = pipe.vae(latents), plain.vae(expected)

@@ -15,8 +15,9 @@
 The grouping rule, in one place (`plan_components`):
 
 * each selected DiT is its own exclusive group, named by its dotted path; a DiT that is a
-  `SplitModel` gives one exclusive group per part and a resident-policy group (named by its path)
-  for its remaining tensors;
+  `SplitModel` gives one exclusive group per part and a resident-policy group, named by its path,
+  of the model minus its parts (registered with ``exclude=`` the parts, so tensors held directly
+  on the model, such as ``pos_embed``, stay on the device too);
 * all selected encoders form one exclusive group, ``"text_encoder"``; selected VAEs one exclusive
   group, ``"vae"``;
 * the modules of an unselected category keep the same group names but the resident policy: they
@@ -31,12 +32,12 @@ own way (the diffusers adapter); `scheduler_from_pipeline` is what ``Scheduler.f
 from __future__ import annotations
 
 import difflib
-import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar
 
 import attrs
+import torch
 from torch import nn
 
 from residency.component import Policy
@@ -44,6 +45,7 @@ from residency.config import OffloadConfig, resolve_config
 from residency.errors import ConfigError
 from residency.scheduler import NoOffload, Scheduler
 from residency.split import split_parts
+from residency.tensors import unique_submodules
 
 __all__ = [
     "ENCODER_GROUP",
@@ -109,7 +111,8 @@ class ComponentPlan:
             ...
 
     A group's modules are the outermost of its members (a member nested in another member of the
-    same group adds only an alias).  Built by `plan_components`, which has checked every rule.
+    same group adds only an alias), less the subtrees `excluded` names for it (a split model's
+    shared group leaves out its parts).  Built by `plan_components`, which has checked every rule.
     """
 
     #: The pipeline's class name, for messages.
@@ -122,16 +125,24 @@ class ComponentPlan:
     aliases: Mapping[str, str] = attrs.field(converter=_proxy, hash=False)
     #: Split models whose `scheduler` attribute `apply_plan` sets, with their paths.
     split_models: tuple[Member, ...] = ()
+    #: Group name -> submodules left out of it, with all under them (``Scheduler.add(exclude=)``);
+    #: only groups that leave something out are listed.
+    excluded: Mapping[str, tuple[nn.Module, ...]] = attrs.field(
+        factory=dict, converter=_proxy, hash=False
+    )
 
-    def groups(self) -> Iterator[tuple[str, Policy, tuple[nn.Module, ...]]]:
-        """(name, policy, modules) of every group: exclusive groups first."""
-        for name, members in self.exclusive.items():
-            yield name, Policy.EXCLUSIVE, _outermost(members)
-        for name, members in self.resident.items():
-            yield name, Policy.RESIDENT, _outermost(members)
+    def groups(self) -> Iterator[tuple[str, Policy, tuple[nn.Module, ...], tuple[nn.Module, ...]]]:
+        """(name, policy, modules, excluded) of every group: exclusive groups first.
+
+            for name, policy, modules, excluded in plan.groups():
+                scheduler.add(name, modules, policy=policy, exclude=excluded)
+        """
+        for policy, table in ((Policy.EXCLUSIVE, self.exclusive), (Policy.RESIDENT, self.resident)):
+            for name, members in table.items():
+                yield name, policy, _outermost(members), self.excluded.get(name, ())
 
     def members(self) -> Iterator[tuple[str, str, nn.Module]]:
-        """(group name, path, module) of every listed module."""
+        """(group name, path, module) of every listed module (less ``excluded[group]``)."""
         for table in (self.exclusive, self.resident):
             for name, members in table.items():
                 for path, module in members:
@@ -167,8 +178,9 @@ def plan_components(
 
     Pure: reads the modules, changes nothing.  Raises `ConfigError` (naming `owner_name` and the
     path) for layer mode, a module listed twice, a module nested inside a listed module of another
-    group, split-model parts that do not resolve, and module mode selecting both "dit" and
-    "text_encoder" with no DiT or no encoder listed.
+    group (outside the subtrees that group leaves out), split-model parts that do not resolve or
+    contain each other, and module mode selecting both "dit" and "text_encoder" with no DiT or no
+    encoder listed.
     """
     config.require_runnable()
     selected = set(config.components)
@@ -208,14 +220,14 @@ class _PlanBuilder:
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
-        self.groups: list[tuple[str, Policy, tuple[Member, ...]]] = []
+        self.groups: list[tuple[str, Policy, tuple[Member, ...], tuple[nn.Module, ...]]] = []
         self.aliases: dict[str, str] = {}
         self.split_models: list[Member] = []
         self._resident_part_names: set[str] = set()
 
-    def add(self, name: str, policy: Policy, members) -> None:
+    def add(self, name: str, policy: Policy, members, excluded: tuple[nn.Module, ...] = ()) -> None:
         members = tuple(members)
-        self.groups.append((name, policy, members))
+        self.groups.append((name, policy, members, excluded))
         for path, _ in members:
             self.alias(path, name)
 
@@ -245,18 +257,17 @@ class _PlanBuilder:
         part_members = _resolve_parts(self.owner, path, dit, parts)
         for part, members in part_members.items():
             self.add(part, Policy.EXCLUSIVE, members)
-        part_ids = {id(m) for members in part_members.values() for _, m in members}
-        shared = _shared_members(self.owner, path, dit, part_ids)
-        if shared:
-            self.add(path, Policy.RESIDENT, shared)
+        part_modules = tuple(m for members in part_members.values() for _, m in members)
+        if _has_tensors_outside(dit, part_modules):
+            self.add(path, Policy.RESIDENT, [(path, dit)], excluded=part_modules)
 
     def build(self) -> ComponentPlan:
-        _check_disjoint(
-            self.owner,
-            [(name, path, module) for name, _, members in self.groups for path, module in members],
-        )
+        excluded = {name: modules for name, _, _, modules in self.groups if modules}
+        listed = [(name, path, module)
+                  for name, _, members, _ in self.groups for path, module in members]
+        _check_disjoint(self.owner, listed, excluded)
         tables: dict[Policy, dict[str, tuple[Member, ...]]] = {p: {} for p in Policy}
-        for name, policy, members in self.groups:
+        for name, policy, members, _ in self.groups:
             if any(name in table for table in tables.values()):
                 raise ConfigError(
                     f"{self.owner}: two groups would be named {name!r} (the second from path "
@@ -271,6 +282,7 @@ class _PlanBuilder:
             resident=tables[Policy.RESIDENT],
             aliases=self.aliases,
             split_models=tuple(self.split_models),
+            excluded=excluded,
         )
         _check_alias_names(plan)
         return plan
@@ -294,43 +306,28 @@ def _resolve_parts(
     return resolved
 
 
-def _shared_members(owner: str, path: str, dit: nn.Module, part_ids: set[int]) -> list[Member]:
-    """The largest submodules of a split model that hold no part, and have tensors."""
-    shared: list[Member] = []
-
-    def walk(module: nn.Module, prefix: str) -> None:
-        _check_no_direct_tensors(owner, path, prefix, module)
-        for name, child in module._modules.items():
-            if child is None or id(child) in part_ids:
-                continue
-            child_path = f"{prefix}.{name}"
-            if any(id(m) in part_ids for m in child.modules()):
-                walk(child, child_path)
-            elif _has_tensors(child):
-                shared.append((child_path, child))
-
-    walk(dit, path)
-    return shared
+def _group_tensors(module: nn.Module, excluded: Sequence[nn.Module]) -> Iterator[torch.Tensor]:
+    """Every tensor under `module`, outside the subtrees in `excluded` (tied ones once per slot)."""
+    for submodule in unique_submodules([module], excluded):
+        for table in (submodule._parameters, submodule._buffers):
+            yield from (tensor for tensor in table.values() if tensor is not None)
 
 
-def _check_no_direct_tensors(owner: str, path: str, prefix: str, module: nn.Module) -> None:
-    for table, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
-        for name, tensor in table.items():
-            if tensor is not None:
-                raise ConfigError(
-                    f"{owner}: the split model at {path!r} holds {kind} {name!r} directly on "
-                    f"{prefix!r}, which also contains parts; a tensor shared by the parts must "
-                    f"live in a submodule that holds no part: move {name!r} into one (for "
-                    "example an nn.Module attribute named 'shared')"
-                )
+def _has_tensors_outside(model: nn.Module, parts: Sequence[nn.Module]) -> bool:
+    """Whether `model` holds a tensor outside `parts`: directly, or in any other submodule."""
+    return next(_group_tensors(model, parts), None) is not None
 
 
-def _has_tensors(module: nn.Module) -> bool:
-    return next(itertools.chain(module.parameters(), module.buffers()), None) is not None
+def _check_disjoint(
+    owner: str,
+    members: Sequence[tuple[str, str, nn.Module]],
+    excluded: Mapping[str, Sequence[nn.Module]],
+) -> None:
+    """Each module listed once; no listed module inside a listed module of another group.
 
-
-def _check_disjoint(owner: str, members: Sequence[tuple[str, str, nn.Module]]) -> None:
-    """Each module listed once; no listed module inside a listed module of another group."""
+    A module inside a subtree that the other group leaves out (`excluded`) is not in that group:
+    a split model's parts sit inside the model, whose shared group excludes them.
+    """
     seen: dict[int, tuple[str, str]] = {}
     for group, path, module in members:
         if id(module) in seen:
@@ -341,8 +338,11 @@ def _check_disjoint(owner: str, members: Sequence[tuple[str, str, nn.Module]]) -
                 "one group: list it once"
             )
         seen[id(module)] = (group, path)
-    containers = [(group, path, {id(m) for m in module.modules()} - {id(module)})
-                  for group, path, module in members]
+    containers = [
+        (group, path, {id(m) for m in unique_submodules([module], excluded.get(group, ()))}
+         - {id(module)})
+        for group, path, module in members
+    ]
     for group, path, module in members:
         for other_group, other_path, inside in containers:
             if other_group != group and id(module) in inside:
@@ -439,16 +439,20 @@ def apply_plan(scheduler: Scheduler | NoOffload, plan: ComponentPlan) -> None:
 
         apply_plan(Scheduler("cuda"), plan_components("MyPipeline", dits, encoders, vaes, {}, c))
 
-    With a `Scheduler`, groups that would share a tensor are refused first (`ConfigError`); if a
-    registration fails anyway, the groups added so far are removed before the error propagates.
+    Each group is added with ``exclude=`` its excluded subtrees.  With a `Scheduler`, groups that
+    would share a tensor are refused first (`ConfigError`); if a registration fails anyway, the
+    groups added so far are removed before the error propagates.
     """
     offloading = isinstance(scheduler, Scheduler)
     if offloading:
         _check_no_shared_tensors(plan)
     added: list[str] = []
     try:
-        for name, policy, modules in plan.groups():
-            scheduler.add(name, modules, policy=policy)
+        for name, policy, modules, excluded in plan.groups():
+            if offloading:
+                scheduler.add(name, modules, policy=policy, exclude=excluded)
+            else:  # a NoOffload moves whole modules; the excluded parts are groups of their own
+                scheduler.add(name, modules, policy=policy)
             added.append(name)
     except BaseException:
         if offloading:
@@ -465,7 +469,7 @@ def apply_plan(scheduler: Scheduler | NoOffload, plan: ComponentPlan) -> None:
 def _check_no_shared_tensors(plan: ComponentPlan) -> None:
     owners: dict[tuple, tuple[str, str]] = {}
     for group, path, module in plan.members():
-        for tensor in itertools.chain(module.parameters(), module.buffers()):
+        for tensor in _group_tensors(module, plan.excluded.get(group, ())):
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0:
                 continue
@@ -475,7 +479,8 @@ def _check_no_shared_tensors(plan: ComponentPlan) -> None:
                 raise ConfigError(
                     f"{plan.owner}: {path!r} (group {group!r}) shares a tensor with {other_path!r} "
                     f"(group {other_group!r}); a tensor belongs to one group: list both modules in "
-                    "one category, or untie the weights"
+                    "one category (in a split model: keep the tensor inside one part or outside "
+                    "every part), or untie the weights"
                 )
 
 

@@ -7,7 +7,7 @@ of its `scheduler`:
         _split_parts = {"reasoner": "reasoner", "generator": ("generator", "generator_head")}
 
         def forward(self, tokens, latents):
-            hidden = self.embed(tokens)                     # shared: stays on the device
+            hidden = self.embed(tokens) + self.pos_embed    # shared: stays on the device
             with self.scheduler.resident("reasoner"):
                 context = self.reasoner(hidden)
             with self.scheduler.resident("generator"):
@@ -15,12 +15,15 @@ of its `scheduler`:
 
 `Scheduler.from_pipeline` picks the parts up when the model is a selected DiT of the pipeline: each
 part becomes an exclusive group named after the part (so exactly one part is on the device at a
-time), the model's remaining tensors (embeddings, norms) a resident-policy group named by the
-model's path, and it sets the model's `scheduler` attribute.  Until then `scheduler` is a
-`NoOffload`, so the model runs unchanged with offloading off.
+time), the model minus its parts a resident-policy group named by the model's path (added with
+``exclude=`` the parts: every tensor outside them, also one held directly on the model such as
+``pos_embed`` or ``scale_shift_table``), and it sets the model's `scheduler` attribute.  Until
+then `scheduler` is a `NoOffload`, so the model runs unchanged with offloading off.
 
 Rules: part paths are dotted paths relative to the model; parts may not contain each other; a
-tensor shared by the parts must live in a submodule that holds no part (not directly on the model).
+tensor outside the parts may sit anywhere (directly on the model, on a module that also contains a
+part, in a submodule), but one tensor may not be both inside a part and outside it, nor in two
+parts (tied weights across that line are refused).
 """
 
 from __future__ import annotations

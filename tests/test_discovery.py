@@ -239,6 +239,8 @@ def test_plan_components_is_pure_and_lists_groups(pipe):
         ("prompt_adapter.encoder", pipe.prompt_adapter.encoder),
     )
     assert dict(plan.aliases) == {"prompt_adapter.encoder": "text_encoder"}
+    assert dict(plan.excluded) == {}  # only a split model's shared group leaves modules out
+    assert [excluded for *_, excluded in plan.groups()] == [()] * 5
     assert [t.data_ptr() for t in pipe.state_dict().values()] == pointers
 
 
@@ -246,7 +248,7 @@ def test_a_member_nested_in_a_member_of_the_same_group_adds_only_an_alias(pipe):
     encoders = {"text_encoder": pipe.text_encoder, "text_encoder.0": pipe.text_encoder[0]}
     plan = plan_components("P", {"transformer": pipe.transformer}, encoders, {}, {},
                            OffloadConfig(mode="module"))
-    groups = {name: modules for name, _, modules in plan.groups()}
+    groups = {name: modules for name, _, modules, _ in plan.groups()}
     assert groups["text_encoder"] == (pipe.text_encoder,)
     scheduler = Scheduler("cpu")
     apply_plan(scheduler, plan)

@@ -1,17 +1,23 @@
-"""Split models: one part on the device at a time, shared tensors resident, identical outputs."""
+"""Split models: one part on the device at a time, shared tensors resident, identical outputs.
+
+The models hold tensors directly (``pos_embed``, ``scale_shift_table``, a gate on a module that also
+contains the parts), as real DiTs do: the model minus its parts is one resident group.
+"""
 
 from __future__ import annotations
 
 import copy
+from operator import attrgetter
 
 import pytest
 import torch
 from torch import nn
 
 from residency import NoOffload, Scheduler
+from residency.component import Policy
 from residency.config import OffloadConfig
-from residency.discovery import SupportsComponentDiscovery, plan_components
-from residency.errors import ConfigError
+from residency.discovery import SupportsComponentDiscovery, apply_plan, plan_components
+from residency.errors import ConfigError, RegistrationError
 from residency.split import SplitModel, split_parts
 
 from conftest import make_block, run_block
@@ -32,16 +38,60 @@ class SplitTransformer(SplitModel, nn.Module):
         self.generator = make_block(WIDTH, seed=12)
         torch.manual_seed(13)
         self.head = nn.Linear(WIDTH, WIDTH)
+        self.pos_embed = nn.Parameter(torch.randn(WIDTH))  # held directly, as DiTs do
+        self.register_buffer("scale_shift_table", torch.randn(2, WIDTH))
 
     def forward(self, tokens, latents, observe=lambda part: None):
-        hidden = self.norm(self.embed(tokens))
+        hidden = self.norm(self.embed(tokens) + self.pos_embed)
         with self.scheduler.resident("reasoner"):
             context = run_block(self.reasoner, hidden)
             observe("reasoner")
         with self.scheduler.resident("generator"):
-            out = self.head(run_block(self.generator, latents + context))
+            shift, scale = self.scale_shift_table
+            out = self.head(run_block(self.generator, latents + context)) * (1 + scale) + shift
             observe("generator")
         return out
+
+
+class Trunk(nn.Module):
+    """Holds a tensor directly and also contains both parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(20)
+        self.gate = nn.Parameter(torch.randn(WIDTH))
+        self.reasoner = make_block(WIDTH, seed=21)
+        self.generator = make_block(WIDTH, seed=22)
+
+
+class NestedSplit(SplitModel, nn.Module):
+    """Parts one level down, inside a module that holds a tensor of its own."""
+
+    _split_parts = {"reasoner": "trunk.reasoner", "generator": "trunk.generator"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(23)
+        self.pos_embed = nn.Parameter(torch.randn(WIDTH))
+        self.trunk = Trunk()
+
+    def forward(self, tokens, latents, observe=lambda part: None):
+        hidden = latents * self.trunk.gate + self.pos_embed + tokens[:, None]
+        with self.scheduler.resident("reasoner"):
+            context = run_block(self.trunk.reasoner, hidden)
+            observe("reasoner")
+        with self.scheduler.resident("generator"):
+            out = run_block(self.trunk.generator, latents + context)
+            observe("generator")
+        return out
+
+
+#: Each model class with the paths of the tensors it holds directly (on itself, or on a module
+#: that also contains a part), outside every part.
+HELD_DIRECTLY = {
+    SplitTransformer: ("pos_embed", "scale_shift_table"),
+    NestedSplit: ("pos_embed", "trunk.gate"),
+}
 
 
 class SplitPipeline(SupportsComponentDiscovery, nn.Module):
@@ -65,11 +115,15 @@ class SplitPipeline(SupportsComponentDiscovery, nn.Module):
         return run_block(self.vae, latents)
 
 
-def _on_device(group) -> bool:
+def _inside(tensor, group) -> bool:
+    """Whether `tensor` reads `group`'s device buffer."""
     buffer = group.device_storage.buffer
     start = buffer.data_ptr() if buffer is not None else -1
-    end = start + (buffer.numel() if buffer is not None else 0)
-    return all(start <= t.data_ptr() < end for t in group.tensors)
+    return start <= tensor.data_ptr() < start + (buffer.numel() if buffer is not None else 0)
+
+
+def _on_device(group) -> bool:
+    return all(_inside(t, group) for t in group.tensors)
 
 
 def _on_host_master(group) -> bool:
@@ -104,8 +158,12 @@ def test_parts_become_exclusive_groups_and_shared_tensors_stay_resident():
     model = pipe.transformer
     assert model.scheduler is scheduler
     assert scheduler["generator"].modules == (model.generator, model.head)
-    assert scheduler["transformer"].modules == (model.embed, model.norm)
-    assert _on_device(scheduler["transformer"])  # embeddings and norms on the device now
+    shared = scheduler["transformer"]
+    assert shared.modules == (model,)  # the model minus its parts
+    assert shared.excluded == (model.reasoner, model.generator, model.head)
+    assert shared.tensors == (model.pos_embed, model.scale_shift_table, model.embed.weight,
+                              model.norm.weight, model.norm.bias)
+    assert _on_device(shared)  # the directly held tensors, embeddings and norms: on the device
     with scheduler.resident("transformer.head") as group:
         assert group.name == "generator"
     with scheduler.resident("transformer.reasoner") as group:
@@ -113,10 +171,13 @@ def test_parts_become_exclusive_groups_and_shared_tensors_stay_resident():
     scheduler.close()
 
 
-def test_one_part_on_the_device_at_a_time_and_outputs_bit_identical():
-    pipe = SplitPipeline()
+@pytest.mark.parametrize("model_cls", [SplitTransformer, NestedSplit])
+def test_one_part_on_the_device_at_a_time_and_outputs_bit_identical(model_cls):
+    pipe = _pipeline_with(model_cls)
     plain = copy.deepcopy(pipe)  # never offloaded; its split model falls back to NoOffload
     scheduler = Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    held = [attrgetter(path)(pipe.transformer) for path in HELD_DIRECTLY[model_cls]]
+    assert {id(t) for t in scheduler["transformer"].tensors} >= {id(t) for t in held}
     seen = []
 
     def observe(phase):
@@ -126,6 +187,7 @@ def test_one_part_on_the_device_at_a_time_and_outputs_bit_identical():
             group = scheduler[name]
             assert _on_device(group) == (name in expected), name
             assert _on_host_master(group) == (name not in expected), name
+        assert all(_inside(t, scheduler["transformer"]) for t in held)  # resident throughout
         seen.append(phase)
 
     with torch.no_grad():
@@ -228,19 +290,126 @@ def test_bad_parts_are_refused(parts, message):
     assert isinstance(pipe.transformer.scheduler, NoOffload)  # nothing attached
 
 
-class DirectParameter(SplitTransformer):
+def _tie_across_the_boundary(model):
+    model.head.bias = model.norm.bias  # a generator tensor that is also outside every part
+
+
+def _tie_two_parts(model):
+    model.head.bias = model.reasoner[0].bias
+
+
+@pytest.mark.parametrize(
+    ("tie", "message"),
+    [
+        (_tie_across_the_boundary,
+         r"SplitPipeline: 'transformer' \(group 'transformer'\) shares a tensor with "
+         r"'transformer.head' \(group 'generator'\); a tensor belongs to one group: list both "
+         r"modules in one category \(in a split model: keep the tensor inside one part or "
+         r"outside every part\), or untie the weights"),
+        (_tie_two_parts,
+         r"SplitPipeline: 'transformer.head' \(group 'generator'\) shares a tensor with "
+         r"'transformer.reasoner' \(group 'reasoner'\); a tensor belongs to one group"),
+    ],
+    ids=["part-and-shared", "two-parts"],
+)
+def test_a_tensor_tied_across_groups_of_a_split_model_is_refused(tie, message):
+    pipe = SplitPipeline()
+    tie(pipe.transformer)
+    pointers = [t.data_ptr() for t in pipe.state_dict().values()]
+    with pytest.raises(ConfigError, match=message):
+        Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    assert [t.data_ptr() for t in pipe.state_dict().values()] == pointers  # nothing moved
+    assert isinstance(pipe.transformer.scheduler, NoOffload)
+
+
+def test_tensors_tied_inside_the_shared_region_are_fine():
+    pipe = SplitPipeline()
+    plain = copy.deepcopy(pipe)
+    model = pipe.transformer
+    model.norm.bias = model.pos_embed  # both outside every part: one resident group
+    plain.transformer.norm.bias = plain.transformer.pos_embed
+    scheduler = Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    assert model.norm.bias is model.pos_embed and _inside(model.pos_embed, scheduler["transformer"])
+    with torch.no_grad():
+        assert torch.equal(pipe.generate(TOKENS, scheduler), plain.generate(TOKENS, NoOffload()))
+    scheduler.close()
+
+
+@pytest.mark.parametrize(
+    ("resident_path", "message"),
+    [
+        ("transformer.embed",
+         r"SplitPipeline: 'transformer.embed' \(group 'transformer.embed'\) is nested inside "
+         r"'transformer' \(group 'transformer'\)"),
+        ("transformer.generator.0",  # inside the model too, but the shared group excludes it
+         r"SplitPipeline: 'transformer.generator.0' \(group 'transformer.generator.0'\) is "
+         r"nested inside 'transformer.generator' \(group 'generator'\)"),
+    ],
+)
+def test_a_listed_module_inside_a_split_model_is_refused(resident_path, message):
+    pipe = type("SplitPipeline", (SplitPipeline,), {"_resident_modules": (resident_path,)})()
+    with pytest.raises(ConfigError, match=message):
+        Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+
+
+def test_the_plan_names_the_shared_group_and_the_parts_it_excludes():
+    model = SplitTransformer()
+    plan = plan_components("P", {"transformer": model}, {}, {}, {},
+                           OffloadConfig(mode="module", components=("dit",)))
+    assert dict(plan.exclusive) == {"reasoner": (("transformer.reasoner", model.reasoner),),
+                                    "generator": (("transformer.generator", model.generator),
+                                                  ("transformer.head", model.head))}
+    assert dict(plan.resident) == {"transformer": (("transformer", model),)}
+    assert dict(plan.excluded) == {"transformer": (model.reasoner, model.generator, model.head)}
+    assert list(plan.groups()) == [
+        ("reasoner", Policy.EXCLUSIVE, (model.reasoner,), ()),
+        ("generator", Policy.EXCLUSIVE, (model.generator, model.head), ()),
+        ("transformer", Policy.RESIDENT, (model,), (model.reasoner, model.generator, model.head)),
+    ]
+
+
+class PartsOnly(SplitModel, nn.Module):
+    _split_parts = {"reasoner": "reasoner", "generator": "generator"}
+
     def __init__(self) -> None:
         super().__init__()
-        self.pos = nn.Parameter(torch.zeros(WIDTH))
+        self.reasoner, self.generator = make_block(WIDTH, seed=30), make_block(WIDTH, seed=31)
 
 
-def test_a_tensor_held_directly_by_a_split_model_is_refused():
-    pipe = _pipeline_with(DirectParameter)
-    with pytest.raises(ConfigError, match=r"SplitPipeline: the split model at 'transformer' holds "
-                                          r"parameter 'pos' directly on 'transformer', which also "
-                                          r"contains parts; a tensor shared by the parts must "
-                                          r"live in a submodule that holds no part"):
-        Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+def test_a_split_model_with_no_tensor_outside_its_parts_has_no_shared_group():
+    model = PartsOnly()
+    plan = plan_components("P", {"transformer": model}, {}, {}, {},
+                           OffloadConfig(mode="module", components=("dit",)))
+    assert list(plan.exclusive) == ["reasoner", "generator"]
+    assert dict(plan.resident) == {} and dict(plan.excluded) == {}
+    scheduler = Scheduler("cpu")
+    apply_plan(scheduler, plan)
+    assert list(scheduler) == ["reasoner", "generator"] and model.scheduler is scheduler
+    scheduler.close()
+
+
+def test_apply_plan_removes_the_shared_group_too_when_a_later_registration_fails():
+    pipe = SplitPipeline()
+    plain = copy.deepcopy(pipe)
+    dits, encoders, vaes = ({"transformer": pipe.transformer}, {"text_encoder": pipe.text_encoder},
+                            {"vae": pipe.vae})
+    plan = plan_components("SplitPipeline", dits, encoders, vaes, {}, OffloadConfig(mode="module"))
+    assert list(plan.resident) == ["transformer", "vae"]  # the shared group is added before vae
+    scheduler = Scheduler("cpu")
+    scheduler.add("vae", nn.Linear(2, 2), policy="resident")
+    with pytest.raises(RegistrationError, match=r"a group named 'vae' is already"):
+        apply_plan(scheduler, plan)
+    assert list(scheduler) == ["vae"]
+    assert "transformer.head" not in scheduler
+    assert isinstance(pipe.transformer.scheduler, NoOffload)  # nothing attached
+    scheduler.close()
+    fresh = Scheduler("cpu")
+    apply_plan(fresh, plan)  # every module was freed: the same plan applies cleanly
+    assert fresh["transformer"].excluded == (pipe.transformer.reasoner, pipe.transformer.generator,
+                                             pipe.transformer.head)
+    with torch.no_grad():
+        assert torch.equal(pipe.generate(TOKENS, fresh), plain.generate(TOKENS, NoOffload()))
+    fresh.close()
 
 
 class TwoSplitPipeline(SplitPipeline):
