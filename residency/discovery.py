@@ -443,25 +443,19 @@ def apply_plan(scheduler: Scheduler | NoOffload, plan: ComponentPlan) -> None:
     would share a tensor are refused first (`ConfigError`); if a registration fails anyway, the
     groups added so far are removed before the error propagates.
     """
-    offloading = isinstance(scheduler, Scheduler)
-    if offloading:
+    if isinstance(scheduler, Scheduler):
         _check_no_shared_tensors(plan)
     added: list[str] = []
     try:
         for name, policy, modules, excluded in plan.groups():
-            if offloading:
-                scheduler.add(name, modules, policy=policy, exclude=excluded)
-            else:  # a NoOffload moves whole modules; the excluded parts are groups of their own
-                scheduler.add(name, modules, policy=policy)
+            scheduler.add(name, modules, policy=policy, exclude=excluded)
             added.append(name)
     except BaseException:
-        if offloading:
-            for name in reversed(added):
-                scheduler.remove(name)
+        for name in reversed(added):
+            scheduler.remove(name)
         raise
-    if offloading:
-        for path, name in plan.aliases.items():
-            scheduler.alias(path, name)
+    for path, name in plan.aliases.items():
+        scheduler.alias(path, name)
     for _, model in plan.split_models:
         model.scheduler = scheduler
 

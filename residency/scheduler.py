@@ -731,14 +731,30 @@ class NoOffload:
         self.transitions = TransitionLog(0)
         self._names: dict[str, tuple[nn.Module, ...]] = {}
 
-    def add(self, name: str, modules, *, policy: str | Policy = "exclusive") -> None:
+    def add(
+        self,
+        name: str,
+        modules: nn.Module | Iterable[nn.Module],
+        *,
+        policy: str | Policy = "exclusive",
+        exclude: nn.Module | Iterable[nn.Module] = (),
+    ) -> None:
+        """Check the arguments as `Scheduler.add` does; move the modules to `device` when given."""
         _check_name(name, self._names)
         _parse_policy(policy)
         roots = _as_modules(name, modules)
+        _as_excluded(name, exclude, roots)
         if self.device is not None:
             for module in roots:
                 module.to(self.device)
         self._names[name] = roots
+
+    def alias(self, path: str, name: str) -> None:
+        """Accepted for symmetry with `Scheduler.alias`; every phase does nothing anyway."""
+
+    def remove(self, name: str) -> None:
+        """Forget group `name` (its modules stay where they are)."""
+        self._names.pop(name, None)
 
     def resident(self, name: str) -> _NullPhase:
         return _NULL_PHASE
