@@ -18,10 +18,11 @@ What it finds in ``pipe.components`` (modules only; ``None`` and non-module part
 The grouping itself is `residency.discovery.plan_components`, the same rule as
 ``Scheduler.from_pipeline``: unselected categories stay resident on the device.
 
-Each module of an exclusive group gets a thin wrapper around its instance's bound ``forward``,
-``encode`` and ``decode`` (those it has) that enters ``scheduler.resident(group)`` and sends tensor
-arguments to the compute device.  No accelerate or diffusers hook is installed and no class is
-changed: the wrappers are instance attributes, removed again by `disable_offload`.
+Each module of an exclusive group gets a `PhaseEntry` in place of its instance's bound
+``forward``, ``encode`` and ``decode`` (those it has): a thin callable that enters
+``scheduler.resident(group)`` and sends tensor arguments to the compute device.  No accelerate or
+diffusers hook is installed and no class is changed: the entries are instance attributes, removed
+again by `disable_offload`.
 
 [Note: the execution device]
 Diffusers creates latents, timesteps and prompt embeddings on ``pipe._execution_device``.  Without
@@ -38,16 +39,35 @@ After ``scheduler.offload_all()`` no component is on the device; enter any phase
 call (``with scheduler.resident("text_encoder"): pass``).
 
 Diffusers also asks each component where *its* inputs go (``get_module_execution_device``), and an
-offloaded component answers with the host, where its weights wait.  The wrapper therefore moves
+offloaded component answers with the host, where its weights wait.  The entry therefore moves
 tensor arguments (also inside lists, tuples and dicts) to the compute device; on the host, or for
 arguments already there, that costs a device comparison.
 
 [Note: adapter state]
-`_OFFLOADED` maps each offloaded pipeline to what `disable_offload` must undo: its scheduler, the
-wrappers it set, and the device each component was on.  It is a ``WeakKeyDictionary``: nothing is
-stuck on the pipeline, a pipeline that is dropped takes its entry with it, and the wrappers are the
-only instance attributes set on modules.  It holds state of live pipelines, not configuration.
-The originals need no saving: deleting a wrapper lets the class's method show through again.
+There is no registry: the `PhaseEntry` wrappers are the adapter's state.  All the entries one
+`enable_offload` call sets share one `_Offload` record: the scheduler, a weak reference to the
+pipeline, and every module component with the device it was on before (resident-policy
+components included, though they get no entry).  Nothing else is set on modules, nothing at all
+on the pipeline, nothing at module level.
+
+* Finding it.  `offload_scheduler`, `disable_offload` and the second-call check of
+  `enable_offload` read the entry points of ``pipe.components`` (``vars(module)``, no probing of
+  the class).  Entries sit on component roots only (every member of an exclusive group is a
+  component), so no submodule walk is needed.  A pipeline is offloaded when one of its components
+  carries an entry whose record belongs to it.
+* Siblings.  A pipeline built from another's components (``FluxPipeline(**pipe.components)``)
+  sees the same entries; the record's weak reference tells the two apart, so the sibling is
+  refused with the component's name and told to disable the other pipeline.  A record whose
+  pipeline has been dropped belongs to whichever pipeline still holds its components, so its
+  entries can still be removed.
+* Undoing.  Close the scheduler (weights back in host memory), delete the record's entries from
+  the recorded components (the class's methods show through again: the originals need no
+  saving), move each recorded component back to its device.
+* Lifetime.  An entry holds its module's bound method and the module holds the entry: a cycle the
+  garbage collector frees with the pipeline, scheduler and host masters included.
+* Nothing to find by.  A config that offloads none of the pipeline's components would set no
+  entry, so nothing could later find the record; `enable_offload` refuses it (`ConfigError`).  It
+  would only have moved every component onto the device, which ``pipe.to(device)`` does.
 """
 
 from __future__ import annotations
@@ -66,7 +86,7 @@ from residency.discovery import ENCODER_GROUP, ComponentPlan, apply_plan, plan_c
 from residency.errors import ConfigError, RegistrationError, ResidencyError
 from residency.scheduler import Scheduler
 
-__all__ = ["disable_offload", "enable_offload", "offload_scheduler"]
+__all__ = ["PhaseEntry", "disable_offload", "enable_offload", "offload_scheduler"]
 
 #: Component names of the denoising transformers (each its own exclusive group when selected).
 DIT_NAMES = re.compile(r"transformer(_\d+)?")
@@ -76,21 +96,6 @@ ENCODER_NAMES = re.compile(r"text_encoder(_\d+)?|image_encoder")
 VAE_NAMES = re.compile(r"vae")
 #: The entry points wrapped on every module of an exclusive group (those the module has).
 ENTRY_POINTS = ("forward", "encode", "decode")
-
-
-@attrs.frozen(eq=False)
-class _Offload:
-    """What `enable_offload` changed on one pipeline, so that `disable_offload` can undo it."""
-
-    scheduler: Scheduler
-    #: (module, entry point name) of every wrapper set as an instance attribute.
-    wrapped: tuple[tuple[nn.Module, str], ...]
-    #: (component module, the device its weights were on before).
-    devices: tuple[tuple[nn.Module, torch.device], ...]
-
-
-#: Pipeline -> its `_Offload` (see [Note: adapter state]).
-_OFFLOADED: weakref.WeakKeyDictionary[object, _Offload] = weakref.WeakKeyDictionary()
 
 
 def enable_offload(
@@ -110,12 +115,12 @@ def enable_offload(
     current accelerator, else the CPU.  Returns the pipeline's `Scheduler`.
 
     Raises `RegistrationError` when the pipeline is already offloaded (by this function or another
-    offloader's hooks) and `ConfigError` for a config or pipeline the grouping rules refuse; a
-    refused call changes nothing.
+    offloader's hooks) and `ConfigError` for a config or pipeline the grouping rules refuse, or one
+    that offloads none of its components; a refused call changes nothing.
     """
     owner = type(pipe).__name__
     components = _module_components(pipe)
-    if pipe in _OFFLOADED:
+    if _offload_of(pipe, components) is not None:
         raise RegistrationError(
             f"offloading is already enabled on this {owner}; a second enable_offload would wrap "
             "its components twice. Use the scheduler the first call returned "
@@ -124,16 +129,16 @@ def enable_offload(
     parsed = resolve_config(config) or OffloadConfig(mode="module")
     _check_no_instance_wrappers(owner, components)
     plan = _plan(owner, components, parsed)
+    pipeline = weakref.ref(pipe)
     scheduler = Scheduler(device, pin_memory=None if parsed.pin_memory else False)
-    devices = tuple((module, _device_of(module)) for module in components.values())
+    placements = tuple((module, _device_of(module)) for module in components.values())
     try:
         apply_plan(scheduler, plan)
     except BaseException:
         scheduler.close()
         raise
-    wrapped = tuple(_wrap_exclusive_groups(scheduler, plan))
-    _OFFLOADED[pipe] = _Offload(scheduler, wrapped, devices)
-    _place_execution_device(pipe, scheduler, plan)
+    _wrap_exclusive_groups(_Offload(scheduler, pipeline, placements), plan)
+    _place_execution_device(scheduler, plan)
     return scheduler
 
 
@@ -145,40 +150,143 @@ def disable_offload(pipe: object) -> None:
 
     The scheduler is closed (its weights return to host memory, then each component moves back to
     the device it was on before).  Refused, changing nothing, while a phase is active or when
-    offloading is not enabled on `pipe`.
+    offloading is not enabled on `pipe` (also when its components are offloaded through another
+    pipeline sharing them: disable that one).
     """
-    offload = _OFFLOADED.get(pipe)
+    components = _module_components(pipe)
+    offload = _offload_of(pipe, components)
     if offload is None:
-        raise ResidencyError(
-            f"offloading is not enabled on this {type(pipe).__name__}; there is nothing to "
-            "disable (enable_offload(pipe) turns it on)"
-        )
+        raise _not_enabled(type(pipe).__name__, components)
     offload.scheduler.close()
-    for module, name in offload.wrapped:
-        delattr(module, name)  # the class's method shows through again
-    for module, device in offload.devices:
+    for module, device in offload.placements:
+        offload.unwrap(module)  # the class's methods show through again
         if device.type != "cpu":
             module.to(device)
-    del _OFFLOADED[pipe]
 
 
 def offload_scheduler(pipe: object) -> Scheduler | None:
-    """The scheduler `enable_offload` attached to `pipe`, or None when it is not offloaded."""
-    offload = _OFFLOADED.get(pipe)
+    """The scheduler `enable_offload` attached to `pipe`, or None when it is not offloaded.
+
+        scheduler = offload_scheduler(pipe)
+        if scheduler is not None:
+            print(scheduler.transitions.count, "phase changes so far")
+    """
+    components = _components_of(pipe)
+    offload = None if components is None else _offload_of(pipe, components)
     return None if offload is None else offload.scheduler
+
+
+# -- the adapter's state (see [Note: adapter state]) ----------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class _Offload:
+    """What one `enable_offload` call changed, shared by every `PhaseEntry` it set."""
+
+    #: The scheduler `enable_offload` returned.
+    scheduler: Scheduler
+    #: The pipeline it was called on, weakly: tells it apart from a sibling sharing components.
+    pipeline: weakref.ref
+    #: (component module, the device its weights were on before) of every module component,
+    #: resident-policy ones included.
+    placements: tuple[tuple[nn.Module, torch.device], ...]
+
+    def belongs_to(self, pipe: object) -> bool:
+        """Whether this is `pipe`'s record (a record whose pipeline is gone belongs to any)."""
+        owner = self.pipeline()
+        return owner is None or owner is pipe
+
+    def unwrap(self, module: nn.Module) -> None:
+        """Delete this record's entries from `module`'s instance attributes."""
+        for name in ENTRY_POINTS:
+            entry = vars(module).get(name)
+            if isinstance(entry, PhaseEntry) and entry.offload is self:
+                delattr(module, name)
+
+
+class PhaseEntry:
+    """A module's own ``forward``, ``encode`` or ``decode``, run inside its group's phase.
+
+        pipe.transformer.forward      # <PhaseEntry 'forward' of group 'transformer'>
+        pipe.transformer(latents)     # with scheduler.resident("transformer"): original(latents)
+
+    `enable_offload` sets one as an instance attribute for each entry point of each module of an
+    exclusive group; the class's method is untouched and shows through again when the entry is
+    deleted.  Tensor arguments (also inside lists, tuples and dicts) go to the compute device first
+    (see [Note: the execution device]).  ``inspect.signature`` sees the original's signature
+    (``__wrapped__``).  The entries are the adapter's only state (see [Note: adapter state]).
+    """
+
+    def __init__(self, offload: _Offload, group: str, method: Callable) -> None:
+        functools.update_wrapper(self, method)  # first: it copies the method's __dict__ in
+        #: The record shared by every entry of the same `enable_offload` call.
+        self.offload = offload
+        #: The exclusive group entered around each call.
+        self.group = group
+        #: The wrapped bound method (the module's class attribute, bound to the module).
+        self.method = method
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler whose phase this entry enters."""
+        return self.offload.scheduler
+
+    def __call__(self, *args, **kwargs):
+        scheduler = self.offload.scheduler
+        device = scheduler.device
+        with scheduler.resident(self.group):
+            return self.method(*_to_device(args, device), **_to_device(kwargs, device))
+
+    def __repr__(self) -> str:
+        return f"<PhaseEntry {self.method.__name__!r} of group {self.group!r}>"
+
+
+def _entries(components: Mapping[str, nn.Module]) -> Iterator[tuple[str, PhaseEntry]]:
+    """(component name, entry) of every `PhaseEntry` set on a component."""
+    for name, module in components.items():
+        for attribute in ENTRY_POINTS:
+            entry = vars(module).get(attribute)
+            if isinstance(entry, PhaseEntry):
+                yield name, entry
+
+
+def _offload_of(pipe: object, components: Mapping[str, nn.Module]) -> _Offload | None:
+    """`pipe`'s record, found through the entries on its components; None when not offloaded."""
+    return next((e.offload for _, e in _entries(components) if e.offload.belongs_to(pipe)), None)
+
+
+def _not_enabled(owner: str, components: Mapping[str, nn.Module]) -> ResidencyError:
+    shared = next((name for name, _ in _entries(components)), None)
+    if shared is None:
+        return ResidencyError(
+            f"offloading is not enabled on this {owner}; there is nothing to disable "
+            "(enable_offload(pipe) turns it on)"
+        )
+    return ResidencyError(
+        f"offloading is not enabled on this {owner}, but its component {shared!r} is offloaded "
+        "through another pipeline that shares it; call disable_offload on that pipeline"
+    )
 
 
 # -- discovery ------------------------------------------------------------------------------------
 
 
-def _module_components(pipe: object) -> dict[str, nn.Module]:
+def _components_of(pipe: object) -> dict[str, nn.Module] | None:
+    """`pipe`'s module components, or None when it has no `components` mapping."""
     components = getattr(pipe, "components", None)
     if not isinstance(components, Mapping):
+        return None
+    return {name: part for name, part in components.items() if isinstance(part, nn.Module)}
+
+
+def _module_components(pipe: object) -> dict[str, nn.Module]:
+    components = _components_of(pipe)
+    if components is None:
         raise ResidencyError(
             f"{type(pipe).__name__} has no `components` mapping; enable_offload takes a diffusers "
             "pipeline (DiffusionPipeline). For your own model code, use Scheduler.from_pipeline"
         )
-    return {name: part for name, part in components.items() if isinstance(part, nn.Module)}
+    return components
 
 
 def _plan(owner: str, components: dict[str, nn.Module], config: OffloadConfig) -> ComponentPlan:
@@ -186,8 +294,10 @@ def _plan(owner: str, components: dict[str, nn.Module], config: OffloadConfig) -
     for name, module in components.items():
         categories[_category(name)][name] = module
     _check_both_found(owner, categories, config)
-    return plan_components(owner, categories["dit"], categories["encoder"], categories["vae"],
+    plan = plan_components(owner, categories["dit"], categories["encoder"], categories["vae"],
                            categories["other"], config)
+    _check_something_offloaded(owner, components, plan, config)
+    return plan
 
 
 def _check_both_found(owner: str, categories: dict[str, dict], config: OffloadConfig) -> None:
@@ -207,6 +317,20 @@ def _check_both_found(owner: str, categories: dict[str, dict], config: OffloadCo
             )
 
 
+def _check_something_offloaded(
+    owner: str, components: dict[str, nn.Module], plan: ComponentPlan, config: OffloadConfig
+) -> None:
+    """Refuse a plan without exclusive groups (see [Note: adapter state], "Nothing to find by")."""
+    if plan.exclusive:
+        return
+    raise ConfigError(
+        f"{owner}: the offload config selects {list(config.components)}, which matches none of "
+        f"{owner}'s module components {sorted(components)}, so nothing would be offloaded. "
+        "Select components it has ('dit': transformer, transformer_2, ...; 'text_encoder': "
+        "text_encoder, ..., image_encoder; 'vae': vae), or move it with pipe.to(device) instead"
+    )
+
+
 def _category(name: str) -> str:
     for pattern, category in ((DIT_NAMES, "dit"), (ENCODER_NAMES, "encoder"), (VAE_NAMES, "vae")):
         if pattern.fullmatch(name):
@@ -218,8 +342,8 @@ def _check_no_instance_wrappers(owner: str, components: dict[str, nn.Module]) ->
     """Refuse components whose entry points are already instance attributes.
 
     That is another offloader's hook (accelerate's model and sequential offload and diffusers'
-    group offloading all replace the component's own ``forward``) or residency's wrapper through a
-    pipeline sharing the component.  Hooks on submodules only (a block cache) do not conflict.
+    group offloading all replace the component's own ``forward``) or a `PhaseEntry` of a pipeline
+    sharing the component.  Hooks on submodules only (a block cache) do not conflict.
     """
     for name, module in components.items():
         replaced = [entry for entry in ENTRY_POINTS if entry in vars(module)]
@@ -241,13 +365,11 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-# -- wrappers -------------------------------------------------------------------------------------
+# -- entries --------------------------------------------------------------------------------------
 
 
-def _wrap_exclusive_groups(
-    scheduler: Scheduler, plan: ComponentPlan
-) -> Iterator[tuple[nn.Module, str]]:
-    """Wrap each entry point of each module of an exclusive group; yield (module, name) of each.
+def _wrap_exclusive_groups(offload: _Offload, plan: ComponentPlan) -> None:
+    """Set a `PhaseEntry` for each entry point of each module of an exclusive group.
 
     `_check_no_instance_wrappers` made sure none of them is an instance attribute yet.
     """
@@ -256,20 +378,7 @@ def _wrap_exclusive_groups(
             for name in ENTRY_POINTS:
                 method = getattr(module, name, None)
                 if callable(method):
-                    setattr(module, name, _in_phase(scheduler, group, method))
-                    yield module, name
-
-
-def _in_phase(scheduler: Scheduler, group: str, method: Callable) -> Callable:
-    """`method`, run inside ``scheduler.resident(group)`` with tensor arguments on the device."""
-    device = scheduler.device
-
-    @functools.wraps(method)
-    def in_phase(*args, **kwargs):
-        with scheduler.resident(group):
-            return method(*_to_device(args, device), **_to_device(kwargs, device))
-
-    return in_phase
+                    setattr(module, name, PhaseEntry(offload, group, method))
 
 
 def _to_device(value, device: torch.device):
@@ -283,9 +392,9 @@ def _to_device(value, device: torch.device):
     return value
 
 
-def _place_execution_device(pipe: object, scheduler: Scheduler, plan: ComponentPlan) -> None:
+def _place_execution_device(scheduler: Scheduler, plan: ComponentPlan) -> None:
     """Make one component sit on the device when none does (see [Note: the execution device])."""
-    if plan.resident or not plan.exclusive:
+    if plan.resident:
         return
     first = ENCODER_GROUP if ENCODER_GROUP in plan.exclusive else next(iter(plan.exclusive))
     with scheduler.resident(first):  # pipelines encode first: this load is not wasted

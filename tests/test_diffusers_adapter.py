@@ -7,6 +7,7 @@ carries state between calls, so the n-th offloaded call is compared with the n-t
 from __future__ import annotations
 
 import gc
+import inspect
 import weakref
 
 import pytest
@@ -14,15 +15,17 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from _tiny_pipelines import flux_call, tiny_flux, tiny_wan22, wan22_call  # noqa: E402
-
-from residency import ConfigError, RegistrationError, ResidencyError, Scheduler  # noqa: E402
-from residency.adapters.diffusers import (  # noqa: E402
+import residency.adapters.diffusers as adapter
+from _tiny_pipelines import flux_call, tiny_flux, tiny_wan22, wan22_call
+from residency.adapters.diffusers import (
     ENTRY_POINTS,
+    PhaseEntry,
     disable_offload,
     enable_offload,
     offload_scheduler,
 )
+
+from residency import ConfigError, PhaseError, RegistrationError, ResidencyError, Scheduler
 
 ALL_COMPONENTS = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
 
@@ -62,6 +65,16 @@ def instance_entry_points(pipe) -> list[str]:
         for attribute in ENTRY_POINTS
         if attribute in vars(module)
     ]
+
+
+def module_attributes(pipe) -> dict[str, set[str]]:
+    """The instance attribute names of every module of the pipeline, by dotted path."""
+    return {
+        ".".join(filter(None, (name, path))): set(vars(module))
+        for name, component in pipe.components.items()
+        if isinstance(component, torch.nn.Module)
+        for path, module in component.named_modules()
+    }
 
 
 # -- bit-identical outputs ------------------------------------------------------------------------
@@ -208,9 +221,10 @@ def test_a_component_is_always_on_the_device_so_execution_device_is_right(config
 # -- disable, and refusals ------------------------------------------------------------------------
 
 
-def test_disable_offload_restores_the_pipeline_exactly():
+@pytest.mark.parametrize("config", [None, ALL_COMPONENTS], ids=["vae resident", "all offloaded"])
+def test_disable_offload_restores_the_pipeline_exactly(config):
     plain, pipe = tiny_wan22(), tiny_wan22()
-    scheduler = enable_offload(pipe, ALL_COMPONENTS, device="cpu")
+    scheduler = enable_offload(pipe, config, device="cpu")  # the resident VAE gets no entry
     assert torch.equal(frames(pipe, 0), frames(plain, 0))
     assert instance_entry_points(pipe)  # the wrappers are there while enabled
     buffers = {id(s): s.buffer for s in (scheduler[n].device_storage for n in scheduler)}
@@ -260,11 +274,18 @@ def test_a_component_shared_with_an_offloaded_pipeline_is_refused():
     from diffusers import FluxPipeline
 
     pipe = tiny_flux()
-    enable_offload(pipe, device="cpu")
+    scheduler = enable_offload(pipe, device="cpu")
+    entries = instance_entry_points(pipe)
     sibling = FluxPipeline(**pipe.components)
     with pytest.raises(RegistrationError, match="component 'text_encoder' already has an "
                        "instance-level 'forward'"):
         enable_offload(sibling, device="cpu")
+    assert offload_scheduler(sibling) is None  # the entries it sees are the other pipeline's
+    with pytest.raises(ResidencyError, match="not enabled on this FluxPipeline, but its component "
+                       "'text_encoder' is offloaded through another pipeline that shares it; "
+                       "call disable_offload on that pipeline"):
+        disable_offload(sibling)
+    assert offload_scheduler(pipe) is scheduler and instance_entry_points(pipe) == entries
     disable_offload(pipe)
     enable_offload(sibling, device="cpu")  # once the first lets go, the sibling may
     disable_offload(sibling)
@@ -280,6 +301,18 @@ def test_a_refused_config_changes_nothing():
     assert instance_entry_points(pipe) == []
 
 
+def test_disable_offload_inside_a_phase_is_refused_and_changes_nothing():
+    plain, pipe = tiny_flux(), tiny_flux()
+    scheduler = enable_offload(pipe, device="cpu")
+    entries = instance_entry_points(pipe)
+    refused = pytest.raises(PhaseError, match="cannot close the scheduler while a phase is active")
+    with scheduler.resident("transformer"), refused:
+        disable_offload(pipe)
+    assert offload_scheduler(pipe) is scheduler and instance_entry_points(pipe) == entries
+    assert torch.equal(images(pipe, 0), images(plain, 0))
+    disable_offload(pipe)
+
+
 def test_disable_without_enable_is_refused():
     with pytest.raises(ResidencyError, match="not enabled on this FluxPipeline"):
         disable_offload(tiny_flux())
@@ -292,12 +325,81 @@ def test_enable_offload_refuses_what_is_not_a_pipeline():
 
 def test_a_dropped_pipeline_leaves_no_adapter_state_behind():
     pipe = tiny_flux()
-    enable_offload(pipe, device="cpu")
+    scheduler = weakref.ref(enable_offload(pipe, device="cpu"))
     images(pipe, 0)
     gone = weakref.ref(pipe)
     del pipe
     gc.collect()
     assert gone() is None
+    assert scheduler() is None  # with its host masters: nothing else held it
+
+
+def test_a_config_that_offloads_no_component_is_refused_and_changes_nothing():
+    pipe = Unconditional()
+    modules = (pipe.components["transformer"], pipe.components["vae"])
+    pointers = [p.data_ptr() for module in modules for p in module.parameters()]
+    with pytest.raises(ConfigError, match=r"Unconditional: the offload config selects "
+                       r"\['text_encoder'\], which matches none of Unconditional's module "
+                       r"components \['transformer', 'vae'\], so nothing would be offloaded.*"
+                       r"pipe.to\(device\)"):
+        enable_offload(pipe, {"mode": "module", "components": ["text_encoder"]}, device="cpu")
+    assert [p.data_ptr() for module in modules for p in module.parameters()] == pointers
+    assert not any(vars(module).keys() & set(ENTRY_POINTS) for module in modules)
+    assert offload_scheduler(pipe) is None
+
+
+# -- the adapter's state: its entries, nothing else -----------------------------------------------
+
+
+def test_enable_offload_sets_phase_entries_and_nothing_else():
+    plain, pipe = tiny_flux(), tiny_flux()
+    pipe_attributes = {name: id(value) for name, value in vars(pipe).items()}
+    before = module_attributes(pipe)
+    scheduler = enable_offload(pipe, device="cpu")
+
+    assert {name: id(value) for name, value in vars(pipe).items()} == pipe_attributes
+    added = {"text_encoder": {"forward"}, "text_encoder_2": {"forward"}, "transformer": {"forward"}}
+    assert module_attributes(pipe) == {
+        path: names | added.get(path, set()) for path, names in before.items()
+    }  # the VAE (resident policy) gets no entry
+    entry = vars(pipe.transformer)["forward"]
+    assert isinstance(entry, PhaseEntry) and entry.scheduler is scheduler
+    assert entry.group == "transformer" and vars(pipe.text_encoder_2)["forward"].group == (
+        "text_encoder"
+    )
+    assert repr(entry) == "<PhaseEntry 'forward' of group 'transformer'>"
+    assert inspect.signature(pipe.transformer.forward) == inspect.signature(
+        plain.transformer.forward
+    )
+    disable_offload(pipe)
+    assert module_attributes(pipe) == before
+
+
+def test_the_adapter_module_holds_no_registry():
+    containers = (dict, list, set, weakref.WeakKeyDictionary, weakref.WeakValueDictionary,
+                  weakref.WeakSet)
+    held = [name for name, value in vars(adapter).items()
+            if not name.startswith("__") and isinstance(value, containers)]
+    assert held == []
+
+
+def test_entries_of_a_dropped_pipeline_belong_to_a_sibling_still_holding_them():
+    from diffusers import FluxPipeline
+
+    plain, pipe = tiny_flux(), tiny_flux()
+    scheduler = enable_offload(pipe, device="cpu")
+    sibling = FluxPipeline(**pipe.components)
+    sibling.set_progress_bar_config(disable=True)
+    gone = weakref.ref(pipe)
+    del pipe
+    gc.collect()
+    assert gone() is None
+    assert offload_scheduler(sibling) is scheduler  # its components still run by phase
+    assert torch.equal(images(sibling, 0), images(plain, 0))
+    assert scheduler.current == "transformer"
+    disable_offload(sibling)  # so the entries can still be removed
+    assert instance_entry_points(sibling) == [] and offload_scheduler(sibling) is None
+    assert torch.equal(images(sibling, 1), images(plain, 1))
 
 
 # -- inputs follow the compute device -------------------------------------------------------------
@@ -329,11 +431,15 @@ def test_wan22_on_an_accelerator_matches_the_plain_pipeline_there(config):
     disable_offload(pipe)
 
 
-def test_a_pipeline_without_encoders_is_refused_by_component_name():
-    class Unconditional:  # a pipeline-like object: only `components` is read
-        components = {"transformer": torch.nn.Linear(2, 2), "vae": torch.nn.Linear(2, 2),
-                      "scheduler": object()}
+class Unconditional:
+    """A pipeline-like object without encoders: only `components` is read."""
 
+    def __init__(self) -> None:
+        self.components = {"transformer": torch.nn.Linear(2, 2), "vae": torch.nn.Linear(2, 2),
+                           "scheduler": object()}
+
+
+def test_a_pipeline_without_encoders_is_refused_by_component_name():
     with pytest.raises(ConfigError, match=r"Unconditional: the offload config selects 'dit' and "
                        r"'text_encoder', but Unconditional has no encoder component \(named "
                        r"text_encoder, .*\); its module components are \['transformer', 'vae'\]"):
@@ -341,3 +447,16 @@ def test_a_pipeline_without_encoders_is_refused_by_component_name():
     scheduler = enable_offload(Unconditional(), {"mode": "module", "components": ["dit"]},
                                device="cpu")
     assert list(scheduler) == ["transformer", "vae"]
+
+
+@pytest.mark.gpu
+def test_disable_offload_returns_every_component_to_its_accelerator():
+    device = torch.accelerator.current_accelerator()
+    plain, pipe = tiny_wan22().to(device), tiny_wan22().to(device)
+    enable_offload(pipe, device=device)  # the VAE: resident policy, no entry
+    assert torch.equal(frames(pipe, 0), frames(plain, 0))
+    disable_offload(pipe)
+    tensors = [t for c in (pipe.text_encoder, pipe.transformer, pipe.transformer_2, pipe.vae)
+               for t in [*c.parameters(), *c.buffers()]]
+    assert {t.device.type for t in tensors} == {device.type}
+    assert torch.equal(frames(pipe, 1), frames(plain, 1))
