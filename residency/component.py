@@ -88,7 +88,7 @@ class Residency:
         self.device_storage = device_storage
         self._transport = transport
         self.state = ResidencyState.OFFLOADED
-        self._device_views: list[torch.Tensor] = []
+        #: Where each tensor sat in device storage at the last load (to notice ``.data = ...``).
         self._device_ptrs: list[int] = []
         self._host_ptrs = data_ptrs(host_master.views)
         #: Version counters as of the last registration or eviction.  Re-pointing keeps a tensor's
@@ -165,8 +165,7 @@ class Residency:
             raise
         self._pending = None
         self.device_storage = storage
-        if views is not self._device_views:
-            self._device_views, self._device_ptrs = views, data_ptrs(views)
+        self._device_ptrs = storage.pointers_for(self)
         self.state = ResidencyState.RESIDENT
         return self.inventory.layout.nbytes
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from residency.tensors import Inventory, make_views, repoint
+from residency.tensors import Inventory, data_ptrs, make_views, repoint
 from residency.transport import Transport
 
 __all__ = ["DeviceStorage", "HostMaster", "PROGRESS_THRESHOLD"]
@@ -109,6 +109,7 @@ class DeviceStorage:
         self.size_hint = 0
         self.buffer: torch.Tensor | None = None
         self._views: dict[object, list[torch.Tensor]] = {}
+        self._pointers: dict[object, list[int]] = {}
         self._view_count = 0
 
     @property
@@ -137,18 +138,27 @@ class DeviceStorage:
         return True
 
     def views_for(self, key: object, inventory: Inventory) -> list[torch.Tensor]:
-        """Views of the buffer laid out for `inventory` (cached per key while the buffer lives)."""
+        """Views of the buffer laid out for `inventory` (cached per key while the buffer lives).
+
+        Only this object holds them, so `release` really frees the buffer.
+        """
         views = self._views.get(key)
         if views is None:
             assert self.buffer is not None
             views = _views_into_buffer(inventory, self.buffer)
             self._views[key] = views
+            self._pointers[key] = data_ptrs(views)
             self._view_count += len(views)
         return views
+
+    def pointers_for(self, key: object) -> list[int]:
+        """The data pointers of `key`'s views (plain ints: holding them keeps no memory alive)."""
+        return self._pointers[key]
 
     def forget(self, key: object) -> None:
         """Drop the views made for `key` (a group that was unregistered or re-packed)."""
         views = self._views.pop(key, None)
+        self._pointers.pop(key, None)
         if views is not None:
             self._view_count -= len(views)
 
@@ -163,6 +173,7 @@ class DeviceStorage:
             self._transport.release(self.buffer)
         self.buffer = None
         self._views.clear()
+        self._pointers.clear()
         self._view_count = 0
 
 

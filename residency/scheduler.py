@@ -259,8 +259,9 @@ class Scheduler:
         return sum(storage.nbytes for storage in storages)
 
     def resident_groups(self) -> list[str]:
-        """Names of every group whose weights are on the device now."""
-        return [name for name, group in self._groups.items() if group.is_resident]
+        """Names of every group whose weights are on the device now (a consistent snapshot)."""
+        with self._lock:
+            return [name for name, group in self._groups.items() if group.is_resident]
 
     # -- phases --------------------------------------------------------------------------------
 
@@ -331,6 +332,7 @@ class Scheduler:
                 group.modules, chunk_nbytes=self.chunk_nbytes, exclude=group.excluded
             )
             self._check_tensors_free(name, inventory, ignore=group)
+            self._check_budget(name, inventory, group.policy)
             self._unregister(group)
             residency = self._register(
                 name, group.modules, group.policy, inventory, group.excluded
