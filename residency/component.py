@@ -178,16 +178,25 @@ class Residency:
         self._pending = None
         self.state = ResidencyState.OFFLOADED
 
-    def evict(self) -> int:
+    def evict(self, *, keep_changed: bool = False) -> int:
         """Re-point the tensors to the host master, writing back what changed; returns bytes written.
 
-        Raises `ModuleChangedError` (and stays resident) when a tensor changed dtype or shape.
+        Raises `ModuleChangedError` (and stays resident) when a tensor changed dtype or shape,
+        unless `keep_changed`: then such tensors are left as the user made them, moved to the
+        host, and everything else is evicted (used when the group is being unregistered).
         """
         self._require(ResidencyState.RESIDENT, "evict")
         tensors = self.inventory.tensors
         dirty, now_versions = self._dirty_indices()
+        changed = self._changed_kind(dirty)
+        if changed and not keep_changed:
+            raise self._changed_kind_error(changed[0])
+        dirty = [i for i in dirty if i not in changed]
         written = self._write_back(dirty) if dirty else 0
-        repoint(tensors, self.host_master.views)
+        homes = list(self.host_master.views)
+        for i in changed:
+            homes[i] = tensors[i].detach().to("cpu")
+        repoint(tensors, homes)
         self.device_storage.retire()
         self._loaded_versions = now_versions
         self._marked_dirty = False
@@ -236,21 +245,25 @@ class Residency:
             for i, (v, p) in enumerate(zip(now_versions, now_ptrs))
             if self._marked_dirty or v != self._loaded_versions[i] or p != self._device_ptrs[i]
         ]
-        self._check_same_kind(dirty)
         return dirty, now_versions
 
-    def _check_same_kind(self, indices: list[int]) -> None:
-        """Refuse (changing nothing) when a replaced tensor no longer fits its place in the master."""
-        for i in indices:
-            tensor, home = self.inventory.tensors[i], self.host_master.views[i]
-            if tensor.dtype != home.dtype or tensor.shape != home.shape:
-                slot = self.inventory.slots[i][0]
-                raise ModuleChangedError(
-                    f"the {slot.describe()} in group {self.name!r} changed from "
-                    f"{home.dtype} {tuple(home.shape)} to {tensor.dtype} {tuple(tensor.shape)} "
-                    f"after registration. Call scheduler.refresh({self.name!r}) after changing "
-                    "dtypes or shapes so the scheduler can re-pack the group"
-                )
+    def _changed_kind(self, indices: list[int]) -> list[int]:
+        """Those of `indices` whose tensor no longer fits its place in the master (dtype, shape)."""
+        tensors, homes = self.inventory.tensors, self.host_master.views
+        return [
+            i for i in indices
+            if tensors[i].dtype != homes[i].dtype or tensors[i].shape != homes[i].shape
+        ]
+
+    def _changed_kind_error(self, index: int) -> ModuleChangedError:
+        tensor, home = self.inventory.tensors[index], self.host_master.views[index]
+        slot = self.inventory.slots[index][0]
+        return ModuleChangedError(
+            f"the {slot.describe()} in group {self.name!r} changed from "
+            f"{home.dtype} {tuple(home.shape)} to {tensor.dtype} {tuple(tensor.shape)} "
+            f"after registration. Call scheduler.refresh({self.name!r}) after changing "
+            "dtypes or shapes so the scheduler can re-pack the group"
+        )
 
     def _write_back(self, indices: list[int]) -> int:
         tensors, homes = self.inventory.tensors, self.host_master.views
@@ -265,7 +278,9 @@ class Residency:
         if now_ptrs == self._host_ptrs:
             return
         replaced = [i for i, p in enumerate(now_ptrs) if p != self._host_ptrs[i]]
-        self._check_same_kind(replaced)
+        changed = self._changed_kind(replaced)
+        if changed:
+            raise self._changed_kind_error(changed[0])
         self._transport.to_host(
             [(self.host_master.views[i], self.inventory.tensors[i].detach()) for i in replaced]
         ).synchronize()

@@ -31,6 +31,7 @@ import difflib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -96,14 +97,26 @@ class Phase:
         self._status = "exited"
 
 
-class _ThreadPhases(threading.local):
-    """Per thread: the stack of active phases and the exclusive group the thread holds."""
+class _Frames(list):
+    """One thread's stack of (phase, group the frame needs resident); weakly referenceable."""
 
-    def __init__(self) -> None:
-        #: (phase, group this frame needs resident) — resident-policy phases repeat the outer group.
-        self.stack: list[tuple[Phase, Residency | None]] = []
+    __slots__ = ("__weakref__",)
+
+
+class _ThreadPhases(threading.local):
+    """Per thread: the stack of active phases and the exclusive group the thread holds.
+
+    Each thread's stack is also entered (weakly) in the scheduler's `every_stack`, so calls that
+    must know whether *any* thread has a phase of a group open (`refresh`, `remove`) can look; a
+    thread's stack leaves that set when the thread ends.
+    """
+
+    def __init__(self, every_stack: weakref.WeakValueDictionary) -> None:
+        #: Resident-policy phases repeat the outer frame's group.
+        self.stack = _Frames()
         self.held: Residency | None = None
         self.thread = threading.current_thread()
+        every_stack[id(self.stack)] = self.stack
 
 
 class _Request:
@@ -158,7 +171,8 @@ class Scheduler:
         # `with self._lock` guards all state below; `_cond` (same lock) is only for waiting.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._local = _ThreadPhases()
+        self._every_stack: weakref.WeakValueDictionary[int, _Frames] = weakref.WeakValueDictionary()
+        self._local = _ThreadPhases(self._every_stack)
         self._current: Residency | None = None
         #: Threads holding the current group (a thread holds at most one group at a time).
         self._holders: set[threading.Thread] = set()
@@ -327,7 +341,7 @@ class Scheduler:
         self._check_open()
         group = self._lookup(name)
         with self._lock:
-            self._check_not_held(group, "refresh")
+            self._check_not_in_a_phase(group, "refresh")
             inventory = take_inventory(
                 group.modules, chunk_nbytes=self.chunk_nbytes, exclude=group.excluded
             )
@@ -344,14 +358,16 @@ class Scheduler:
     def remove(self, name: str) -> Residency:
         """Unregister group `name`; its modules keep their weights in host memory.
 
-        Refused while a phase of the group is active.
+        Refused while a phase of the group is active.  Tensors the user re-typed or re-shaped
+        while the group was resident are left as the user made them (moved to the host).
         """
         self._check_open()
         group = self._lookup(name)
         with self._lock:
-            self._check_not_held(group, "remove")
+            self._check_not_in_a_phase(group, "remove")
+            self._cancel_prefetch()
             if group.is_resident:
-                group.evict()
+                group.evict(keep_changed=True)
             self._unregister(group)
         return group
 
@@ -588,6 +604,8 @@ class Scheduler:
         if policy is Policy.RESIDENT:
             storage = self._resident_storages[name] = DeviceStorage(self._transport)
         master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory)
+        if self.pin_memory and not master.pinned:  # pinning failed (and warned): stop trying
+            self.pin_memory = False
         residency = Residency(
             name, roots, policy, inventory, master, storage, self._transport, excluded=excluded
         )
@@ -651,12 +669,14 @@ class Scheduler:
                 "Scheduler and add the modules again to keep offloading"
             )
 
-    def _check_not_held(self, group: Residency, action: str) -> None:
-        if self._current is group and self._holders:
-            raise PhaseError(
-                f"cannot {action} group {group.name!r} while a phase of it is active; "
-                f"{self._describe_holders()}. Call it between phases"
-            )
+    def _check_not_in_a_phase(self, group: Residency, action: str) -> None:
+        """Refuse while any thread has a phase of `group` open, even one suspended by nesting."""
+        for stack in list(self._every_stack.values()):
+            if any(phase.group is group or needed is group for phase, needed in list(stack)):
+                raise PhaseError(
+                    f"cannot {action} group {group.name!r} while a phase of it is active "
+                    "(possibly suspended by a nested phase); call it between phases"
+                )
 
     def _check_no_holders(self, action: str) -> None:
         if self._holders:
