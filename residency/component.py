@@ -96,8 +96,9 @@ class Residency:
         #: costs a redundant write-back at the next eviction.
         self._loaded_versions = versions(inventory.tensors)
         self._marked_dirty = False
-        #: While LOADING: (storage, views, completion) of the copy in flight.
-        self._pending: tuple[DeviceStorage, list[torch.Tensor], Completion] | None = None
+        #: While LOADING: (storage, views, completion, versions when the copy began or None).
+        self._pending: tuple[DeviceStorage, list[torch.Tensor], Completion, list[int] | None]
+        self._pending = None
 
     def __repr__(self) -> str:
         return (
@@ -134,10 +135,12 @@ class Residency:
         self.begin_load(storage)
         return self.finish_load()
 
-    def begin_load(self, storage: DeviceStorage | None = None) -> None:
+    def begin_load(self, storage: DeviceStorage | None = None, *, watch_edits: bool = False) -> None:
         """Issue the copy into device storage; the tensors keep reading the host master.
 
-        The group is LOADING until `finish_load` (or `cancel_load`).  Used directly for prefetch.
+        The group is LOADING until `finish_load` (or `cancel_load`).  Used directly for prefetch,
+        with `watch_edits`: user code may run (and edit the weights on the host) before the
+        load finishes, and `finish_load` then copies what changed again.
         """
         self._require(ResidencyState.OFFLOADED, "load")
         self._check_structure()
@@ -148,7 +151,8 @@ class Residency:
             self._prepare_storage(storage, self.inventory.layout.contiguous_nbytes)
             views = storage.views_for(self, self.inventory)
             copies = self.host_master.chunk_copies(storage.buffer, self.inventory)
-            self._pending = (storage, views, self._transport.to_device(copies))
+            watched = versions(self.inventory.tensors) if watch_edits else None
+            self._pending = (storage, views, self._transport.to_device(copies), watched)
         except BaseException:
             self.state = ResidencyState.OFFLOADED
             raise
@@ -156,8 +160,10 @@ class Residency:
     def finish_load(self) -> int:
         """Order compute after the copy and re-point the tensors to device storage."""
         self._require(ResidencyState.LOADING, "finish loading")
-        storage, views, completion = self._pending
+        storage, views, completion, watched = self._pending
         try:
+            if watched is not None:
+                completion = self._recopy_edited(views, watched, completion)
             completion.wait()
             repoint(self.inventory.tensors, views)
         except BaseException:
@@ -170,31 +176,46 @@ class Residency:
         return self.inventory.layout.nbytes
 
     def cancel_load(self) -> None:
-        """Abandon a load begun with `begin_load`; the group ends offloaded, on host views."""
+        """Abandon a load begun with `begin_load`; the group ends offloaded, on host views.
+
+        Storage the user gave a tensor meanwhile (``.data = ...``) is adopted into the master.
+        """
         self._require(ResidencyState.LOADING, "cancel loading")
         storage = self._pending[0]
-        repoint(self.inventory.tensors, self.host_master.views)
-        storage.retire()
         self._pending = None
         self.state = ResidencyState.OFFLOADED
+        storage.retire()
+        self._adopt_replaced_offloaded(keep_misfits=True)
+
+    def _recopy_edited(self, views, watched: list[int], completion: Completion) -> Completion:
+        """After a prefetch: copy again every tensor edited on the host since the copy began."""
+        adopted = self._adopt_replaced_offloaded()
+        now = versions(self.inventory.tensors)
+        if now == watched and not adopted:
+            return completion
+        homes = self.host_master.views
+        edited = sorted({i for i, (v, w) in enumerate(zip(now, watched)) if v != w} | adopted)
+        completion.wait()
+        return self._transport.to_device([(views[i], homes[i]) for i in edited])
 
     def evict(self, *, keep_changed: bool = False) -> int:
         """Re-point the tensors to the host master, writing back what changed; returns bytes written.
 
-        Raises `ModuleChangedError` (and stays resident) when a tensor changed dtype or shape,
-        unless `keep_changed`: then such tensors are left as the user made them, moved to the
-        host, and everything else is evicted (used when the group is being unregistered).
+        Raises `ModuleChangedError` (and stays resident) when a changed tensor no longer fits its
+        place in the master (see `_misfits`), unless `keep_changed`: then such tensors are left as
+        the user made them, moved to the host, and everything else is evicted (used when the
+        group is being unregistered).
         """
         self._require(ResidencyState.RESIDENT, "evict")
         tensors = self.inventory.tensors
-        dirty, now_versions = self._dirty_indices()
-        changed = self._changed_kind(dirty)
-        if changed and not keep_changed:
-            raise self._changed_kind_error(changed[0])
-        dirty = [i for i in dirty if i not in changed]
-        written = self._write_back(dirty) if dirty else 0
+        dirty, replaced, now_versions = self._dirty_indices()
+        misfits = self._misfits(dirty, replaced)
+        if misfits and not keep_changed:
+            raise self._misfit_error(*misfits[0])
+        left = {i for i, _ in misfits}
+        written = self._write_back([i for i in dirty if i not in left]) if dirty else 0
         homes = list(self.host_master.views)
-        for i in changed:
+        for i in left:
             homes[i] = tensors[i].detach().to("cpu")
         repoint(tensors, homes)
         self.device_storage.retire()
@@ -230,8 +251,8 @@ class Residency:
                 "parameters so the scheduler can take the new tensors over"
             )
 
-    def _dirty_indices(self) -> tuple[list[int], list[int]]:
-        """Indices of tensors changed while resident, and every tensor's version counter now."""
+    def _dirty_indices(self) -> tuple[list[int], set[int], list[int]]:
+        """Tensors changed while resident, those of them given new storage, and all versions now."""
         tensors = self.inventory.tensors
         now_versions, now_ptrs = versions(tensors), data_ptrs(tensors)
         if (
@@ -239,30 +260,38 @@ class Residency:
             and now_versions == self._loaded_versions
             and now_ptrs == self._device_ptrs
         ):
-            return [], now_versions
+            return [], set(), now_versions
+        replaced = {i for i, p in enumerate(now_ptrs) if p != self._device_ptrs[i]}
         dirty = [
             i
-            for i, (v, p) in enumerate(zip(now_versions, now_ptrs))
-            if self._marked_dirty or v != self._loaded_versions[i] or p != self._device_ptrs[i]
+            for i, v in enumerate(now_versions)
+            if self._marked_dirty or v != self._loaded_versions[i] or i in replaced
         ]
-        return dirty, now_versions
+        return dirty, replaced, now_versions
 
-    def _changed_kind(self, indices: list[int]) -> list[int]:
-        """Those of `indices` whose tensor no longer fits its place in the master (dtype, shape)."""
+    def _misfits(self, indices: list[int], replaced: set[int]) -> list[tuple[int, str]]:
+        """(index, why) of changed tensors whose bytes cannot go back to their place in the master.
+
+        A new dtype, shape or stride needs a new layout; new storage for one of several tensors
+        that shared a storage broke the tie, and writing it back would change the others.
+        """
         tensors, homes = self.inventory.tensors, self.host_master.views
-        return [
-            i for i in indices
-            if tensors[i].dtype != homes[i].dtype or tensors[i].shape != homes[i].shape
-        ]
+        misfits = []
+        for i in indices:
+            tensor, home = tensors[i], homes[i]
+            if (tensor.dtype, tensor.shape, tensor.stride()) != (home.dtype, home.shape, home.stride()):
+                misfits.append((i, f"it changed from {_kind(home)} to {_kind(tensor)}"))
+            elif i in replaced and self.inventory.shares_region(i):
+                misfits.append((i, "it was given new storage, untying it from the tensors it "
+                                   "shared storage with"))
+        return misfits
 
-    def _changed_kind_error(self, index: int) -> ModuleChangedError:
-        tensor, home = self.inventory.tensors[index], self.host_master.views[index]
+    def _misfit_error(self, index: int, why: str) -> ModuleChangedError:
         slot = self.inventory.slots[index][0]
         return ModuleChangedError(
-            f"the {slot.describe()} in group {self.name!r} changed from "
-            f"{home.dtype} {tuple(home.shape)} to {tensor.dtype} {tuple(tensor.shape)} "
-            f"after registration. Call scheduler.refresh({self.name!r}) after changing "
-            "dtypes or shapes so the scheduler can re-pack the group"
+            f"the {slot.describe()} in group {self.name!r} no longer fits its place in the host "
+            f"master: {why}. Call scheduler.refresh({self.name!r}) after changing dtypes, "
+            "shapes, layouts or ties so the scheduler can re-pack the group"
         )
 
     def _write_back(self, indices: list[int]) -> int:
@@ -272,16 +301,26 @@ class Residency:
         self._transport.to_host(pairs).synchronize()
         return sum(homes[i].nbytes for i in indices)
 
-    def _adopt_replaced_offloaded(self) -> None:
-        """Copy into the master any tensor given new storage while offloaded (``module.to(...)``)."""
+    def _adopt_replaced_offloaded(self, *, keep_misfits: bool = False) -> set[int]:
+        """Copy into the master any tensor given new storage while offloaded (``module.to(...)``).
+
+        Returns the indices adopted.  A tensor that no longer fits raises `ModuleChangedError`,
+        or with `keep_misfits` is left as the user made it.
+        """
         now_ptrs = data_ptrs(self.inventory.tensors)
         if now_ptrs == self._host_ptrs:
-            return
+            return set()
         replaced = [i for i, p in enumerate(now_ptrs) if p != self._host_ptrs[i]]
-        changed = self._changed_kind(replaced)
-        if changed:
-            raise self._changed_kind_error(changed[0])
-        self._transport.to_host(
-            [(self.host_master.views[i], self.inventory.tensors[i].detach()) for i in replaced]
-        ).synchronize()
-        repoint(self.inventory.tensors, self.host_master.views)
+        misfits = self._misfits(replaced, set(replaced))
+        if misfits and not keep_misfits:
+            raise self._misfit_error(*misfits[0])
+        left = {i for i, _ in misfits}
+        adopted = [i for i in replaced if i not in left]
+        homes, tensors = self.host_master.views, self.inventory.tensors
+        self._transport.to_host([(homes[i], tensors[i].detach()) for i in adopted]).synchronize()
+        repoint([tensors[i] for i in adopted], [homes[i] for i in adopted])
+        return set(adopted)
+
+
+def _kind(tensor: torch.Tensor) -> str:
+    return f"{tensor.dtype} {tuple(tensor.shape)} strides {tensor.stride()}"

@@ -328,7 +328,7 @@ class Scheduler:
             if not self._room_for_prefetch(group):
                 return False
             self._cancel_prefetch()
-            group.begin_load(self._free_slot(group))
+            group.begin_load(self._free_slot(group), watch_edits=True)
             self._prefetched = group
             return True
 

@@ -46,8 +46,9 @@ __all__ = [
 ALIGNMENT = 64
 #: Regions are packed into chunks of this many bytes (a power of two; see memory.py for why).
 DEFAULT_CHUNK_NBYTES = 256 * 2**20
-#: Rounding of a region's start inside its original storage; a multiple of every dtype's itemsize.
-_REGION_START_GRANULE = 16
+#: A region keeps its start's offset modulo this (a multiple of every dtype's itemsize), so every
+#: tensor in it stays aligned to its element size wherever the region lands in a pack.
+_SKEW_GRANULE = 16
 
 _set_data = torch._C.TensorBase.data.__set__
 _get_version = operator.attrgetter("_version")
@@ -140,6 +141,11 @@ class Inventory:
     def tensor_count(self) -> int:
         return len(self.tensors)
 
+    def shares_region(self, index: int) -> bool:
+        """Whether tensor `index` shares its storage (region) with another tensor of the group."""
+        region = self.placements[index].region
+        return sum(p.region == region for p in self.placements) > 1
+
     def regions_in_chunk(self, chunk: int) -> list[int]:
         return [r for r, c in enumerate(self.layout.region_chunk) if c == chunk]
 
@@ -187,7 +193,8 @@ def take_inventory(
     for tensor, tensor_slots in zip(tensors, slots):
         _check_supported(tensor, tensor_slots[0])
     placements, region_sources, region_nbytes = _place_in_regions(tensors)
-    layout = _lay_out(region_nbytes, chunk_nbytes)
+    skews = [first % _SKEW_GRANULE for _, first in region_sources]
+    layout = _lay_out(region_nbytes, skews, chunk_nbytes)
     return Inventory(
         modules=tuple(submodules),
         tensors=tensors,
@@ -329,23 +336,44 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
 def _place_in_regions(
     tensors: Sequence[torch.Tensor],
 ) -> tuple[tuple[Placement, ...], list[tuple[torch.UntypedStorage, int]], list[int]]:
-    """Group tensors by storage; each storage's used span becomes one region."""
-    by_storage: dict[tuple, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_storage.setdefault(_storage_key(tensor), []).append(index)
+    """Group tensors into regions: each run of overlapping bytes of one storage is one region.
+
+    Tensors that overlap (tied views, a fused weight and its slices) stay views of one region;
+    tensors that merely sit in one storage side by side (as they do in our own host master, when a
+    group is refreshed) get regions of their own.
+    """
     placements: list[Placement | None] = [None] * len(tensors)
     sources, nbytes = [], []
-    for region, members in enumerate(by_storage.values()):
-        spans = [_byte_span(tensors[i]) for i in members]
+    for cluster in _overlapping_clusters(tensors):
+        spans = [_byte_span(tensors[i]) for i in cluster]
         first = min(start for start, _ in spans)
-        first -= first % _REGION_START_GRANULE
         last = max(end for _, end in spans)
-        sources.append((tensors[members[0]].untyped_storage(), first))
+        region = len(sources)
+        sources.append((tensors[cluster[0]].untyped_storage(), first))
         nbytes.append(last - first)
-        for i, (start, _) in zip(members, spans):
+        for i, (start, _) in zip(cluster, spans):
             t = tensors[i]
             placements[i] = Placement(region, start - first, tuple(t.shape), t.stride(), t.dtype)
     return tuple(placements), sources, nbytes  # type: ignore[return-value]
+
+
+def _overlapping_clusters(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of `tensors` in clusters whose byte spans overlap within one storage."""
+    by_storage: dict[tuple, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_storage.setdefault(_storage_key(tensor), []).append(index)
+    clusters: list[list[int]] = []
+    for members in by_storage.values():
+        members = sorted(members, key=lambda i: _byte_span(tensors[i]))
+        end = None
+        for i in members:
+            start, stop = _byte_span(tensors[i])
+            if end is None or start >= end:
+                clusters.append([])
+                end = stop
+            clusters[-1].append(i)
+            end = max(end, stop)
+    return sorted(clusters, key=min)
 
 
 def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -358,21 +386,27 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * itemsize
 
 
-def _lay_out(region_nbytes: Sequence[int], chunk_nbytes: int) -> PackLayout:
-    """First-fit in order: regions fill chunks of `chunk_nbytes`; an oversize region gets its own."""
+def _lay_out(
+    region_nbytes: Sequence[int], region_skew: Sequence[int], chunk_nbytes: int
+) -> PackLayout:
+    """First-fit in order: regions fill chunks of `chunk_nbytes`; an oversize region gets its own.
+
+    A region starts at an aligned offset plus its skew (its start's offset modulo 16 in the
+    storage it came from), so its tensors keep their element alignment.
+    """
     chunks: list[int] = []
     region_chunk, region_offset = [], []
     open_chunk = None
-    for nbytes in region_nbytes:
-        if nbytes > chunk_nbytes:
-            chunks.append(nbytes)
+    for nbytes, skew in zip(region_nbytes, region_skew):
+        if skew + nbytes > chunk_nbytes:
+            chunks.append(skew + nbytes)
             region_chunk.append(len(chunks) - 1)
-            region_offset.append(0)
+            region_offset.append(skew)
             continue
-        if open_chunk is None or _aligned(chunks[open_chunk]) + nbytes > chunk_nbytes:
+        if open_chunk is None or _aligned(chunks[open_chunk]) + skew + nbytes > chunk_nbytes:
             chunks.append(0)
             open_chunk = len(chunks) - 1
-        offset = _aligned(chunks[open_chunk])
+        offset = _aligned(chunks[open_chunk]) + skew
         chunks[open_chunk] = offset + nbytes
         region_chunk.append(open_chunk)
         region_offset.append(offset)

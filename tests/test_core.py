@@ -201,20 +201,38 @@ def test_tied_weights_stay_tied_and_count_once(scheduler):
         assert torch.equal(model.head.weight[0], torch.full((16,), 1.5))
 
 
-def test_tensors_sharing_one_storage_stay_views_of_one_region(scheduler):
+def test_overlapping_tensors_stay_views_of_one_region(scheduler):
+    module = nn.Module()
+    module.weight = nn.Parameter(torch.randn(4, 8))
+    module.register_buffer("row", module.weight.detach()[1])  # overlaps the weight
+    group = scheduler.add("shared", module)
+    scheduler.add("other", make_block())
+    assert group.nbytes == 4 * 8 * 4
+    for name in ["shared", "other", "shared"]:
+        with scheduler.resident(name):
+            assert module.row.data_ptr() - module.weight.data_ptr() == 8 * 4
+    with scheduler.resident("shared"):
+        with torch.no_grad():
+            module.weight[1].fill_(2.0)
+        assert torch.equal(module.row, torch.full((8,), 2.0))
+    with scheduler.resident("other"):
+        assert torch.equal(module.row, torch.full((8,), 2.0))
+
+
+def test_side_by_side_tensors_of_one_storage_are_packed_apart_with_their_values(scheduler):
     base = torch.randn(20)
     module = nn.Module()
     module.first = nn.Parameter(base[:10])
     module.second = nn.Parameter(base[10:])
-    group = scheduler.add("shared", module)
+    group = scheduler.add("pair", module)
     scheduler.add("other", make_block())
     assert group.nbytes == 20 * 4
-    for name in ["shared", "other", "shared"]:
-        with scheduler.resident(name):
-            assert module.first.untyped_storage().data_ptr() == module.second.untyped_storage().data_ptr()
-            assert module.second.data_ptr() - module.first.data_ptr() == 40
-    with scheduler.resident("shared"):
+    with scheduler.resident("pair"):
         assert torch.equal(torch.cat([module.first, module.second]), base)
+        module.first.data = torch.zeros(10)  # new storage for one leaves the other alone
+    with scheduler.resident("other"):
+        assert torch.equal(module.first, torch.zeros(10))
+        assert torch.equal(module.second, base[10:])
 
 
 # -- nothing is lost: write-back -------------------------------------------------------------
