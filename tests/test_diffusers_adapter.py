@@ -30,14 +30,6 @@ from residency import ConfigError, PhaseError, RegistrationError, ResidencyError
 ALL_COMPONENTS = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP waits make tiny ops 30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def frames(pipe, seed: int, prompt: str = "a cat on the moon") -> torch.Tensor:
     return pipe(**wan22_call(seed, prompt)).frames

@@ -25,13 +25,6 @@ WAN_CALL = ["--height", "16", "--width", "16", "--num-frames", "5",
             "--call-args", '{"max_sequence_length": 8}']
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def run_main(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "residency", *args], capture_output=True,
