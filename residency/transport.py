@@ -66,11 +66,7 @@ class Transport:
         """A uint8 host tensor of exactly `nbytes`, page-locked when `pin`.
 
         Raises the runtime's error when pinning fails; `HostMaster` decides what to do then.
-        Large pageable requests get anonymous pages backed by huge pages where the kernel allows
-        (see [Note: fresh host memory]).
         """
-        if not pin and nbytes >= HUGE_PAGE_NBYTES:
-            return _anonymous_host_memory(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
     def allocate_device(self, nbytes: int) -> torch.Tensor:
@@ -199,26 +195,8 @@ def _page_locked_exact(nbytes: int) -> torch.Tensor:
     return tensor
 
 
-#: Host requests of at least this many bytes ask for transparent huge pages (one x86-64 huge page).
-HUGE_PAGE_NBYTES = 2 * 2**20
-
-
-def _anonymous_host_memory(nbytes: int) -> torch.Tensor:
-    """`nbytes` of fresh anonymous host memory, on huge pages where the kernel allows.
-
-    [Note: fresh host memory]
-    A host master is always new memory, and the kernel zeroes every page on its first touch: on
-    the 2-core project VM, filling 256 MiB of fresh 4 KiB pages cost ~3x a copy into a reused
-    buffer.  Asking for transparent huge pages (``madvise(MADV_HUGEPAGE)``; honoured when
-    /sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise") takes 512 faults down
-    to one.  The mapping lives as long as any tensor viewing it.
-    """
-    region = mmap.mmap(-1, nbytes)
-    _ask_for_huge_pages(region)
-    return torch.frombuffer(region, dtype=torch.uint8)
-
-
 def _ask_for_huge_pages(region: mmap.mmap) -> None:
+    """Back `region` with transparent huge pages where the kernel allows (fewer pin faults)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         try:
