@@ -464,10 +464,14 @@ class Scheduler:
             self._acquire(previous)
             self._local.held = previous
         except BaseException as restore_error:  # the first error is the one to report
-            error.add_note(
+            note = (
                 f"residency: group {previous.name!r} could not be made resident again "
                 f"({restore_error!r}); the enclosing phase runs without it"
             )
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(note)
+            else:
+                _log.error(note)
 
     def _release(self, group: Residency) -> None:
         self._holders.discard(self._local.thread)
