@@ -24,6 +24,7 @@ from residency.errors import (
     ConfigError,
     DeadlockError,
     DeviceMemoryError,
+    HostMemoryError,
     ModuleChangedError,
     PhaseError,
     RegistrationError,
@@ -31,9 +32,10 @@ from residency.errors import (
     SchedulerClosedError,
     UnknownGroupError,
 )
-from residency.records import TransitionRecord, chrome_trace, summarize
+from residency.records import TransitionLog, TransitionRecord, chrome_trace, summarize
 from residency.scheduler import NoOffload, Phase, Scheduler
 from residency.split import SplitModel
+from residency.transport import AcceleratorTransport, Completion, CpuTransport, Transport
 
 __all__ = [
     # the top-level API
@@ -51,8 +53,14 @@ __all__ = [
     "ComponentPlan",
     "plan_components",
     "apply_plan",
+    # transports (inject one with Scheduler(transport=...))
+    "Transport",
+    "CpuTransport",
+    "AcceleratorTransport",
+    "Completion",
     # records
     "TransitionRecord",
+    "TransitionLog",
     "summarize",
     "chrome_trace",
     # errors
@@ -60,6 +68,7 @@ __all__ = [
     "ConfigError",
     "DeadlockError",
     "DeviceMemoryError",
+    "HostMemoryError",
     "ModuleChangedError",
     "PhaseError",
     "RegistrationError",

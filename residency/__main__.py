@@ -31,7 +31,6 @@ from residency.scheduler import Scheduler
 from residency.synthetic import SIZES, SyntheticWan22
 from residency.timeline import (
     PhaseRecorder,
-    device_bytes,
     format_bytes,
     format_timeline,
     measure_floor,
@@ -225,7 +224,7 @@ def _finish(scheduler: Scheduler, *, recorder: PhaseRecorder | None, device: tor
     log = scheduler.transitions
     records, first_index = list(log), log.count - len(log)
     peak = recorder.peak_device_bytes if recorder is not None else 0
-    peak = max(peak, device_bytes(scheduler))
+    peak = max(peak, scheduler.device_nbytes)
     allocator_peak = _allocator_peak(device)
     scheduler.offload_all()
     floor = measure_floor(scheduler)

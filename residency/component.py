@@ -1,11 +1,12 @@
 """`Residency`: one component (a group of modules) and the state machine that moves its weights.
 
-A component is offloaded or resident; ``load`` and ``evict`` are the only transitions.  The
-scheduler decides *when* to call them; this file decides *how*, and guarantees that nothing is lost:
+A component is offloaded or resident; ``_load`` and ``_evict`` are the only transitions.  They are
+the scheduler's to call (calling them directly would bypass its bookkeeping): the scheduler decides
+*when*; this file decides *how*, and guarantees that nothing is lost:
 
-* ``load`` copies the host master into device storage in bulk (one copy per chunk) and re-points
+* ``_load`` copies the host master into device storage in bulk (one copy per chunk) and re-points
   every tensor to its device view.
-* ``evict`` re-points every tensor back to its host view.  Unchanged tensors cost no copy.  Tensors
+* ``_evict`` re-points every tensor back to its host view.  Unchanged tensors cost no copy.  Tensors
   changed while resident are written back first: changed in place through the tensor (optimizer
   steps, ``load_state_dict``, ``mul_`` under ``no_grad``: the version counter moves) or given new
   storage with ``tensor.data = ...`` (LoRA fusing, ``module.to(...)``: the data pointer moves).
@@ -56,8 +57,8 @@ class ResidencyState(enum.Enum):
 class Residency:
     """One registered component: its modules, its host master, its device storage and its state.
 
-    Created by `Scheduler.add`; model code does not build these.  ``load`` and ``evict`` are called by
-    the scheduler; reading ``is_resident``, ``nbytes`` and ``state`` is always safe.
+    Created by `Scheduler.add`; model code does not build these.  ``_load`` and ``_evict`` are called
+    by the scheduler only; reading ``is_resident``, ``nbytes`` and ``state`` is always safe.
 
         residency = scheduler.add("text_encoder", encoder)
         with scheduler.resident("text_encoder"):
@@ -126,21 +127,21 @@ class Residency:
         """Have every tensor written back at the next eviction (for edits made through ``.data``)."""
         self._marked_dirty = True
 
-    def load(self, storage: DeviceStorage | None = None) -> int:
+    def _load(self, storage: DeviceStorage | None = None) -> int:
         """Copy the host master to device storage and re-point the tensors there; returns bytes copied.
 
         `storage` defaults to the storage the group used last.  On any failure (including a
         ``KeyboardInterrupt``) the group is left cleanly offloaded.
         """
-        self.begin_load(storage)
-        return self.finish_load()
+        self._begin_load(storage)
+        return self._finish_load()
 
-    def begin_load(self, storage: DeviceStorage | None = None, *, watch_edits: bool = False) -> None:
+    def _begin_load(self, storage: DeviceStorage | None = None, *, watch_edits: bool = False) -> None:
         """Issue the copy into device storage; the tensors keep reading the host master.
 
-        The group is LOADING until `finish_load` (or `cancel_load`).  Used directly for prefetch,
+        The group is LOADING until `_finish_load` (or `_cancel_load`).  Used directly for prefetch,
         with `watch_edits`: user code may run (and edit the weights on the host) before the
-        load finishes, and `finish_load` then copies what changed again.
+        load finishes, and `_finish_load` then copies what changed again.
         """
         self._require(ResidencyState.OFFLOADED, "load")
         self._check_structure()
@@ -157,7 +158,7 @@ class Residency:
             self.state = ResidencyState.OFFLOADED
             raise
 
-    def finish_load(self) -> int:
+    def _finish_load(self) -> int:
         """Order compute after the copy and re-point the tensors to device storage."""
         self._require(ResidencyState.LOADING, "finish loading")
         storage, views, completion, watched = self._pending
@@ -167,7 +168,7 @@ class Residency:
             completion.wait()
             repoint(self.inventory.tensors, views)
         except BaseException:
-            self.cancel_load()
+            self._cancel_load()
             raise
         self._pending = None
         self.device_storage = storage
@@ -175,13 +176,16 @@ class Residency:
         self.state = ResidencyState.RESIDENT
         return self.inventory.layout.nbytes
 
-    def cancel_load(self) -> None:
-        """Abandon a load begun with `begin_load`; the group ends offloaded, on host views.
+    def _cancel_load(self) -> None:
+        """Abandon a load begun with `_begin_load`; the group ends offloaded, on host views.
 
         Storage the user gave a tensor meanwhile (``.data = ...``) is adopted into the master.
         """
         self._require(ResidencyState.LOADING, "cancel loading")
-        storage = self._pending[0]
+        storage, _, completion, _ = self._pending
+        # The copy may still be reading the host master, whose memory may be released next
+        # (remove, refresh, close): wait for it.  Prefetches are cancelled rarely.
+        completion.synchronize()
         self._pending = None
         self.state = ResidencyState.OFFLOADED
         storage.retire()
@@ -198,7 +202,7 @@ class Residency:
         completion.wait()
         return self._transport.to_device([(views[i], homes[i]) for i in edited])
 
-    def evict(self, *, keep_changed: bool = False) -> int:
+    def _evict(self, *, keep_changed: bool = False) -> int:
         """Re-point the tensors to the host master, writing back what changed; returns bytes written.
 
         Raises `ModuleChangedError` (and stays resident) when a changed tensor no longer fits its

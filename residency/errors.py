@@ -14,6 +14,7 @@ __all__ = [
     "DeadlockError",
     "ModuleChangedError",
     "DeviceMemoryError",
+    "HostMemoryError",
     "SchedulerClosedError",
     "ConfigError",
 ]
@@ -51,6 +52,10 @@ class ModuleChangedError(ResidencyError, RuntimeError):
 
 class DeviceMemoryError(ResidencyError, MemoryError):
     """A group could not be placed on the device: its storage did not fit."""
+
+
+class HostMemoryError(ResidencyError, MemoryError):
+    """A group's host master could not be allocated: the host is out of memory."""
 
 
 class SchedulerClosedError(ResidencyError, RuntimeError):

@@ -38,9 +38,11 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from residency.component import Policy, Residency, ResidencyState
+from residency.component import Policy, Residency
 from residency.errors import (
+    ConfigError,
     DeadlockError,
+    HostMemoryError,
     PhaseError,
     RegistrationError,
     SchedulerClosedError,
@@ -111,12 +113,13 @@ class _ThreadPhases(threading.local):
     thread's stack leaves that set when the thread ends.
     """
 
-    def __init__(self, every_stack: weakref.WeakValueDictionary) -> None:
+    def __init__(self, every_stack: weakref.WeakValueDictionary, lock: threading.Lock) -> None:
         #: Resident-policy phases repeat the outer frame's group.
         self.stack = _Frames()
         self.held: Residency | None = None
         self.thread = threading.current_thread()
-        every_stack[id(self.stack)] = self.stack
+        with lock:  # `_check_not_in_a_phase` iterates the table under the same lock
+            every_stack[id(self.stack)] = self.stack
 
 
 class _Request:
@@ -150,8 +153,9 @@ class Scheduler:
         record_limit: int = 10_000,
         transport: Transport | None = None,
     ) -> None:
+        _check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory)
         #: Where resident groups live.
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = _parse_device(device)
         self._transport = transport if transport is not None else transport_for(self.device)
         #: Pin host masters (default: when the transport can use pinned memory).
         self.pin_memory = self._transport.can_pin() if pin_memory is None else pin_memory
@@ -172,7 +176,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._every_stack: weakref.WeakValueDictionary[int, _Frames] = weakref.WeakValueDictionary()
-        self._local = _ThreadPhases(self._every_stack)
+        self._local = _ThreadPhases(self._every_stack, self._lock)
         self._current: Residency | None = None
         #: Threads holding the current group (a thread holds at most one group at a time).
         self._holders: set[threading.Thread] = set()
@@ -223,7 +227,7 @@ class Scheduler:
             scheduler.add("shared", model, policy="resident", exclude=[model.reasoner, model.generator])
         """
         self._check_open()
-        _check_name(name, self._groups)
+        _check_name(name, [*self._groups, *self._aliases])
         policy = _parse_policy(policy)
         roots = _as_modules(name, modules)
         excluded = _as_excluded(name, exclude, roots)
@@ -238,10 +242,23 @@ class Scheduler:
         return residency
 
     def alias(self, path: str, name: str) -> None:
-        """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline)."""
+        """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline).
+
+        Refused (changing nothing) for a path that is not a non-empty string, that names a group,
+        or that already leads to another group.
+        """
         group = self._lookup(name)
+        if not isinstance(path, str) or not path:
+            raise RegistrationError(f"an alias must be a non-empty string, not {path!r}")
         if path in self._groups and self._groups[path] is not group:
-            raise RegistrationError(f"{path!r} is already the name of group {path!r}")
+            raise RegistrationError(
+                f"{path!r} is the name of group {path!r}; it cannot also lead to {group.name!r}"
+            )
+        if self._aliases.get(path, group.name) != group.name:
+            raise RegistrationError(
+                f"{path!r} already leads to group {self._aliases[path]!r}; it cannot also lead "
+                f"to {group.name!r}. Call scheduler.remove({self._aliases[path]!r}) first"
+            )
         self._aliases[path] = group.name
 
     def __getitem__(self, name: str) -> Residency:
@@ -328,7 +345,7 @@ class Scheduler:
             if not self._room_for_prefetch(group):
                 return False
             self._cancel_prefetch()
-            group.begin_load(self._free_slot(group), watch_edits=True)
+            group._begin_load(self._free_slot(group), watch_edits=True)
             self._prefetched = group
             return True
 
@@ -340,6 +357,7 @@ class Scheduler:
         """
         self._check_open()
         group = self._lookup(name)
+        name = group.name  # `name` may have been an alias
         with self._lock:
             self._check_not_in_a_phase(group, "refresh")
             inventory = take_inventory(
@@ -347,10 +365,12 @@ class Scheduler:
             )
             self._check_tensors_free(name, inventory, ignore=group)
             self._check_budget(name, inventory, group.policy)
+            aliases = [path for path, target in self._aliases.items() if target == name]
             self._unregister(group)
             residency = self._register(
                 name, group.modules, group.policy, inventory, group.excluded
             )
+            self._aliases.update(dict.fromkeys(aliases, name))
         if residency.policy is Policy.RESIDENT:
             self._place_resident(residency)
         return residency
@@ -365,27 +385,33 @@ class Scheduler:
         group = self._lookup(name)
         with self._lock:
             self._check_not_in_a_phase(group, "remove")
-            self._cancel_prefetch()
-            if group.is_resident:
-                group.evict(keep_changed=True)
-            self._unregister(group)
+            self._remove(group)
         return group
 
     def close(self) -> None:
         """Return every group's weights to host memory and release device storage.
 
-        The modules stay usable on the host; the scheduler refuses further use.
+        The modules stay usable on the host; the scheduler refuses further use.  Refused
+        (changing nothing) while any phase is active.
         """
-        if self._closed:
-            return
         with self._lock:
+            if self._closed:
+                return
             self._check_no_holders("close the scheduler")
-            self._cancel_prefetch()
-        for name in list(self._groups):
-            self.remove(name)
-        for slot in self._exclusive_slots:
-            slot.release()
-        self._closed = True
+            for group in self._groups.values():
+                self._check_not_in_a_phase(group, "close the scheduler with")
+            self._closed = True
+            for group in list(self._groups.values()):
+                self._remove(group)
+            for slot in self._exclusive_slots:
+                slot.release()
+            self._cond.notify_all()  # waiters wake up to SchedulerClosedError
+
+    def _remove(self, group: Residency) -> None:
+        self._cancel_prefetch()
+        if group.is_resident:
+            group._evict(keep_changed=True)
+        self._unregister(group)
 
     def __enter__(self) -> Scheduler:
         return self
@@ -411,7 +437,8 @@ class Scheduler:
                         local.held = target
                         stack.append((phase, target))
                         return
-            self._move_hold(target, restore_on_failure=True)
+            self._move_hold(target, restore_on_failure=True, push=phase)
+            return
         stack.append((phase, target))
 
     def _exit(self, phase: Phase) -> None:
@@ -443,7 +470,11 @@ class Scheduler:
             "order of entering them"
         )
 
-    def _move_hold(self, target: Residency | None, *, restore_on_failure: bool) -> None:
+    def _move_hold(
+        self, target: Residency | None, *, restore_on_failure: bool, push: Phase | None = None
+    ) -> None:
+        """Give up this thread's hold and take `target`'s; push `push`'s frame in the same
+        critical section, so no other thread can see the hold without the frame."""
         local = self._local
         previous = local.held
         with self._lock:
@@ -454,6 +485,8 @@ class Scheduler:
                 if target is not None:
                     self._acquire(target)
                     local.held = target
+                if push is not None:
+                    local.stack.append((push, target))
             except BaseException as error:
                 if restore_on_failure and previous is not None:
                     self._restore_hold(previous, error)
@@ -486,6 +519,7 @@ class Scheduler:
         self._queue.append(request)
         try:
             self._wait_for_turn(request)
+            self._check_registered(group)
             if self._current is not group:
                 self._switch_to(group)
         finally:
@@ -541,7 +575,7 @@ class Scheduler:
         written = 0
         if previous is not None:
             with record_function(f"residency::evict {previous.name}"):
-                written = previous.evict()
+                written = previous._evict()
         self._current = None
         evicted = time.perf_counter()
         nbytes = 0
@@ -565,9 +599,9 @@ class Scheduler:
     def _load(self, group: Residency) -> int:
         if group is self._prefetched:
             self._prefetched = None
-            return group.finish_load()
+            return group._finish_load()
         self._cancel_prefetch()
-        return group.load(self._free_slot(group))
+        return group._load(self._free_slot(group))
 
     def _free_slot(self, group: Residency) -> DeviceStorage:
         """The exclusive slot `group` should load into: its last one unless the resident group uses it."""
@@ -579,19 +613,20 @@ class Scheduler:
 
     def _cancel_prefetch(self) -> None:
         if self._prefetched is not None:
-            self._prefetched.cancel_load()
+            self._prefetched._cancel_load()
             self._prefetched = None
 
     def _room_for_prefetch(self, group: Residency) -> bool:
-        resident = sum(g.inventory.layout.contiguous_nbytes for g in self._groups.values()
-                       if not g.exclusive)
-        current = self._current.inventory.layout.contiguous_nbytes if self._current else 0
-        needed = group.inventory.layout.contiguous_nbytes
+        """Whether the buffer `group` would be copied into fits beside everything already held."""
+        slot = self._free_slot(group)
+        needed = max(group.inventory.layout.contiguous_nbytes, slot.size_hint)
+        growth = 0 if slot.nbytes >= needed and not slot.is_aliased() else needed
         if self.device_memory_limit is not None:
-            return resident + current + needed <= self.device_memory_limit
+            held = self.device_nbytes - (slot.nbytes if growth else 0)
+            return held + growth <= self.device_memory_limit
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return needed <= free
+            return growth <= free
         return self.device.type == "cpu"
 
     # -- registration helpers ------------------------------------------------------------------
@@ -604,12 +639,12 @@ class Scheduler:
         inventory: Inventory,
         excluded: tuple[nn.Module, ...],
     ) -> Residency:
+        master = _pack(name, inventory, self._transport, pin=self.pin_memory)
+        if self.pin_memory and not master.pinned:  # pinning failed (and warned): stop trying
+            self.pin_memory = False
         storage = self._exclusive_slots[0]
         if policy is Policy.RESIDENT:
             storage = self._resident_storages[name] = DeviceStorage(self._transport)
-        master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory)
-        if self.pin_memory and not master.pinned:  # pinning failed (and warned): stop trying
-            self.pin_memory = False
         residency = Residency(
             name, roots, policy, inventory, master, storage, self._transport, excluded=excluded
         )
@@ -634,7 +669,7 @@ class Scheduler:
         """Load a resident-policy group now; if that fails, unregister it (weights stay on host)."""
         start = time.perf_counter()
         try:
-            nbytes = residency.load()
+            nbytes = residency._load()
         except BaseException:
             with self._lock:
                 self._unregister(residency)
@@ -666,6 +701,13 @@ class Scheduler:
             ) from None
         return group
 
+    def _check_registered(self, group: Residency) -> None:
+        if self._groups.get(group.name) is not group:
+            raise UnknownGroupError(
+                f"group {group.name!r} was removed or refreshed after this phase was created; "
+                f"create the phase again with scheduler.resident({group.name!r})"
+            )
+
     def _check_open(self) -> None:
         if self._closed:
             raise SchedulerClosedError(
@@ -674,13 +716,20 @@ class Scheduler:
             )
 
     def _check_not_in_a_phase(self, group: Residency, action: str) -> None:
-        """Refuse while any thread has a phase of `group` open, even one suspended by nesting."""
-        for stack in list(self._every_stack.values()):
-            if any(phase.group is group or needed is group for phase, needed in list(stack)):
-                raise PhaseError(
-                    f"cannot {action} group {group.name!r} while a phase of it is active "
-                    "(possibly suspended by a nested phase); call it between phases"
-                )
+        """Refuse while any thread holds `group`, waits for it, or has a phase of it open (also
+        one suspended by nesting).  Called with the lock held."""
+        held = group is self._current and bool(self._holders)
+        queued = any(request.group is group for request in self._queue)
+        framed = any(
+            phase.group is group or needed is group
+            for stack in self._every_stack.values()
+            for phase, needed in list(stack)
+        )
+        if held or queued or framed:
+            raise PhaseError(
+                f"cannot {action} group {group.name!r} while a phase of it is active "
+                "(possibly suspended by a nested phase); call it between phases"
+            )
 
     def _check_no_holders(self, action: str) -> None:
         if self._holders:
@@ -792,6 +841,11 @@ class NoOffload:
     def current(self) -> None:
         return None
 
+    @property
+    def device_nbytes(self) -> int:
+        """No device storage of its own: 0."""
+        return 0
+
     def __contains__(self, name: object) -> bool:
         return name in self._names
 
@@ -895,3 +949,59 @@ def _owner_by_address(spans, tensor: torch.Tensor) -> Residency | None:
         if start <= pointer < end:
             return group
     return None
+
+
+def _pack(name: str, inventory: Inventory, transport: Transport, *, pin: bool) -> HostMaster:
+    try:
+        return HostMaster.pack(inventory, transport, pin=pin)
+    except MemoryError as error:
+        nbytes = inventory.layout.nbytes
+        raise HostMemoryError(
+            f"cannot add group {name!r}: its host master needs {nbytes} bytes "
+            f"({nbytes / 2**20:.1f} MiB) of host memory and the allocation failed ({error}). Free "
+            "host memory or register fewer modules at once; the weights keep their values"
+        ) from error
+
+
+def _parse_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return default_device()
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ConfigError(f"device {device!r} is not a device torch knows ({error})") from None
+    if parsed.type != "cpu" and not _accelerator_is(parsed.type):
+        raise ConfigError(
+            f"device {device!r} is not available here; use Scheduler() for the current "
+            "accelerator (or the CPU when there is none), or Scheduler('cpu')"
+        )
+    return parsed
+
+
+def _accelerator_is(kind: str) -> bool:
+    if not torch.accelerator.is_available():
+        return False
+    return torch.accelerator.current_accelerator().type == kind
+
+
+def _check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory):
+    """The constructor's numbers and flags, checked before anything is built."""
+    if isinstance(chunk_nbytes, bool) or not isinstance(chunk_nbytes, int) or chunk_nbytes < 1:
+        raise ConfigError(f"chunk_nbytes={chunk_nbytes!r}; give a positive whole number of bytes")
+    limit = device_memory_limit
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ConfigError(
+            f"device_memory_limit={limit!r}; give a whole number of bytes, or None for no limit"
+        )
+    if wait_timeout is not None and (
+        isinstance(wait_timeout, bool) or not isinstance(wait_timeout, (int, float))
+        or wait_timeout <= 0
+    ):
+        raise ConfigError(
+            f"wait_timeout={wait_timeout!r}; give a positive number of seconds, or None to wait "
+            "as long as it takes"
+        )
+    if isinstance(record_limit, bool) or not isinstance(record_limit, int) or record_limit < 0:
+        raise ConfigError(f"record_limit={record_limit!r}; give a whole number of records (>= 0)")
+    if pin_memory is not None and not isinstance(pin_memory, bool):
+        raise ConfigError(f"pin_memory={pin_memory!r}; give True, False, or None for automatic")

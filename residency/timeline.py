@@ -36,7 +36,6 @@ __all__ = [
     "PhaseRecorder",
     "PhaseSpan",
     "Row",
-    "device_bytes",
     "format_timeline",
     "measure_floor",
     "timeline_rows",
@@ -66,7 +65,7 @@ class PhaseRecorder:
             out = pipe.transformer(x)
         recorder.spans[-1].name                      # 'transformer'
 
-    It also samples `device_bytes(scheduler)` after each entry into `peak_device_bytes`.  With
+    It also samples `scheduler.device_nbytes` after each entry into `peak_device_bytes`.  With
     ``synchronize=True`` it waits for the device around each entry (see [Note: timing on
     accelerators]); only use that for measurement.
     """
@@ -77,7 +76,7 @@ class PhaseRecorder:
         #: Completed phases, in the order they ended.
         self.spans: list[PhaseSpan] = []
         #: Most bytes the scheduler's device storages held at any sampled moment.
-        self.peak_device_bytes = device_bytes(scheduler)
+        self.peak_device_bytes = scheduler.device_nbytes
 
     @property
     def device(self) -> torch.device:
@@ -109,7 +108,7 @@ class _RecordedPhase:
         self._enter = time.perf_counter() - self._start
         after = recorder.scheduler.transitions.count
         self._transition = after - 1 if after > count else None
-        now = device_bytes(recorder.scheduler)
+        now = recorder.scheduler.device_nbytes
         recorder.peak_device_bytes = max(recorder.peak_device_bytes, now)
         return group
 
@@ -120,15 +119,6 @@ class _RecordedPhase:
                       enter_seconds=self._enter, transition=self._transition,
                       thread=threading.current_thread().name)
         )
-
-
-def device_bytes(scheduler) -> int:
-    """Bytes of device storage the scheduler holds now (each storage once)."""
-    storages = {}
-    for name in scheduler:
-        storage = scheduler[name].device_storage
-        storages[id(storage)] = storage
-    return sum(storage.nbytes for storage in storages.values())
 
 
 def measure_floor(

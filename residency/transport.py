@@ -147,6 +147,17 @@ class AcceleratorTransport(Transport):
         event = torch.accelerator.current_stream(self.device).record_event()
         self._retired[storage.untyped_storage().data_ptr()] = event
 
+    def allocate_device(self, nbytes: int) -> torch.Tensor:
+        """A device buffer whose first copy waits for compute queued before its allocation.
+
+        The caching allocator may hand out a block that kernels already queued on the compute
+        stream still read (a tensor freed a moment ago); the copy stream must not write it first.
+        """
+        buffer = super().allocate_device(nbytes)
+        event = torch.accelerator.current_stream(self.device).record_event()
+        self._retired[buffer.untyped_storage().data_ptr()] = event
+        return buffer
+
     def release(self, storage: torch.Tensor) -> None:
         # The caching allocator may hand the memory to compute-stream work as soon as it is freed;
         # that work must come after every copy still queued into or out of it.
@@ -188,8 +199,11 @@ def _page_locked_exact(nbytes: int) -> torch.Tensor:
     region = _PageLockedRegion(-1, nbytes)
     _ask_for_huge_pages(region)
     tensor = torch.frombuffer(region, dtype=torch.uint8)
-    status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    cudart = torch.cuda.cudart()
+    status = cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
     if int(status) != 0:
+        # Clear the sticky last-error, or the next kernel launch check would report it.
+        getattr(cudart, "cudaGetLastError", lambda: None)()
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(status)}")
     region.pointer = tensor.data_ptr()
     return tensor

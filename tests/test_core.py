@@ -612,3 +612,88 @@ def test_an_edit_made_while_offloaded_then_loaded_again_is_kept(scheduler):
         with scheduler.resident("other"):
             pass
     assert torch.equal(block[0].bias, plain[0].bias)
+
+
+# -- found in review ---------------------------------------------------------------------------
+
+
+def test_a_phase_made_before_remove_cannot_bring_the_group_back(scheduler):
+    three_groups(scheduler)
+    phase = scheduler.resident("dit")
+    scheduler.remove("dit")
+    with pytest.raises(UnknownGroupError, match="was removed or refreshed after this phase was created"):
+        with phase:
+            pass
+    assert scheduler.current is None and "dit" not in scheduler
+
+
+def test_refresh_keeps_the_group_name_and_its_aliases(scheduler):
+    three_groups(scheduler)
+    scheduler.alias("pipe.transformer", "dit")
+    group = scheduler.refresh("pipe.transformer")
+    assert group.name == "dit" and list(scheduler) == ["enc", "vae", "dit"]
+    with scheduler.resident("pipe.transformer") as entered:
+        assert entered is scheduler["dit"]
+
+
+def test_close_inside_a_resident_policy_phase_is_refused_and_changes_nothing(scheduler):
+    three_groups(scheduler)
+    with scheduler.resident("dit"):
+        pass
+    with scheduler.resident("vae"):
+        with pytest.raises(PhaseError, match="cannot close the scheduler with group 'vae' while a phase"):
+            scheduler.close()
+    assert list(scheduler) == ["enc", "dit", "vae"] and scheduler.current == "dit"
+    scheduler.close()
+    with pytest.raises(SchedulerClosedError):
+        scheduler.resident("dit")
+
+
+def test_prefetch_counts_the_buffer_it_would_really_allocate():
+    small, big = make_block(width=8, seed=1), make_block(width=64, seed=2)
+    probe = Scheduler("cpu")
+    one_big = probe.add("big", make_block(width=64)).inventory.layout.contiguous_nbytes
+    scheduler = Scheduler("cpu", device_memory_limit=one_big + one_big // 2)
+    scheduler.add("small", small)
+    scheduler.add("big", big)
+    with scheduler.resident("big"):
+        assert not scheduler.prefetch("small"), "a second buffer is sized for the largest group"
+    assert scheduler.device_nbytes <= scheduler.device_memory_limit
+
+
+def test_aliases_are_checked(scheduler):
+    three_groups(scheduler)
+    scheduler.alias("pipe.enc", "enc")
+    with pytest.raises(RegistrationError, match="'pipe.enc' already leads to group 'enc'"):
+        scheduler.alias("pipe.enc", "dit")
+    with pytest.raises(RegistrationError, match="'enc' is the name of group 'enc'"):
+        scheduler.alias("enc", "dit")
+    with pytest.raises(RegistrationError, match="an alias must be a non-empty string"):
+        scheduler.alias("", "dit")
+    with pytest.raises(RegistrationError, match="a group named 'pipe.enc' is already registered"):
+        scheduler.add("pipe.enc", make_block(seed=5))
+    with scheduler.resident("pipe.enc") as group:
+        assert group.name == "enc"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"chunk_nbytes": 0}, "chunk_nbytes=0; give a positive whole number of bytes"),
+        ({"device_memory_limit": "8GB"}, "device_memory_limit='8GB'; give a whole number of bytes"),
+        ({"wait_timeout": -5}, "wait_timeout=-5; give a positive number of seconds"),
+        ({"record_limit": -1}, r"record_limit=-1; give a whole number of records \(>= 0\)"),
+        ({"pin_memory": "no"}, "pin_memory='no'; give True, False, or None"),
+        ({"device": "tpu:9"}, "device 'tpu:9' is not"),
+    ],
+)
+def test_scheduler_options_are_checked(options, message):
+    from residency import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        Scheduler(**options)
+
+
+def test_residency_moves_are_the_schedulers_alone(scheduler):
+    group = scheduler.add("a", make_block())
+    assert not hasattr(group, "load") and not hasattr(group, "evict")
