@@ -46,12 +46,20 @@ def test_prefetch_overlaps_the_copy_and_the_phase_only_repoints():
     assert scheduler.resident_groups() == ["b"]
 
 
-def test_prefetch_needs_room_for_both_groups_and_is_off_by_default():
+def test_prefetch_needs_room_for_both_groups():
     scheduler, transport, _, _ = two_groups(device_memory_limit=scheduler_bytes_for_one())
     with scheduler.resident("a"):
         assert not scheduler.prefetch("b")
         assert scheduler["b"].state is ResidencyState.OFFLOADED
     assert scheduler.device_nbytes <= scheduler_bytes_for_one()
+
+
+def test_without_prefetch_one_buffer_serves_every_exclusive_group():
+    scheduler, _, _, _ = two_groups()  # no limit: prefetch would be allowed, but nobody asks
+    for name in ["a", "b", "a", "b"]:
+        with scheduler.resident(name):
+            assert scheduler.resident_groups() == [name]
+            assert scheduler.device_nbytes == scheduler_bytes_for_one()
 
 
 def scheduler_bytes_for_one() -> int:
