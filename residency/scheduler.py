@@ -439,7 +439,12 @@ class Scheduler:
                         return
             self._move_hold(target, restore_on_failure=True, push=phase)
             return
-        stack.append((phase, target))
+        if not group.exclusive:  # a resident-policy phase holds nothing: check it still exists
+            with self._lock:
+                self._check_registered(group)
+                stack.append((phase, target))
+            return
+        stack.append((phase, target))  # re-entry of the group this thread holds: nothing to do
 
     def _exit(self, phase: Phase) -> None:
         local = self._local

@@ -697,3 +697,12 @@ def test_scheduler_options_are_checked(options, message):
 def test_residency_moves_are_the_schedulers_alone(scheduler):
     group = scheduler.add("a", make_block())
     assert not hasattr(group, "load") and not hasattr(group, "evict")
+
+
+def test_a_resident_policy_phase_of_a_removed_group_is_refused(scheduler):
+    three_groups(scheduler)
+    phase = scheduler.resident("vae")
+    scheduler.remove("vae")
+    with pytest.raises(UnknownGroupError, match="'vae' was removed or refreshed"):
+        with phase:
+            pass
