@@ -34,6 +34,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator
 
+import attrs
 import torch
 from torch import nn
 from torch.profiler import record_function
@@ -122,6 +123,15 @@ class _ThreadPhases(threading.local):
             every_stack[id(self.stack)] = self.stack
 
 
+@attrs.frozen
+class _Claim:
+    """A group being packed by `add`: its name, modules and tensors are taken."""
+
+    name: str
+    policy: Policy
+    inventory: Inventory
+
+
 class _Request:
     __slots__ = ("group",)
 
@@ -181,6 +191,8 @@ class Scheduler:
         #: Threads holding the current group (a thread holds at most one group at a time).
         self._holders: set[threading.Thread] = set()
         self._queue: collections.deque[_Request] = collections.deque()
+        #: Groups `add` is packing outside the lock (see [Note: packing outside the lock]).
+        self._packing: dict[str, _Claim] = {}
         self._closed = False
         if not self.pin_memory:
             _log.info("host masters on %s are pageable memory (pin_memory=False)", self.device)
@@ -227,16 +239,27 @@ class Scheduler:
             scheduler.add("shared", model, policy="resident", exclude=[model.reasoner, model.generator])
         """
         self._check_open()
-        _check_name(name, [*self._groups, *self._aliases])
         policy = _parse_policy(policy)
         roots = _as_modules(name, modules)
         excluded = _as_excluded(name, exclude, roots)
         with self._lock:
+            _check_name(name, [*self._groups, *self._aliases, *self._packing])
             inventory = take_inventory(roots, chunk_nbytes=self.chunk_nbytes, exclude=excluded)
             self._check_modules_free(name, inventory.modules)
             self._check_tensors_free(name, inventory)
             self._check_budget(name, inventory, policy)
-            residency = self._register(name, roots, policy, inventory, excluded)
+            self._packing[name] = _Claim(name, policy, inventory)
+        # [Note: packing outside the lock] Building a master of many GiB takes seconds; phases of
+        # other threads must not wait for it.  The claim above keeps the name, modules and tensors
+        # from being registered twice meanwhile.
+        try:
+            master = self._pack(name, inventory)
+        finally:
+            with self._lock:
+                del self._packing[name]
+        with self._lock:
+            self._check_open()
+            residency = self._enroll(name, roots, policy, inventory, master, excluded)
         if policy is Policy.RESIDENT:
             self._place_resident(residency)
         return residency
@@ -367,8 +390,9 @@ class Scheduler:
             self._check_budget(name, inventory, group.policy)
             aliases = [path for path, target in self._aliases.items() if target == name]
             self._unregister(group)
-            residency = self._register(
-                name, group.modules, group.policy, inventory, group.excluded
+            master = self._pack(name, inventory)
+            residency = self._enroll(
+                name, group.modules, group.policy, inventory, master, group.excluded
             )
             self._aliases.update(dict.fromkeys(aliases, name))
         if residency.policy is Policy.RESIDENT:
@@ -636,17 +660,22 @@ class Scheduler:
 
     # -- registration helpers ------------------------------------------------------------------
 
-    def _register(
+    def _pack(self, name: str, inventory: Inventory) -> HostMaster:
+        master = _pack(name, inventory, self._transport, pin=self.pin_memory)
+        if self.pin_memory and not master.pinned:  # pinning failed (and warned): stop trying
+            self.pin_memory = False
+        return master
+
+    def _enroll(
         self,
         name: str,
         roots: tuple[nn.Module, ...],
         policy: Policy,
         inventory: Inventory,
+        master: HostMaster,
         excluded: tuple[nn.Module, ...],
     ) -> Residency:
-        master = _pack(name, inventory, self._transport, pin=self.pin_memory)
-        if self.pin_memory and not master.pinned:  # pinning failed (and warned): stop trying
-            self.pin_memory = False
+        """Make a packed group known (called with the lock held)."""
         storage = self._exclusive_slots[0]
         if policy is Policy.RESIDENT:
             storage = self._resident_storages[name] = DeviceStorage(self._transport)
@@ -743,8 +772,12 @@ class Scheduler:
                 "Call it between phases"
             )
 
+    def _claims(self) -> list[Residency | _Claim]:
+        """Every registered group, and every group being packed by `add` right now."""
+        return [*self._groups.values(), *self._packing.values()]
+
     def _check_modules_free(self, name: str, submodules: Iterable[nn.Module]) -> None:
-        owners = {id(m): other for other in self._groups.values() for m in other.inventory.modules}
+        owners = {id(m): other for other in self._claims() for m in other.inventory.modules}
         for module in submodules:
             other = owners.get(id(module))
             if other is not None:
@@ -759,9 +792,9 @@ class Scheduler:
     ) -> None:
         owners = {
             id(t): other
-            for other in self._groups.values()
+            for other in self._claims()
             if other is not ignore
-            for t in other.tensors
+            for t in other.inventory.tensors
         }
         spans = _storage_spans(g for g in self._groups.values() if g is not ignore)
         for tensor, slots in zip(inventory.tensors, inventory.slots):
@@ -783,7 +816,7 @@ class Scheduler:
         limit = self.device_memory_limit
         if limit is None:
             return
-        needs = {g.name: (g.policy, g.inventory.layout.contiguous_nbytes) for g in self._groups.values()}
+        needs = {g.name: (g.policy, g.inventory.layout.contiguous_nbytes) for g in self._claims()}
         needs[name] = (policy, inventory.layout.contiguous_nbytes)
         exclusive = max((n for p, n in needs.values() if p is Policy.EXCLUSIVE), default=0)
         planned = exclusive + sum(n for p, n in needs.values() if p is Policy.RESIDENT)

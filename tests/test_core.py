@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -706,3 +708,45 @@ def test_a_resident_policy_phase_of_a_removed_group_is_refused(scheduler):
     with pytest.raises(UnknownGroupError, match="'vae' was removed or refreshed"):
         with phase:
             pass
+
+
+class GatedTransport(CountingTransport):
+    """Host allocation waits for a gate: `add` is caught in the middle of packing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packing = threading.Event()
+        self.gate = threading.Event()
+
+    def allocate_host(self, nbytes, *, pin):
+        if not self.gate.is_set():
+            self.packing.set()
+            assert self.gate.wait(timeout=30), "the test never opened the gate"
+        return super().allocate_host(nbytes, pin=pin)
+
+
+def test_phases_of_other_groups_run_while_a_group_is_being_packed():
+    transport = GatedTransport()
+    transport.gate.set()
+    scheduler = Scheduler("cpu", transport=transport)
+    ready = make_block(seed=1)
+    scheduler.add("ready", ready)
+    transport.gate.clear()
+    slow = make_block(seed=2)
+    plain = twin(slow)
+    adder = threading.Thread(target=scheduler.add, args=("slow", slow), daemon=True)
+    adder.start()
+    assert transport.packing.wait(timeout=30)
+    with scheduler.resident("ready"):  # would wait for the whole pack if add held the lock
+        assert scheduler.current == "ready"
+    with pytest.raises(RegistrationError, match="a group named 'slow' is already registered"):
+        scheduler.add("slow", make_block(seed=3))
+    with pytest.raises(RegistrationError, match="already belongs to group 'slow'"):
+        scheduler.add("again", slow)
+    transport.gate.set()
+    adder.join(timeout=30)
+    assert not adder.is_alive()
+    x = torch.randn(2, 32)
+    with scheduler.resident("slow"):
+        assert torch.equal(run_block(slow, x), run_block(plain, x))
+    scheduler.close()
