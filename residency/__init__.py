@@ -32,8 +32,9 @@ from residency.errors import (
     SchedulerClosedError,
     UnknownGroupError,
 )
+from residency.no_offload import NoOffload
 from residency.records import TransitionLog, TransitionRecord, chrome_trace, summarize
-from residency.scheduler import NoOffload, Phase, Scheduler
+from residency.scheduler import Phase, Scheduler
 from residency.split import SplitModel
 from residency.transport import AcceleratorTransport, Completion, CpuTransport, Transport
 

@@ -43,7 +43,8 @@ from torch import nn
 from residency.component import Policy
 from residency.config import OffloadConfig, resolve_config
 from residency.errors import ConfigError
-from residency.scheduler import NoOffload, Scheduler
+from residency.no_offload import NoOffload
+from residency.scheduler import Scheduler
 from residency.split import split_parts
 from residency.tensors import unique_submodules
 

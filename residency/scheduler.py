@@ -39,9 +39,16 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from residency.arguments import (
+    as_excluded,
+    as_modules,
+    check_name,
+    check_options,
+    parse_device,
+    parse_policy,
+)
 from residency.component import Policy, Residency
 from residency.errors import (
-    ConfigError,
     DeadlockError,
     HostMemoryError,
     PhaseError,
@@ -50,11 +57,12 @@ from residency.errors import (
     UnknownGroupError,
 )
 from residency.memory import DeviceStorage, HostMaster
+from residency.no_offload import NoOffload
 from residency.records import TransitionLog, TransitionRecord
 from residency.tensors import DEFAULT_CHUNK_NBYTES, Inventory, take_inventory
-from residency.transport import Transport, default_device, transport_for
+from residency.transport import Transport, transport_for
 
-__all__ = ["NoOffload", "Phase", "Scheduler"]
+__all__ = ["Phase", "Scheduler"]
 
 _log = logging.getLogger("residency")
 
@@ -163,9 +171,9 @@ class Scheduler:
         record_limit: int = 10_000,
         transport: Transport | None = None,
     ) -> None:
-        _check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory)
+        check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory)
         #: Where resident groups live.
-        self.device = _parse_device(device)
+        self.device = parse_device(device)
         self._transport = transport if transport is not None else transport_for(self.device)
         #: Pin host masters (default: when the transport can use pinned memory).
         self.pin_memory = self._transport.can_pin() if pin_memory is None else pin_memory
@@ -239,11 +247,11 @@ class Scheduler:
             scheduler.add("shared", model, policy="resident", exclude=[model.reasoner, model.generator])
         """
         self._check_open()
-        policy = _parse_policy(policy)
-        roots = _as_modules(name, modules)
-        excluded = _as_excluded(name, exclude, roots)
+        policy = parse_policy(policy)
+        roots = as_modules(name, modules)
+        excluded = as_excluded(name, exclude, roots)
         with self._lock:
-            _check_name(name, [*self._groups, *self._aliases, *self._packing])
+            check_name(name, [*self._groups, *self._aliases, *self._packing])
             inventory = take_inventory(roots, chunk_nbytes=self.chunk_nbytes, exclude=excluded)
             self._check_modules_free(name, inventory.modules)
             self._check_tensors_free(name, inventory)
@@ -828,146 +836,6 @@ class Scheduler:
             )
 
 
-class NoOffload:
-    """The scheduler to use when offloading is off: ``resident()`` does nothing.
-
-        scheduler = NoOffload()
-        with scheduler.resident("generator"):   # no checks, no moves
-            out = model.generator(x)
-
-    Model code written with phases runs unchanged.  ``add`` moves modules to `device` (when given)
-    and remembers their names so that ``in`` and iteration behave like a `Scheduler`'s.
-    """
-
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self.device = torch.device(device) if device is not None else None
-        self.transitions = TransitionLog(0)
-        self._names: dict[str, tuple[nn.Module, ...]] = {}
-
-    def add(
-        self,
-        name: str,
-        modules: nn.Module | Iterable[nn.Module],
-        *,
-        policy: str | Policy = "exclusive",
-        exclude: nn.Module | Iterable[nn.Module] = (),
-    ) -> None:
-        """Check the arguments as `Scheduler.add` does; move the modules to `device` when given."""
-        _check_name(name, self._names)
-        _parse_policy(policy)
-        roots = _as_modules(name, modules)
-        _as_excluded(name, exclude, roots)
-        if self.device is not None:
-            for module in roots:
-                module.to(self.device)
-        self._names[name] = roots
-
-    def alias(self, path: str, name: str) -> None:
-        """Accepted for symmetry with `Scheduler.alias`; every phase does nothing anyway."""
-
-    def remove(self, name: str) -> None:
-        """Forget group `name` (its modules stay where they are)."""
-        self._names.pop(name, None)
-
-    def resident(self, name: str) -> _NullPhase:
-        return _NULL_PHASE
-
-    def offload_all(self) -> None:
-        """Nothing is offloaded, so nothing to do."""
-
-    @property
-    def current(self) -> None:
-        return None
-
-    @property
-    def device_nbytes(self) -> int:
-        """No device storage of its own: 0."""
-        return 0
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._names))
-
-    def __repr__(self) -> str:
-        return f"<NoOffload: {len(self._names)} group(s)>"
-
-
-class _NullPhase:
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc_info) -> None:
-        return None
-
-
-_NULL_PHASE = _NullPhase()
-
-
-def _check_name(name: object, taken: Iterable[str]) -> None:
-    if not isinstance(name, str) or not name:
-        raise RegistrationError(
-            f"a group name must be a non-empty string, not {name!r}; name groups after what "
-            "they are, for example 'text_encoder' or 'dit'"
-        )
-    if name in taken:
-        raise RegistrationError(
-            f"a group named {name!r} is already registered; choose another name, or call "
-            f"scheduler.remove({name!r}) first"
-        )
-
-
-def _parse_policy(policy: str | Policy) -> Policy:
-    if isinstance(policy, Policy):
-        return policy
-    try:
-        return Policy(policy)
-    except ValueError:
-        accepted = ", ".join(repr(p.value) for p in Policy)
-        raise RegistrationError(
-            f"unknown policy {policy!r}; accepted policies are {accepted}"
-        ) from None
-
-
-def _as_modules(name: str, modules: object) -> tuple[nn.Module, ...]:
-    if isinstance(modules, nn.Module):
-        return (modules,)
-    if isinstance(modules, (str, bytes, torch.Tensor)) or not isinstance(modules, Iterable):
-        raise RegistrationError(
-            f"group {name!r}: expected an nn.Module or an iterable of them, got "
-            f"{type(modules).__name__}"
-        )
-    roots = tuple(modules)
-    if not roots:
-        raise RegistrationError(
-            f"group {name!r}: the module list is empty; pass at least one nn.Module"
-        )
-    for index, module in enumerate(roots):
-        if not isinstance(module, nn.Module):
-            raise RegistrationError(
-                f"group {name!r}: item {index} is a {type(module).__name__}, not an nn.Module; "
-                "pass modules (for example pipe.text_encoder), not tensors or names"
-            )
-    return roots
-
-
-def _as_excluded(
-    name: str, exclude: nn.Module | Iterable[nn.Module], roots: tuple[nn.Module, ...]
-) -> tuple[nn.Module, ...]:
-    excluded = (exclude,) if isinstance(exclude, nn.Module) else tuple(exclude)
-    inside = {id(m) for root in roots for m in root.modules()}
-    for module in excluded:
-        if not isinstance(module, nn.Module) or id(module) not in inside:
-            raise RegistrationError(
-                f"group {name!r}: exclude= takes submodules of the modules being added, and "
-                f"{type(module).__name__} is not one of them; pass modules reached from them"
-            )
-    return excluded
-
-
 def _storage_spans(groups: Iterable[Residency]) -> list[tuple[int, int, Residency]]:
     spans = []
     for group in groups:
@@ -999,47 +867,3 @@ def _pack(name: str, inventory: Inventory, transport: Transport, *, pin: bool) -
             f"({nbytes / 2**20:.1f} MiB) of host memory and the allocation failed ({error}). Free "
             "host memory or register fewer modules at once; the weights keep their values"
         ) from error
-
-
-def _parse_device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        return default_device()
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ConfigError(f"device {device!r} is not a device torch knows ({error})") from None
-    if parsed.type != "cpu" and not _accelerator_is(parsed.type):
-        raise ConfigError(
-            f"device {device!r} is not available here; use Scheduler() for the current "
-            "accelerator (or the CPU when there is none), or Scheduler('cpu')"
-        )
-    return parsed
-
-
-def _accelerator_is(kind: str) -> bool:
-    if not torch.accelerator.is_available():
-        return False
-    return torch.accelerator.current_accelerator().type == kind
-
-
-def _check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory):
-    """The constructor's numbers and flags, checked before anything is built."""
-    if isinstance(chunk_nbytes, bool) or not isinstance(chunk_nbytes, int) or chunk_nbytes < 1:
-        raise ConfigError(f"chunk_nbytes={chunk_nbytes!r}; give a positive whole number of bytes")
-    limit = device_memory_limit
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise ConfigError(
-            f"device_memory_limit={limit!r}; give a whole number of bytes, or None for no limit"
-        )
-    if wait_timeout is not None and (
-        isinstance(wait_timeout, bool) or not isinstance(wait_timeout, (int, float))
-        or wait_timeout <= 0
-    ):
-        raise ConfigError(
-            f"wait_timeout={wait_timeout!r}; give a positive number of seconds, or None to wait "
-            "as long as it takes"
-        )
-    if isinstance(record_limit, bool) or not isinstance(record_limit, int) or record_limit < 0:
-        raise ConfigError(f"record_limit={record_limit!r}; give a whole number of records (>= 0)")
-    if pin_memory is not None and not isinstance(pin_memory, bool):
-        raise ConfigError(f"pin_memory={pin_memory!r}; give True, False, or None for automatic")

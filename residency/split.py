@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from residency.scheduler import NoOffload, Scheduler
+    from residency.no_offload import NoOffload
+    from residency.scheduler import Scheduler
 
 __all__ = ["SplitModel", "split_parts"]
 
@@ -47,7 +48,7 @@ class _SchedulerSlot:
     def __get__(self, model: object, owner: type) -> object:
         if model is None:
             return self
-        from residency.scheduler import NoOffload
+        from residency.no_offload import NoOffload
 
         scheduler = NoOffload()
         vars(model)["scheduler"] = scheduler

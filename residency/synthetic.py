@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from residency.discovery import SupportsComponentDiscovery
-from residency.scheduler import NoOffload
+from residency.no_offload import NoOffload
 
 __all__ = ["SIZES", "SyntheticSize", "SyntheticWan22"]
 
