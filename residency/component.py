@@ -213,10 +213,7 @@ class Residency:
         self._require(ResidencyState.RESIDENT, "evict")
         tensors = self.inventory.tensors
         dirty, replaced, now_versions = self._dirty_indices()
-        misfits = self._misfits(dirty, replaced)
-        if misfits and not keep_changed:
-            raise self._misfit_error(*misfits[0])
-        left = {i for i, _ in misfits}
+        left = self._misfits_left(dirty, replaced, keep=keep_changed)
         written = self._write_back([i for i in dirty if i not in left]) if dirty else 0
         homes = list(self.host_master.views)
         for i in left:
@@ -290,6 +287,13 @@ class Residency:
                                    "shared storage with"))
         return misfits
 
+    def _misfits_left(self, indices: list[int], replaced: set[int], *, keep: bool) -> set[int]:
+        """The misfits among `indices`, to be left as the user made them; raises unless `keep`."""
+        misfits = self._misfits(indices, replaced)
+        if misfits and not keep:
+            raise self._misfit_error(*misfits[0])
+        return {i for i, _ in misfits}
+
     def _misfit_error(self, index: int, why: str) -> ModuleChangedError:
         slot = self.inventory.slots[index][0]
         return ModuleChangedError(
@@ -299,9 +303,10 @@ class Residency:
         )
 
     def _write_back(self, indices: list[int]) -> int:
+        """Copy tensors `indices` into their places in the master; returns the bytes copied."""
         tensors, homes = self.inventory.tensors, self.host_master.views
         pairs = [(homes[i], tensors[i].detach()) for i in indices]
-        # The host reads the master right after eviction, so this is the one place that waits.
+        # The host may read the master right away, so this is the one place that waits.
         self._transport.to_host(pairs).synchronize()
         return sum(homes[i].nbytes for i in indices)
 
@@ -315,13 +320,10 @@ class Residency:
         if now_ptrs == self._host_ptrs:
             return set()
         replaced = [i for i, p in enumerate(now_ptrs) if p != self._host_ptrs[i]]
-        misfits = self._misfits(replaced, set(replaced))
-        if misfits and not keep_misfits:
-            raise self._misfit_error(*misfits[0])
-        left = {i for i, _ in misfits}
+        left = self._misfits_left(replaced, set(replaced), keep=keep_misfits)
         adopted = [i for i in replaced if i not in left]
+        self._write_back(adopted)
         homes, tensors = self.host_master.views, self.inventory.tensors
-        self._transport.to_host([(homes[i], tensors[i].detach()) for i in adopted]).synchronize()
         repoint([tensors[i] for i in adopted], [homes[i] for i in adopted])
         return set(adopted)
 

@@ -132,7 +132,7 @@ def measure_floor(
     Call it between phases, after ``scheduler.offload_all()`` when device memory is tight.
     """
     groups = [scheduler[name] for name in (scheduler if names is None else names)]
-    sizes = [sum(chunk.numel() for chunk in g.host_master.chunks) for g in groups]
+    sizes = [group.host_master.nbytes for group in groups]
     if not groups or max(sizes) == 0:
         return {}
     buffer = torch.empty(max(sizes), dtype=torch.uint8, device=scheduler.device)
