@@ -10,7 +10,6 @@ in the wrong place.  Misuse gets a `ResidencyError` whose message is tested.
 
 from __future__ import annotations
 
-import re
 import threading
 import warnings
 
@@ -30,7 +29,7 @@ from residency import (
 )
 from residency.transport import Completion, CpuTransport
 
-from conftest import make_block, run_block, twin
+from conftest import enter_refreshing, make_block, run_block, twin
 
 
 class FaultyTransport(CpuTransport):
@@ -401,24 +400,13 @@ def test_moving_a_registered_module_between_host_and_device_is_handled_or_refuse
         scheduler.add(name, module)
     x = torch.randn(3, 32, device=device)
 
-    def enter_or_refresh(name):
-        try:
-            with scheduler.resident(name):
-                return
-        except ModuleChangedError as refused:
-            changed = re.search(r"scheduler\.refresh\('(\w+)'\)", str(refused))
-            assert changed, f"the error does not say which group to refresh: {refused}"
-            scheduler.refresh(changed.group(1))
-        with scheduler.resident(name):
-            pass
-
     with scheduler.resident("a"):
         pass
     modules["a"].to("cpu")  # while resident: the weights leave the device behind our back
-    enter_or_refresh("b")
-    enter_or_refresh("a")
+    enter_refreshing(scheduler, "b")
+    enter_refreshing(scheduler, "a")
     modules["b"].to(device)  # while offloaded: the weights arrive on the device behind our back
-    enter_or_refresh("b")
+    enter_refreshing(scheduler, "b")
     for name in ("a", "b", "a"):
         with scheduler.resident(name):
             group = scheduler[name]

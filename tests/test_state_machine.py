@@ -17,7 +17,6 @@ module, never offloaded, receives the same edits.  After every step the invarian
 
 from __future__ import annotations
 
-import re
 
 import pytest
 import torch
@@ -31,9 +30,9 @@ from hypothesis.stateful import (
 )
 from torch import nn
 
-from residency import ModuleChangedError, PhaseError, ResidencyState, Scheduler
+from residency import PhaseError, ResidencyState, Scheduler
 
-from conftest import make_block, run_block, twin
+from conftest import enter_refreshing, make_block, run_block, twin
 
 EXCLUSIVE = ("a", "b", "tied")
 RESIDENT = "vae"
@@ -430,19 +429,6 @@ def test_an_edit_made_while_a_group_is_prefetched_survives_the_cancel(edit):
     scheduler.close()
 
 
-def _switch(scheduler: Scheduler, name: str) -> None:
-    """Make `name` resident.  A changed group may be refused if the error says what to refresh."""
-    try:
-        with scheduler.resident(name):
-            return
-    except ModuleChangedError as refused:
-        hint = re.search(r"scheduler\.refresh\('(\w+)'\)", str(refused))
-        assert hint, f"the error does not say which group to refresh: {refused}"
-        scheduler.refresh(hint.group(1))
-    with scheduler.resident(name):
-        pass
-
-
 class SharedStorage(nn.Module):
     """A weight and a buffer that views its first row (two tensors, one storage)."""
 
@@ -467,7 +453,7 @@ def test_new_storage_for_one_of_two_tensors_sharing_storage_leaves_the_other_alo
     with scheduler.resident("shared" if while_ == "resident" else "other"):
         shared.weight.data = torch.zeros(4, 4)
     for name in ("other", "shared", "other"):
-        _switch(scheduler, name)
+        enter_refreshing(scheduler, name)
         with scheduler.resident(name):
             assert torch.equal(shared.weight, torch.zeros(4, 4)), "the new storage was lost"
             kept = torch.equal(shared.first_row, old_row)
@@ -487,7 +473,7 @@ def test_new_storage_with_other_strides_keeps_its_layout():
         modules["b"][0].weight.data = new
         plain["b"][0].weight.data = new.clone()
     for name in ("a", "b", "a", "b"):
-        _switch(scheduler, name)
+        enter_refreshing(scheduler, name)
         with scheduler.resident(name):
             ours, theirs = modules["b"][0].weight, plain["b"][0].weight
             assert torch.equal(ours, theirs)

@@ -260,19 +260,25 @@ def test_the_same_group_joins_a_dead_holder_but_another_group_is_not_wedged(sche
     assert not problems
 
 
-def test_wait_timeout_turns_a_long_wait_into_deadlock_error():
-    scheduler = Scheduler("cpu", wait_timeout=0.2)
-    groups = Groups(scheduler, count=2)
+def hold_in_a_thread(scheduler: Scheduler, group: str, thread_name: str):
+    """Start a thread that holds `group` until the returned event is set."""
     entered, release = threading.Event(), threading.Event()
 
     def holder():
-        with scheduler.resident("g0"):
+        with scheduler.resident(group):
             entered.set()
             release.wait(JOIN_SECONDS)
 
-    thread = threading.Thread(target=holder, name="slow-holder", daemon=True)
+    thread = threading.Thread(target=holder, name=thread_name, daemon=True)
     thread.start()
     assert entered.wait(JOIN_SECONDS)
+    return thread, release
+
+
+def test_wait_timeout_turns_a_long_wait_into_deadlock_error():
+    scheduler = Scheduler("cpu", wait_timeout=0.2)
+    groups = Groups(scheduler, count=2)
+    thread, release = hold_in_a_thread(scheduler, "g0", "slow-holder")
 
     def ask_for_g1():
         with scheduler.resident("g1"):
@@ -304,16 +310,7 @@ def test_wait_timeout_turns_a_long_wait_into_deadlock_error():
 def test_a_timed_out_nested_phase_gives_the_outer_group_back():
     scheduler = Scheduler("cpu", wait_timeout=0.2)
     groups = Groups(scheduler, count=2)
-    entered, release = threading.Event(), threading.Event()
-
-    def holder():
-        with scheduler.resident("g0"):
-            entered.set()
-            release.wait(JOIN_SECONDS)
-
-    thread = threading.Thread(target=holder, name="co-holder", daemon=True)
-    thread.start()
-    assert entered.wait(JOIN_SECONDS)
+    thread, release = hold_in_a_thread(scheduler, "g0", "co-holder")
     problems: list[str] = []
 
     def nested():
