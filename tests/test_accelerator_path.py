@@ -159,6 +159,14 @@ def _big_group(width: int = 1024, depth: int = 8) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
 
 
+def _two_big_groups(device: torch.device, depth: int):
+    scheduler = Scheduler(device)
+    a, b = _big_group(depth=depth), _big_group(depth=depth)
+    scheduler.add("a", a)
+    scheduler.add("b", b)
+    return scheduler, a, b
+
+
 @pytest.mark.gpu
 def test_host_masters_are_pinned_at_about_one_times_the_weights():
     scheduler = Scheduler(_device())
@@ -193,10 +201,7 @@ def test_async_copies_into_poisoned_buffers_are_exact():
 @pytest.mark.gpu
 def test_steady_state_makes_no_host_synchronisation():
     device = _device()
-    scheduler = Scheduler(device)
-    a, b = _big_group(depth=4), _big_group(depth=4)
-    scheduler.add("a", a)
-    scheduler.add("b", b)
+    scheduler, a, b = _two_big_groups(device, depth=4)
     x = torch.randn(8, 1024, device=device)
     for name, module in [("a", a), ("b", b)]:  # warm-up: allocations and views
         with scheduler.resident(name):
@@ -215,10 +220,7 @@ def test_steady_state_makes_no_host_synchronisation():
 @pytest.mark.gpu
 def test_reserved_device_memory_is_flat_over_a_thousand_transitions():
     device = _device()
-    scheduler = Scheduler(device)
-    a, b = _big_group(depth=2), _big_group(depth=2)
-    scheduler.add("a", a)
-    scheduler.add("b", b)
+    scheduler, a, b = _two_big_groups(device, depth=2)
     for name in ["a", "b"]:
         with scheduler.resident(name):
             pass
