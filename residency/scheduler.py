@@ -59,7 +59,7 @@ from residency.errors import (
 from residency.memory import DeviceStorage, HostMaster
 from residency.no_offload import NoOffload
 from residency.records import TransitionLog, TransitionRecord
-from residency.tensors import DEFAULT_CHUNK_NBYTES, Inventory, take_inventory
+from residency.tensors import DEFAULT_CHUNK_NBYTES, Inventory, alignment_for, take_inventory
 from residency.transport import Transport, transport_for
 
 __all__ = ["Phase", "Scheduler"]
@@ -175,6 +175,8 @@ class Scheduler:
         #: Where resident groups live.
         self.device = parse_device(device)
         self._transport = transport if transport is not None else transport_for(self.device)
+        #: Where tensors land in device storage: where a plain run on the device has them.
+        self._alignment = alignment_for(self.device)
         #: Pin host masters (default: when the transport can use pinned memory).
         self.pin_memory = self._transport.can_pin() if pin_memory is None else pin_memory
         self.chunk_nbytes = chunk_nbytes
@@ -252,7 +254,9 @@ class Scheduler:
         excluded = as_excluded(name, exclude, roots)
         with self._lock:
             check_name(name, [*self._groups, *self._aliases, *self._packing])
-            inventory = take_inventory(roots, chunk_nbytes=self.chunk_nbytes, exclude=excluded)
+            inventory = take_inventory(
+                roots, chunk_nbytes=self.chunk_nbytes, exclude=excluded, alignment=self._alignment
+            )
             self._check_modules_free(name, inventory.modules)
             self._check_tensors_free(name, inventory)
             self._check_budget(name, inventory, policy)
@@ -392,7 +396,10 @@ class Scheduler:
         with self._lock:
             self._check_not_in_a_phase(group, "refresh")
             inventory = take_inventory(
-                group.modules, chunk_nbytes=self.chunk_nbytes, exclude=group.excluded
+                group.modules,
+                chunk_nbytes=self.chunk_nbytes,
+                exclude=group.excluded,
+                alignment=self._alignment,
             )
             self._check_tensors_free(name, inventory, ignore=group)
             self._check_budget(name, inventory, group.policy)

@@ -8,6 +8,20 @@ Three ideas live here and nowhere else:
 * **The pack layout.** Regions are laid end to end (each aligned) into chunks of at most
   `chunk_nbytes`; a region larger than a chunk gets a chunk of its own, of exact size.  The host
   master keeps the chunks apart; device storage lays them end to end in one buffer.
+* **Where a tensor lands.** Each region starts where a plain run would have put its tensors
+  (`Alignment`), so kernels pick the same code path and every output bit matches.
+
+[Note: alignment decides the bits]
+Matrix kernels choose their code path by operand address: MKL's GEMV/GEMM on AVX-512 gave a
+24x16 ``F.linear`` results differing by 4.8e-07 between two placements of the same weights, and
+cuBLASLt picks kernels by operand alignment (PyTorch passes it as ``MIN_ALIGNMENT_*_BYTES``).  So
+"bit-identical to the model never offloaded" needs each tensor where that model has it:
+* on a CPU device, the model runs on the weights as the user loaded them, at whatever address
+  (safetensors leaves them 8-byte aligned).  A region keeps its first byte's address modulo 64 (a
+  cache line, the CPU allocator's alignment, the widest vector load), so every tensor in it sits at
+  the same ``data_ptr() % 64`` as when it was registered;
+* on an accelerator, a plain ``.to(device)`` gives every tensor a fresh allocation, which the
+  caching allocator aligns to 512 bytes.  Regions start at multiples of 512.
 * **Re-pointing.** A tensor is moved by assigning its data (``tensor.data = view``): the Python
   object, its ``requires_grad`` and its version counter stay; only the storage it reads changes.
 
@@ -31,24 +45,56 @@ from torch import nn
 from residency.errors import RegistrationError
 
 __all__ = [
-    "ALIGNMENT",
+    "ACCELERATOR_ALIGNMENT",
+    "CPU_ALIGNMENT",
+    "Alignment",
     "DEFAULT_CHUNK_NBYTES",
     "Inventory",
     "PackLayout",
     "Placement",
     "TensorSlot",
+    "alignment_for",
     "make_views",
     "repoint",
     "take_inventory",
 ]
 
-#: Byte alignment of every region in a pack (a cache line; enough for vectorised device kernels).
-ALIGNMENT = 64
 #: Regions are packed into chunks of this many bytes (a power of two; see memory.py for why).
 DEFAULT_CHUNK_NBYTES = 256 * 2**20
-#: A region keeps its start's offset modulo this (a multiple of every dtype's itemsize), so every
-#: tensor in it stays aligned to its element size wherever the region lands in a pack.
-_SKEW_GRANULE = 16
+
+
+def _check_power_of_two(value: int) -> None:
+    if not isinstance(value, int) or value <= 0 or value & (value - 1):
+        raise ValueError(f"an alignment boundary is a positive power of two, not {value!r}")
+
+
+@attrs.frozen
+class Alignment:
+    """Where a region may start in a pack (see [Note: alignment decides the bits]).
+
+        alignment_for(torch.device("cpu"))    # Alignment(boundary=64, keep_source_offset=True)
+        alignment_for(torch.device("cuda"))   # Alignment(boundary=512, keep_source_offset=False)
+
+    A region starts at a multiple of `boundary`, plus, with `keep_source_offset`, its first byte's
+    address modulo `boundary` where it was registered.  Buffers the pack is laid into must start
+    at a multiple of `boundary` (the CPU and caching allocators' own alignments).
+    """
+
+    #: A power of two; chunks in device storage also start at multiples of it.
+    boundary: int = attrs.field(validator=lambda _i, _a, v: _check_power_of_two(v))
+    keep_source_offset: bool
+
+
+#: A CPU device computes on the weights where the user loaded them: keep each address modulo 64.
+CPU_ALIGNMENT = Alignment(boundary=64, keep_source_offset=True)
+#: An accelerator's caching allocator puts a fresh tensor at a multiple of 512 bytes.
+ACCELERATOR_ALIGNMENT = Alignment(boundary=512, keep_source_offset=False)
+
+
+def alignment_for(device: torch.device) -> Alignment:
+    """The placement a plain run on `device` gives weights (see [Note: alignment decides the bits])."""
+    return CPU_ALIGNMENT if device.type == "cpu" else ACCELERATOR_ALIGNMENT
+
 
 _set_data = torch._C.TensorBase.data.__set__
 _get_version = operator.attrgetter("_version")
@@ -93,6 +139,8 @@ class PackLayout:
     region_chunk: tuple[int, ...]
     region_offset: tuple[int, ...]
     region_nbytes: tuple[int, ...]
+    #: Chunks start at multiples of this in device storage (`Alignment.boundary`).
+    boundary: int
 
     @property
     def nbytes(self) -> int:
@@ -105,13 +153,13 @@ class PackLayout:
         bases, total = [], 0
         for size in self.chunk_nbytes:
             bases.append(total)
-            total += _aligned(size)
+            total += _aligned(size, self.boundary)
         return tuple(bases)
 
     @property
     def contiguous_nbytes(self) -> int:
         """Bytes needed to lay every chunk end to end, each aligned."""
-        return sum(_aligned(size) for size in self.chunk_nbytes)
+        return sum(_aligned(size, self.boundary) for size in self.chunk_nbytes)
 
 
 @attrs.define(eq=False)
@@ -173,10 +221,12 @@ def take_inventory(
     *,
     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
     exclude: Sequence[nn.Module] = (),
+    alignment: Alignment = CPU_ALIGNMENT,
 ) -> Inventory:
     """List the unique tensors of `modules`, group them by storage and lay out their pack.
 
-    Submodules in `exclude` (and everything under them) are left out.  Raises `RegistrationError`
+    Submodules in `exclude` (and everything under them) are left out.  Regions are placed by
+    `alignment` (the device's: `alignment_for`).  Raises `RegistrationError`
     (and touches nothing) for meta or lazy tensors, tensor subclasses, non-strided layouts, or a
     module set without any tensor.
     """
@@ -193,8 +243,8 @@ def take_inventory(
     for tensor, tensor_slots in zip(tensors, slots):
         _check_supported(tensor, tensor_slots[0])
     placements, region_sources, region_nbytes = _place_in_regions(tensors)
-    skews = [first % _SKEW_GRANULE for _, first in region_sources]
-    layout = _lay_out(region_nbytes, skews, chunk_nbytes)
+    skews = [_skew(source, alignment) for source in region_sources]
+    layout = _lay_out(region_nbytes, skews, chunk_nbytes, alignment.boundary)
     return Inventory(
         modules=tuple(submodules),
         tensors=tensors,
@@ -268,8 +318,16 @@ def data_ptrs(tensors: Sequence[torch.Tensor]) -> list[int]:
     return list(map(_data_ptr, tensors))
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+def _aligned(nbytes: int, boundary: int) -> int:
+    return -(-nbytes // boundary) * boundary
+
+
+def _skew(source: tuple[torch.UntypedStorage, int], alignment: Alignment) -> int:
+    """Where in its boundary a region starts: its source address modulo the boundary, or 0."""
+    if not alignment.keep_source_offset:
+        return 0
+    storage, first = source
+    return (storage.data_ptr() + first) % alignment.boundary
 
 
 def unique_submodules(
@@ -387,12 +445,11 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def _lay_out(
-    region_nbytes: Sequence[int], region_skew: Sequence[int], chunk_nbytes: int
+    region_nbytes: Sequence[int], region_skew: Sequence[int], chunk_nbytes: int, boundary: int
 ) -> PackLayout:
     """First-fit in order: regions fill chunks of `chunk_nbytes`; an oversize region gets its own.
 
-    A region starts at an aligned offset plus its skew (its start's offset modulo 16 in the
-    storage it came from), so its tensors keep their element alignment.
+    A region starts at a multiple of `boundary` plus its skew (see `Alignment`).
     """
     chunks: list[int] = []
     region_chunk, region_offset = [], []
@@ -403,10 +460,11 @@ def _lay_out(
             region_chunk.append(len(chunks) - 1)
             region_offset.append(skew)
             continue
-        if open_chunk is None or _aligned(chunks[open_chunk]) + skew + nbytes > chunk_nbytes:
+        start = None if open_chunk is None else _aligned(chunks[open_chunk], boundary)
+        if start is None or start + skew + nbytes > chunk_nbytes:
             chunks.append(0)
-            open_chunk = len(chunks) - 1
-        offset = _aligned(chunks[open_chunk]) + skew
+            open_chunk, start = len(chunks) - 1, 0
+        offset = start + skew
         chunks[open_chunk] = offset + nbytes
         region_chunk.append(open_chunk)
         region_offset.append(offset)
@@ -415,4 +473,5 @@ def _lay_out(
         region_chunk=tuple(region_chunk),
         region_offset=tuple(region_offset),
         region_nbytes=tuple(region_nbytes),
+        boundary=boundary,
     )
