@@ -21,14 +21,18 @@ __all__ = ["add_offload_arguments", "offload_config_from_args"]
 
 _CONFIG_HELP = (
     'offload configuration as JSON, for example \'{"mode": "module", "components": '
-    '["dit", "text_encoder"]}\' (components: dit, text_encoder, vae)'
+    '["dit", "text_encoder"]}\'; "mode" (module; layer parses but cannot run yet) and '
+    '"components" (dit, text_encoder, vae) are required; null means no offloading'
 )
-_LEGACY_HELP = "offload the DiT and text encoder in turn (module mode); same as the JSON above"
+_LEGACY_HELP = (
+    "compatibility switch: offload every DiT and text encoder in turn (module mode); with "
+    "--diffusion-offload-config in module mode, that config decides"
+)
 
 
-def _parse_config(text: str) -> OffloadConfig:
+def _parse_config(text: str) -> OffloadConfig | None:
     try:
-        return OffloadConfig.from_json(text)
+        return resolve_config(text)
     except ConfigError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -40,7 +44,8 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         args = parser.parse_args(["--enable-cpu-offload"])
         offload_config_from_args(parser, args)   # OffloadConfig(mode='module', ...)
 
-    The parsed values land in ``args.diffusion_offload_config`` (an `OffloadConfig` or None) and
+    The parsed values land in ``args.diffusion_offload_config`` (an `OffloadConfig`, or None
+    when absent or JSON ``null``) and
     ``args.enable_cpu_offload`` (a bool).  A JSON value that does not parse or validate is an
     argparse error at parse time.
     """
@@ -56,8 +61,8 @@ def offload_config_from_args(
 ) -> OffloadConfig | None:
     """The `OffloadConfig` the parsed flags ask for, or None when offloading is off.
 
-    Both flags together must agree (module mode with dit and text_encoder selected); otherwise
-    ``parser.error`` reports the `ConfigError` message and exits with status 2.
+    Both flags together need a module-mode config (which then decides, as in vLLM-Omni 0.30);
+    with a layer-mode config ``parser.error`` reports the `ConfigError` message and exits with status 2.
     """
     try:
         return resolve_config(

@@ -1,10 +1,10 @@
 """The vLLM-Omni command-line flags on an ordinary argparse script.
 
     python examples/cli_flag.py --diffusion-offload-config '{"mode": "module", "components": ["dit", "text_encoder"]}'
-    python examples/cli_flag.py --enable-cpu-offload
+    python examples/cli_flag.py --enable-cpu-offload   # the DiT and the encoder take turns
     python examples/cli_flag.py                        # offloading off
-    python examples/cli_flag.py --diffusion-offload-config '{"mode": "modul"}'   # exit status 2
-    python examples/cli_flag.py --diffusion-offload-config '{"mode": "layer"}'   # exit status 2
+    python examples/cli_flag.py --diffusion-offload-config '{"mode": "module"}'  # exit status 2
+    python examples/cli_flag.py --diffusion-offload-config '{"mode": "layer", "components": ["dit"]}'  # exit status 2
 """
 
 import argparse

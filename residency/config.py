@@ -7,15 +7,17 @@
 
 The same schema arrives as a dict, a JSON string (``--diffusion-offload-config``) or the legacy
 ``enable_cpu_offload=True`` switch; `resolve_config` turns any of them into one `OffloadConfig` (or
-None: offloading off).  Every refusal is a `ConfigError` naming the field, the value given and what
-is accepted.
+None: offloading off).  It accepts exactly what vLLM-Omni 0.30's ``parse_diffusion_offload_config``
+accepts, with the same meaning, plus the extensions listed in docs/surface.md ("vae");
+``tests/test_config_parity.py`` checks that against vLLM-Omni's own parser.  Every refusal is a
+`ConfigError` naming the field, the value given and what is accepted.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -25,6 +27,7 @@ from residency.errors import ConfigError
 
 __all__ = [
     "COMPONENTS",
+    "EXTENSION_COMPONENTS",
     "LEGACY_COMPONENTS",
     "MODES",
     "WEIGHT_TRANSFERS",
@@ -35,12 +38,19 @@ __all__ = [
 
 #: Offload modes known to the schema.  Only "module" runs today; "layer" parses.
 MODES = ("module", "layer")
-#: Component categories a config may select.
+#: Component categories a config may select (in this order in `OffloadConfig.components`).
 COMPONENTS = ("dit", "text_encoder", "vae")
-#: What ``enable_cpu_offload=True`` selects (module mode).
+#: Components accepted here that vLLM-Omni 0.30 refuses (documented extensions).
+EXTENSION_COMPONENTS = ("vae",)
+#: What ``enable_cpu_offload=True`` alone offloads: vLLM-Omni 0.30's model-level backend, given
+#: the legacy switch, swaps every DiT against every encoder (``components=None``: "the legacy
+#: topology").
 LEGACY_COMPONENTS = ("dit", "text_encoder")
-#: Accepted ``layer_options[...]["weight_transfer"]`` values.
-WEIGHT_TRANSFERS = ("sync", "async")
+#: Accepted ``layer_options[...]["weight_transfer"]`` values: each rank copies its own weights
+#: ("rank-local", the default) or ranks all-gather shards ("allgather").
+WEIGHT_TRANSFERS = ("rank-local", "allgather")
+#: The only component whose layer options may keep blocks resident.
+_RESIDENT_LAYERS_COMPONENT = "dit"
 
 _FIELDS = ("mode", "components", "layer_options", "pin_memory")
 _LAYER_FIELDS = ("weight_transfer", "resident_layers")
@@ -51,32 +61,44 @@ def _accepted(values: Sequence[str]) -> str:
     return ", ".join(repr(v) for v in values)
 
 
+def _canonical(value: object, accepted: Sequence[str]) -> object:
+    """The accepted plain string equal to `value` (a str subclass such as an enum), else `value`."""
+    if isinstance(value, str) and value in accepted:
+        return accepted[accepted.index(value)]
+    return value
+
+
+def _to_mode(mode: object) -> object:
+    return _canonical(mode, MODES)
+
+
 def _check_mode(_instance: object, _attribute: object, mode: object) -> None:
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ConfigError(
             f"offload config field 'mode' is {mode!r}; accepted modes are {_accepted(MODES)}"
         )
 
 
 def _to_components(components: object) -> tuple[str, ...]:
-    if not isinstance(components, (list, tuple)):
+    """A collection of component names -> the distinct names, in `COMPONENTS` order."""
+    if isinstance(components, (str, bytes, Mapping)) or not isinstance(components, Collection):
         raise ConfigError(
             f"offload config field 'components' is {components!r}, not a list; give a list drawn "
             f"from {_accepted(COMPONENTS)}, for example [\"dit\", \"text_encoder\"]"
         )
     for component in components:
-        if component not in COMPONENTS:
+        if not isinstance(component, str) or component not in COMPONENTS:
             raise ConfigError(
                 f"offload config field 'components' contains {component!r}; accepted components "
                 f"are {_accepted(COMPONENTS)}"
             )
-    if len(set(components)) != len(components):
-        twice = next(c for c in components if components.count(c) > 1)
+    if not components:
         raise ConfigError(
-            f"offload config field 'components' lists {twice!r} twice ({list(components)!r}); "
-            "list each component once"
+            "offload config field 'components' is empty; select at least one of "
+            f"{_accepted(COMPONENTS)}, for example [\"dit\"] (to turn offloading off, give no "
+            "offload config at all)"
         )
-    return tuple(components)
+    return tuple(c for c in COMPONENTS if c in components)
 
 
 def _check_bool(field: str, value: object) -> None:
@@ -87,22 +109,43 @@ def _check_bool(field: str, value: object) -> None:
         )
 
 
+def _to_pin_memory(value: object) -> object:
+    """None (JSON null) means the default, like an absent field: pin."""
+    return True if value is None else value
+
+
 def _check_pin_memory(_instance: object, _attribute: object, value: object) -> None:
-    _check_bool("pin_memory", value)
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"offload config field 'pin_memory' is {value!r} ({type(value).__name__}); "
+            "accepted values are true, false and null (null or absent: true)"
+        )
+
+
+def _to_weight_transfer(value: object) -> object:
+    return _canonical(value, WEIGHT_TRANSFERS)
 
 
 @attrs.frozen(kw_only=True)
 class LayerOptions:
-    """Layer-mode options for one component (schema only: layer mode is not available yet)."""
+    """Layer-mode options for one component (schema only: layer mode is not available yet).
 
-    #: How block weights reach the device: "sync" (before the block) or "async" (prefetched).
-    weight_transfer: str = attrs.field(default="async")
-    #: How many blocks stay on the device at once (at least 1).
-    resident_layers: int = attrs.field(default=1)
+        options = LayerOptions(weight_transfer="rank-local", resident_layers=2)
+        OffloadConfig(mode="layer", components=("dit",), layer_options={"dit": options})
+
+    Defaults as in vLLM-Omni 0.30: rank-local transfer, no resident layers.  ``resident_layers``
+    needs rank-local transfer and is for the "dit" component only (`OffloadConfig` checks that).
+    """
+
+    #: How block weights reach the device: "rank-local" (each rank copies its own) or
+    #: "allgather" (ranks hold shards and all-gather each block).
+    weight_transfer: str = attrs.field(default="rank-local", converter=_to_weight_transfer)
+    #: How many leading blocks stay on the device (0: every block streams).
+    resident_layers: int = attrs.field(default=0)
 
     @weight_transfer.validator
     def _check_weight_transfer(self, _attribute: object, value: object) -> None:
-        if value not in WEIGHT_TRANSFERS:
+        if not isinstance(value, str) or value not in WEIGHT_TRANSFERS:
             raise ConfigError(
                 f"offload config field 'layer_options.*.weight_transfer' is {value!r}; accepted "
                 f"values are {_accepted(WEIGHT_TRANSFERS)}"
@@ -110,10 +153,19 @@ class LayerOptions:
 
     @resident_layers.validator
     def _check_resident_layers(self, _attribute: object, value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if type(value) is not int or value < 0:
             raise ConfigError(
                 f"offload config field 'layer_options.*.resident_layers' is {value!r}; "
-                "accepted values are whole numbers of at least 1"
+                "accepted values are whole numbers of at least 0"
+            )
+
+    def __attrs_post_init__(self) -> None:
+        if self.resident_layers and self.weight_transfer == "allgather":
+            raise ConfigError(
+                f"offload config field 'layer_options.*.resident_layers' is "
+                f"{self.resident_layers}, which needs weight_transfer 'rank-local', but "
+                "weight_transfer is 'allgather'; set \"weight_transfer\": \"rank-local\" or "
+                "\"resident_layers\": 0"
             )
 
     @classmethod
@@ -142,17 +194,23 @@ def _to_layer_options(options: object) -> Mapping[str, LayerOptions]:
         raise ConfigError(
             f"offload config field 'layer_options' is {options!r}, not an object; map a "
             f"component ({_accepted(COMPONENTS)}) to its options, for example "
-            '{"dit": {"weight_transfer": "async", "resident_layers": 2}}'
+            '{"dit": {"weight_transfer": "rank-local", "resident_layers": 2}}'
         )
     parsed = {}
     for component, value in options.items():
-        if component not in COMPONENTS:
+        if not isinstance(component, str) or component not in COMPONENTS:
             raise ConfigError(
                 f"offload config field 'layer_options' names component {component!r}; accepted "
                 f"components are {_accepted(COMPONENTS)}"
             )
         if not isinstance(value, LayerOptions):
             value = LayerOptions.from_dict(component, value)
+        if value.resident_layers and component != _RESIDENT_LAYERS_COMPONENT:
+            raise ConfigError(
+                f"offload config field 'layer_options.{component}.resident_layers' is "
+                f"{value.resident_layers}; resident layers are for the "
+                f"{_RESIDENT_LAYERS_COMPONENT!r} component only: remove it or set it to 0"
+            )
         parsed[component] = value
     return MappingProxyType(parsed)
 
@@ -166,29 +224,27 @@ class OffloadConfig:
         with scheduler.resident("text_encoder"):
             embeddings = pipe.text_encoder(ids)
 
-    Rules: `mode` is required ("module"; "layer" parses but cannot run yet); `components` is drawn
-    from `COMPONENTS` (default: dit and text_encoder); `layer_options` only with ``mode="layer"``,
-    keyed by selected components.  `from_dict` / `to_dict` and `from_json` round-trip.
+    Rules (vLLM-Omni 0.30's): `mode` and `components` are required; `components` is a non-empty
+    collection drawn from `COMPONENTS` (repeats count once; "vae" is this library's extension);
+    `layer_options` only with ``mode="layer"``, keyed by selected components; `pin_memory` is a
+    bool, or None for the default (true).  `from_dict` / `to_dict` and `from_json` round-trip.
     """
 
     #: "module" swaps whole components; "layer" (not available yet) would swap blocks.
-    mode: str = attrs.field(validator=_check_mode)
-    #: Categories whose modules are offloaded; modules of unselected categories stay resident.
-    components: tuple[str, ...] = attrs.field(default=LEGACY_COMPONENTS, converter=_to_components)
-    #: Layer-mode options per component (empty in module mode).
+    mode: str = attrs.field(converter=_to_mode, validator=_check_mode)
+    #: Categories whose modules are offloaded, in `COMPONENTS` order; the modules of unselected
+    #: categories stay resident.
+    components: tuple[str, ...] = attrs.field(converter=_to_components)
+    #: Layer-mode options per component, as given (empty in module mode); see `options_for`.
     layer_options: Mapping[str, LayerOptions] = attrs.field(
         factory=dict, converter=_to_layer_options, hash=False
     )
     #: Pin host masters where the device can use pinned memory (faster, page-locked copies).
-    pin_memory: bool = attrs.field(default=True, validator=_check_pin_memory)
+    pin_memory: bool = attrs.field(
+        default=True, converter=_to_pin_memory, validator=_check_pin_memory
+    )
 
     def __attrs_post_init__(self) -> None:
-        if self.layer_options and self.mode != "layer":
-            raise ConfigError(
-                f"offload config field 'layer_options' is {self._layer_options_dict()!r}, but "
-                f"mode {self.mode!r} rejects layer options ('weight_transfer', "
-                "'resident_layers'); remove 'layer_options', or set \"mode\": \"layer\""
-            )
         for component in self.layer_options:
             if component not in self.components:
                 raise ConfigError(
@@ -196,6 +252,21 @@ class OffloadConfig:
                     f"components {list(self.components)!r}; add it to 'components' or remove "
                     "its options"
                 )
+        if self.layer_options and self.mode != "layer":
+            raise ConfigError(self._module_mode_options_message())
+
+    def _module_mode_options_message(self) -> str:
+        message = (
+            f"offload config field 'layer_options' is {self._layer_options_dict()!r}, but "
+            f"mode {self.mode!r} rejects layer options ('weight_transfer', 'resident_layers'); "
+            "remove 'layer_options', or set \"mode\": \"layer\""
+        )
+        if any(o.weight_transfer == "allgather" for o in self.layer_options.values()):
+            message += (
+                ". (weight_transfer 'allgather' for whole components in module mode is a "
+                "planned extension, not available yet)"
+            )
+        return message
 
     # -- parsing -------------------------------------------------------------------------------
 
@@ -215,28 +286,19 @@ class OffloadConfig:
                     f"offload config has unknown field {key!r}; accepted fields are "
                     f"{_accepted(_FIELDS)}.{hint}"
                 )
-        if "mode" not in data:
-            raise ConfigError(
-                f"offload config field 'mode' is missing from {dict(data)!r}; accepted modes are "
-                f"{_accepted(MODES)}, for example {_EXAMPLE}"
-            )
+        for key, accepted in (("mode", f"accepted modes are {_accepted(MODES)}"),
+                              ("components", f"list some of {_accepted(COMPONENTS)}")):
+            if key not in data:
+                raise ConfigError(
+                    f"offload config field {key!r} is missing from {dict(data)!r}; it is "
+                    f"required ({accepted}), for example {_EXAMPLE}"
+                )
         return cls(**data)
 
     @classmethod
     def from_json(cls, text: str) -> OffloadConfig:
         """Parse a JSON object such as ``'{"mode": "module", "components": ["dit"]}'``."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ConfigError(
-                f"offload config {text!r} is not valid JSON: {error.msg} at line {error.lineno}, "
-                f"column {error.colno}; write it like {_EXAMPLE}"
-            ) from None
-        except TypeError:
-            raise ConfigError(
-                f"offload config JSON must be a string, not {type(text).__name__}"
-            ) from None
-        return cls.from_dict(data)
+        return cls.from_dict(_load_json(text))
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain JSON-ready data; ``from_dict(config.to_dict()) == config``."""
@@ -248,6 +310,19 @@ class OffloadConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+    def options_for(self, component: str) -> LayerOptions:
+        """The layer options `component` runs with: as given, else the defaults.
+
+            OffloadConfig(mode="layer", components=["dit"]).options_for("dit")
+            # LayerOptions(weight_transfer='rank-local', resident_layers=0)
+        """
+        if component not in self.components:
+            raise ConfigError(
+                f"component {component!r} is not selected (components "
+                f"{list(self.components)!r}); ask for one of them"
+            )
+        return self.layer_options.get(component, _DEFAULT_LAYER_OPTIONS)
 
     def require_runnable(self) -> None:
         """Raise `ConfigError` when this config cannot run yet (layer mode)."""
@@ -261,6 +336,23 @@ class OffloadConfig:
         return {name: options.to_dict() for name, options in self.layer_options.items()}
 
 
+_DEFAULT_LAYER_OPTIONS = LayerOptions()
+
+
+def _load_json(text: object) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"offload config {text!r} is not valid JSON: {error.msg} at line {error.lineno}, "
+            f"column {error.colno}; write it like {_EXAMPLE}"
+        ) from None
+    except TypeError:
+        raise ConfigError(
+            f"offload config JSON must be a string, not {type(text).__name__}"
+        ) from None
+
+
 def resolve_config(
     config: object = None, *, enable_cpu_offload: object = False
 ) -> OffloadConfig | None:
@@ -268,10 +360,12 @@ def resolve_config(
 
         resolve_config(enable_cpu_offload=True)  # module mode, dit and text_encoder
         resolve_config('{"mode": "module", "components": ["dit"]}')
-        resolve_config(None)                       # None: offloading is off
+        resolve_config(None)                       # None: offloading is off (so is JSON 'null')
 
-    ``enable_cpu_offload=True`` together with a config is accepted only when the config agrees:
-    module mode with both "dit" and "text_encoder" selected; anything else is a `ConfigError`.
+    As in vLLM-Omni 0.30: ``enable_cpu_offload=True`` alone offloads every DiT and every encoder
+    in turn (`LEGACY_COMPONENTS`); with a config it is accepted when the config is of the same
+    strategy (module mode), and then the config alone decides.  With a layer-mode config it is a
+    `ConfigError`.
     """
     _check_bool("enable_cpu_offload", enable_cpu_offload)
     parsed = _parse_any(config)
@@ -279,21 +373,21 @@ def resolve_config(
         return parsed
     if parsed is None:
         return OffloadConfig(mode="module", components=LEGACY_COMPONENTS)
-    if parsed.mode != "module" or not set(LEGACY_COMPONENTS) <= set(parsed.components):
+    if parsed.mode != "module":
         raise ConfigError(
-            f"enable_cpu_offload=True means mode 'module' with components "
-            f"{list(LEGACY_COMPONENTS)!r}, but the offload config given with it is "
-            f"{parsed.to_dict()!r}; drop enable_cpu_offload (the config alone decides) or make "
-            "the config select module mode with 'dit' and 'text_encoder'"
+            f"enable_cpu_offload=True asks for module mode, but the offload config given with it "
+            f"is {parsed.to_dict()!r} (mode {parsed.mode!r}); drop enable_cpu_offload (the config "
+            "alone decides), or give a config with \"mode\": \"module\""
         )
     return parsed
 
 
 def _parse_any(config: object) -> OffloadConfig | None:
+    if isinstance(config, str):
+        data = _load_json(config)
+        return None if data is None else OffloadConfig.from_dict(data)
     if config is None or isinstance(config, OffloadConfig):
         return config
-    if isinstance(config, str):
-        return OffloadConfig.from_json(config)
     if isinstance(config, Mapping):
         return OffloadConfig.from_dict(config)
     raise ConfigError(

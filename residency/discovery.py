@@ -55,6 +55,7 @@ __all__ = [
     "Member",
     "SupportsComponentDiscovery",
     "apply_plan",
+    "declares_components",
     "plan_components",
     "resolve_path",
     "scheduler_from_pipeline",
@@ -68,13 +69,15 @@ ENCODER_GROUP = "text_encoder"
 #: The name of the one group all VAE modules share.
 VAE_GROUP = "vae"
 
-#: With offloading off every category is planned as resident (for `NoOffload`).
-_NOTHING_SELECTED = OffloadConfig(mode="module", components=())
 _DECLARATIONS = ("_dit_modules", "_encoder_modules", "_vae_modules", "_resident_modules")
 
 
 class SupportsComponentDiscovery:
     """Mixin for a pipeline that lists its components by dotted path; subclass beside `nn.Module`.
+
+    Optional: `from_pipeline` reads the four ClassVars from any class that declares them all, so a
+    vLLM-Omni pipeline (which subclasses vLLM-Omni's own ``SupportsComponentDiscovery``) works
+    unchanged; this mixin gives each an empty default.
 
         class MyPipeline(SupportsComponentDiscovery, nn.Module):
             _dit_modules = ("transformer",)
@@ -170,9 +173,11 @@ def plan_components(
     encoders: Mapping[str, nn.Module],
     vaes: Mapping[str, nn.Module],
     residents: Mapping[str, nn.Module],
-    config: OffloadConfig,
+    config: OffloadConfig | None,
 ) -> ComponentPlan:
     """Group a pipeline's modules (each keyed by its dotted path) as `config` selects.
+
+    `config` None means offloading is off: every category is planned resident (for `NoOffload`).
 
         plan = plan_components("WanPipeline", {"transformer": t1, "transformer_2": t2},
                                {"text_encoder": te}, {"vae": vae}, {}, config)
@@ -183,8 +188,10 @@ def plan_components(
     contain each other, and module mode selecting both "dit" and "text_encoder" with no DiT or no
     encoder listed.
     """
-    config.require_runnable()
-    selected = set(config.components)
+    selected: set[str] = set()
+    if config is not None:
+        config.require_runnable()
+        selected = set(config.components)
     _check_both_listed(owner_name, dits, encoders, selected)
     builder = _PlanBuilder(owner_name)
     for path, dit in dits.items():
@@ -411,9 +418,33 @@ def _nearest(target: object, name: str) -> str:
     return ""
 
 
-def _declared_modules(
-    pipeline: SupportsComponentDiscovery, declaration: str
-) -> dict[str, nn.Module]:
+def declares_components(pipeline: object) -> bool:
+    """Whether `pipeline`'s class declares all four component ClassVars (mixin or not).
+
+        declares_components(wan_pipe)   # True for a SupportsComponentDiscovery subclass
+    """
+    return all(hasattr(type(pipeline), declaration) for declaration in _DECLARATIONS)
+
+
+def _undeclared_message(pipeline: object) -> str:
+    owner = type(pipeline).__name__
+    if any(c.__name__ == "DiffusionPipeline" and c.__module__.startswith("diffusers")
+           for c in type(pipeline).__mro__):
+        return (
+            f"{owner} is a diffusers pipeline, which does not declare its components the "
+            "vLLM-Omni way; offload it with residency.adapters.diffusers.enable_offload(pipe, "
+            "config), which finds its components itself"
+        )
+    missing = [d for d in _DECLARATIONS if not hasattr(type(pipeline), d)]
+    return (
+        f"{owner} does not declare its components: its class has no {', '.join(missing)}; list "
+        "dotted paths in _dit_modules, _encoder_modules, _vae_modules and _resident_modules (an "
+        "empty tuple for none), or subclass SupportsComponentDiscovery, which gives each an empty "
+        "default"
+    )
+
+
+def _declared_modules(pipeline: object, declaration: str) -> dict[str, nn.Module]:
     owner = type(pipeline).__name__
     paths = getattr(type(pipeline), declaration)
     if isinstance(paths, str) or not isinstance(paths, (tuple, list)):
@@ -487,7 +518,7 @@ def scheduler_from_pipeline(
     enable_cpu_offload: object = False,
     device=None,
 ) -> Scheduler | NoOffload:
-    """The scheduler for a `SupportsComponentDiscovery` pipeline (``Scheduler.from_pipeline``).
+    """The scheduler for a pipeline that declares its components (``Scheduler.from_pipeline``).
 
         scheduler = Scheduler.from_pipeline(pipe, '{"mode": "module", "components": ["dit"]}')
 
@@ -497,14 +528,10 @@ def scheduler_from_pipeline(
     """
     parsed = resolve_config(config, enable_cpu_offload=enable_cpu_offload)
     owner = type(pipeline).__name__
-    if not isinstance(pipeline, SupportsComponentDiscovery):
-        raise ConfigError(
-            f"{owner} does not declare its components: subclass SupportsComponentDiscovery and "
-            "list dotted paths in _dit_modules, _encoder_modules, _vae_modules and "
-            "_resident_modules"
-        )
+    if not declares_components(pipeline):
+        raise ConfigError(_undeclared_message(pipeline))
     dits, encoders, vaes, residents = (_declared_modules(pipeline, d) for d in _DECLARATIONS)
-    plan = plan_components(owner, dits, encoders, vaes, residents, parsed or _NOTHING_SELECTED)
+    plan = plan_components(owner, dits, encoders, vaes, residents, parsed)
     if parsed is None:
         scheduler: Scheduler | NoOffload = NoOffload(device)
     else:

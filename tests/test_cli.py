@@ -1,6 +1,7 @@
 """argparse flags: --diffusion-offload-config and --enable-cpu-offload."""
 
 import argparse
+import json
 import re
 
 import pytest
@@ -30,14 +31,20 @@ def test_legacy_flag_means_module_mode_with_dit_and_text_encoder():
     )
 
 
-def test_both_flags_that_agree():
+@pytest.mark.parametrize("components", [["dit", "text_encoder", "vae"], ["dit"]])
+def test_legacy_flag_with_a_module_mode_config_lets_the_config_decide(components):
     config = _parse(["--enable-cpu-offload", "--diffusion-offload-config",
-                     '{"mode": "module", "components": ["dit", "text_encoder", "vae"]}'])
-    assert config.components == ("dit", "text_encoder", "vae")
+                     '{"mode": "module", "components": %s}' % json.dumps(components)])
+    assert config.components == tuple(components)
+
+
+def test_json_null_means_offloading_off():
+    assert _parse(["--diffusion-offload-config", "null"]) is None
 
 
 def test_layer_mode_parses():
-    assert _parse(["--diffusion-offload-config", '{"mode": "layer"}']).mode == "layer"
+    config = _parse(["--diffusion-offload-config", '{"mode": "layer", "components": ["dit"]}'])
+    assert config.mode == "layer"
 
 
 def test_flags_join_an_existing_parser_and_its_help():
@@ -53,7 +60,10 @@ def test_flags_join_an_existing_parser_and_its_help():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--diffusion-offload-config", '{"mode": "modul"}'],
+        (["--diffusion-offload-config", '{"mode": "module"}'],
+         r"argument --diffusion-offload-config: offload config field 'components' is missing "
+         r"from \{'mode': 'module'\}; it is required"),
+        (["--diffusion-offload-config", '{"mode": "modul", "components": ["dit"]}'],
          r"argument --diffusion-offload-config: offload config field 'mode' is 'modul'; "
          r"accepted modes are 'module', 'layer'"),
         (["--diffusion-offload-config", '{"mode": "module", "components": ["unet"]}'],
@@ -63,9 +73,9 @@ def test_flags_join_an_existing_parser_and_its_help():
          r"argument --diffusion-offload-config: offload config .* is not valid JSON: Expecting "
          r"property name enclosed in double quotes at line 1, column 2"),
         (["--enable-cpu-offload", "--diffusion-offload-config",
-          '{"mode": "module", "components": ["dit"]}'],
-         r"generate: error: enable_cpu_offload=True means mode 'module' with components "
-         r"\['dit', 'text_encoder'\], but the offload config given with it is"),
+          '{"mode": "layer", "components": ["dit"]}'],
+         r"generate: error: enable_cpu_offload=True asks for module mode, but the offload config "
+         r"given with it is"),
     ],
 )
 def test_bad_values_are_argparse_errors_with_exit_status_2(argv, message, capsys):

@@ -18,11 +18,24 @@ def test_config_error_is_a_residency_error_and_a_value_error():
         OffloadConfig.from_dict({})
 
 
-def test_module_mode_parses_with_legacy_default_components():
-    config = OffloadConfig.from_dict({"mode": "module"})
-    assert config.components == ("dit", "text_encoder")
+def test_module_mode_parses_with_defaults():
+    config = OffloadConfig.from_dict({"mode": "module", "components": ["dit"]})
+    assert config.components == ("dit",)
     assert config.pin_memory is True
     assert dict(config.layer_options) == {}
+
+
+def test_components_are_a_set_in_canonical_order():
+    config = OffloadConfig.from_dict({"mode": "module", "components": ["vae", "dit", "dit"]})
+    assert config.components == ("dit", "vae")
+    assert config == OffloadConfig(mode="module", components=frozenset({"dit", "vae"}))
+    assert config == OffloadConfig(mode="module", components=("vae", "dit"))
+
+
+def test_pin_memory_null_means_the_default():
+    config = OffloadConfig.from_json('{"mode": "module", "components": ["dit"], "pin_memory": null}')
+    assert config.pin_memory is True
+    assert config == OffloadConfig(mode="module", components=["dit"])
 
 
 def test_json_and_dict_agree():
@@ -35,10 +48,25 @@ def test_json_and_dict_agree():
 
 def test_layer_mode_parses_with_options():
     config = OffloadConfig.from_json(
-        '{"mode": "layer", "components": ["dit"],'
-        ' "layer_options": {"dit": {"weight_transfer": "sync", "resident_layers": 2}}}'
+        '{"mode": "layer", "components": ["dit", "text_encoder"],'
+        ' "layer_options": {"dit": {"weight_transfer": "rank-local", "resident_layers": 2},'
+        ' "text_encoder": {"weight_transfer": "allgather", "resident_layers": 0}}}'
     )
-    assert config.layer_options["dit"] == LayerOptions(weight_transfer="sync", resident_layers=2)
+    assert config.layer_options["dit"] == LayerOptions(weight_transfer="rank-local",
+                                                       resident_layers=2)
+    assert config.options_for("text_encoder") == LayerOptions(weight_transfer="allgather")
+
+
+def test_layer_options_default_to_rank_local_with_no_resident_layers():
+    config = OffloadConfig(mode="layer", components=("dit", "text_encoder"),
+                           layer_options={"dit": {"resident_layers": 3}})
+    assert config.options_for("dit") == LayerOptions(weight_transfer="rank-local",
+                                                     resident_layers=3)
+    assert config.options_for("text_encoder") == LayerOptions(weight_transfer="rank-local",
+                                                              resident_layers=0)
+    with pytest.raises(ConfigError, match=r"component 'vae' is not selected \(components "
+                                          r"\['dit', 'text_encoder'\]\); ask for one of them"):
+        config.options_for("vae")
 
 
 def test_running_layer_mode_is_refused_clearly():
@@ -46,11 +74,11 @@ def test_running_layer_mode_is_refused_clearly():
     with pytest.raises(ConfigError, match=r"'mode' is 'layer': layer mode parses but is not "
                                           r"available yet; use \"mode\": \"module\""):
         config.require_runnable()
-    OffloadConfig(mode="module").require_runnable()  # module mode runs
+    OffloadConfig(mode="module", components=["dit"]).require_runnable()  # module mode runs
 
 
 def test_config_is_frozen():
-    config = OffloadConfig(mode="module")
+    config = OffloadConfig(mode="module", components=["dit"])
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         config.mode = "layer"
     with pytest.raises(TypeError):
@@ -62,9 +90,9 @@ _layer_options = st.fixed_dictionaries(
     optional={
         component: st.builds(
             lambda w, r: {"weight_transfer": w, "resident_layers": r},
-            st.sampled_from(["sync", "async"]),
-            st.integers(1, 64),
-        )
+            st.sampled_from(["rank-local", "allgather"]),
+            st.integers(0, 64) if component == "dit" else st.just(0),
+        ).filter(lambda o: not (o["resident_layers"] and o["weight_transfer"] == "allgather"))
         for component in COMPONENTS
     },
 )
@@ -72,7 +100,8 @@ _layer_options = st.fixed_dictionaries(
 
 @st.composite
 def _config_dicts(draw):
-    components = draw(st.lists(st.sampled_from(COMPONENTS), unique=True))
+    chosen = set(draw(st.lists(st.sampled_from(COMPONENTS), min_size=1, unique=True)))
+    components = [c for c in COMPONENTS if c in chosen]  # as to_dict writes them
     data = {"mode": draw(st.sampled_from(["module", "layer"])), "components": components,
             "pin_memory": draw(st.booleans())}
     if data["mode"] == "layer":
@@ -99,10 +128,16 @@ def test_to_dict_from_dict_and_json_round_trip(data):
     ("data", "message"),
     [
         ({"components": ["dit"]},
-         r"field 'mode' is missing from \{'components': \['dit'\]\}; accepted modes are "
-         r"'module', 'layer'"),
-        ({"mode": "modul"}, r"field 'mode' is 'modul'; accepted modes are 'module', 'layer'"),
-        ({"mode": None}, r"field 'mode' is None; accepted modes are 'module', 'layer'"),
+         r"field 'mode' is missing from \{'components': \['dit'\]\}; it is required "
+         r"\(accepted modes are 'module', 'layer'\), for example \{\"mode\": \"module\""),
+        ({"mode": "module"},
+         r"field 'components' is missing from \{'mode': 'module'\}; it is required \(list "
+         r"some of 'dit', 'text_encoder', 'vae'\), for example \{\"mode\": \"module\", "
+         r"\"components\": \[\"dit\", \"text_encoder\"\]\}"),
+        ({"mode": "modul", "components": ["dit"]},
+         r"field 'mode' is 'modul'; accepted modes are 'module', 'layer'"),
+        ({"mode": None, "components": ["dit"]},
+         r"field 'mode' is None; accepted modes are 'module', 'layer'"),
         ({"mode": "module", "compnents": ["dit"]},
          r"unknown field 'compnents'; accepted fields are 'mode', 'components', "
          r"'layer_options', 'pin_memory'\. Did you mean 'components'\?"),
@@ -112,17 +147,28 @@ def test_to_dict_from_dict_and_json_round_trip(data):
         ({"mode": "module", "components": ["dit", "unet"]},
          r"field 'components' contains 'unet'; accepted components are 'dit', "
          r"'text_encoder', 'vae'"),
-        ({"mode": "module", "components": ["dit", "dit"]},
-         r"field 'components' lists 'dit' twice \(\['dit', 'dit'\]\); list each component once"),
+        ({"mode": "module", "components": []},
+         r"field 'components' is empty; select at least one of 'dit', 'text_encoder', 'vae', "
+         r"for example \[\"dit\"\] \(to turn offloading off, give no offload config at all\)"),
+        ({"mode": "module", "components": {"dit": True}},
+         r"field 'components' is \{'dit': True\}, not a list"),
+        ({"mode": "module", "components": ["dit", 3]},
+         r"field 'components' contains 3; accepted components are"),
         ({"mode": "module", "components": ["dit"],
-          "layer_options": {"dit": {"weight_transfer": "async"}}},
+          "layer_options": {"dit": {"weight_transfer": "rank-local"}}},
          r"field 'layer_options' is \{'dit': .*\}, but mode 'module' rejects layer options "
          r"\('weight_transfer', 'resident_layers'\); remove 'layer_options', or set "
          r"\"mode\": \"layer\""),
-        ({"mode": "module", "pin_memory": "yes"},
-         r"field 'pin_memory' is 'yes' \(str\); accepted values are true and false"),
-        ({"mode": "module", "pin_memory": 1},
-         r"field 'pin_memory' is 1 \(int\); accepted values are true and false"),
+        ({"mode": "module", "components": ["dit"],
+          "layer_options": {"dit": {"weight_transfer": "allgather"}}},
+         r"mode 'module' rejects layer options .*; remove 'layer_options', or set \"mode\": "
+         r"\"layer\"\. \(weight_transfer 'allgather' for whole components in module mode is a "
+         r"planned extension, not available yet\)"),
+        ({"mode": "module", "components": ["dit"], "pin_memory": "yes"},
+         r"field 'pin_memory' is 'yes' \(str\); accepted values are true, false and null "
+         r"\(null or absent: true\)"),
+        ({"mode": "module", "components": ["dit"], "pin_memory": 1},
+         r"field 'pin_memory' is 1 \(int\); accepted values are true, false and null"),
         ({"mode": "layer", "components": ["dit"], "layer_options": ["dit"]},
          r"field 'layer_options' is \['dit'\], not an object; map a component"),
         ({"mode": "layer", "components": ["dit"], "layer_options": {"unet": {}}},
@@ -139,11 +185,28 @@ def test_to_dict_from_dict_and_json_round_trip(data):
          r"'weight_transfer', 'resident_layers'"),
         ({"mode": "layer", "components": ["dit"],
           "layer_options": {"dit": {"weight_transfer": "eager"}}},
-         r"'layer_options.\*.weight_transfer' is 'eager'; accepted values are 'sync', 'async'"),
+         r"'layer_options.\*.weight_transfer' is 'eager'; accepted values are 'rank-local', "
+         r"'allgather'"),
         ({"mode": "layer", "components": ["dit"],
-          "layer_options": {"dit": {"resident_layers": 0}}},
-         r"'layer_options.\*.resident_layers' is 0; accepted values are whole numbers of at "
-         r"least 1"),
+          "layer_options": {"dit": {"weight_transfer": None}}},
+         r"'layer_options.\*.weight_transfer' is None; accepted values are 'rank-local', "
+         r"'allgather'"),
+        ({"mode": "layer", "components": ["dit"],
+          "layer_options": {"dit": {"resident_layers": -1}}},
+         r"'layer_options.\*.resident_layers' is -1; accepted values are whole numbers of at "
+         r"least 0"),
+        ({"mode": "layer", "components": ["dit"],
+          "layer_options": {"dit": {"resident_layers": True}}},
+         r"'layer_options.\*.resident_layers' is True; accepted values are whole numbers"),
+        ({"mode": "layer", "components": ["dit"],
+          "layer_options": {"dit": {"resident_layers": 2, "weight_transfer": "allgather"}}},
+         r"'layer_options.\*.resident_layers' is 2, which needs weight_transfer 'rank-local', "
+         r"but weight_transfer is 'allgather'; set \"weight_transfer\": \"rank-local\" or "
+         r"\"resident_layers\": 0"),
+        ({"mode": "layer", "components": ["text_encoder"],
+          "layer_options": {"text_encoder": {"resident_layers": 1}}},
+         r"'layer_options.text_encoder.resident_layers' is 1; resident layers are for the 'dit' "
+         r"component only: remove it or set it to 0"),
     ],
 )
 def test_bad_config_messages_name_field_value_and_accepted(data, message):
@@ -177,8 +240,8 @@ def test_json_must_be_a_string():
 def test_constructor_validates_like_from_dict():
     with pytest.raises(ConfigError, match=r"field 'components' contains 'unet'"):
         OffloadConfig(mode="module", components=["unet"])
-    with pytest.raises(ConfigError, match=r"field 'pin_memory' is None"):
-        OffloadConfig(mode="module", pin_memory=None)
+    with pytest.raises(ConfigError, match=r"field 'pin_memory' is 'no'"):
+        OffloadConfig(mode="module", components=["dit"], pin_memory="no")
 
 
 # -- the legacy switch --------------------------------------------------------------------------
@@ -190,6 +253,8 @@ def test_off_unless_asked():
 
 
 def test_legacy_switch_means_module_mode_with_dit_and_text_encoder():
+    # vLLM-Omni 0.30's model-level backend, given the switch alone, swaps every DiT against every
+    # encoder (tests/test_config_parity.py pins where its code says so).
     assert resolve_config(enable_cpu_offload=True) == OffloadConfig(
         mode="module", components=("dit", "text_encoder")
     )
@@ -200,33 +265,40 @@ def test_legacy_switch_means_module_mode_with_dit_and_text_encoder():
     [
         {"mode": "module", "components": ["text_encoder", "dit"]},
         '{"mode": "module", "components": ["dit", "text_encoder", "vae"]}',
-        OffloadConfig(mode="module", pin_memory=False),
+        {"mode": "module", "components": ["dit"]},
+        {"mode": "module", "components": ["vae"], "pin_memory": False},
+        OffloadConfig(mode="module", components=["text_encoder"], pin_memory=False),
     ],
 )
-def test_legacy_switch_with_an_agreeing_config_keeps_the_config(config):
+def test_legacy_switch_with_a_module_mode_config_keeps_the_config(config):
     resolved = resolve_config(config, enable_cpu_offload=True)
     assert resolved == resolve_config(config)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"mode": "module", "components": ["dit"]},
-        {"mode": "module", "components": ["vae"]},
-        {"mode": "layer", "components": ["dit", "text_encoder"]},
-    ],
-)
-def test_legacy_switch_with_a_disagreeing_config_is_refused(config):
-    with pytest.raises(ConfigError, match=r"enable_cpu_offload=True means mode 'module' with "
-                                          r"components \['dit', 'text_encoder'\], but the offload "
-                                          r"config given with it is \{'mode': "):
-        resolve_config(config, enable_cpu_offload=True)
+def test_legacy_switch_with_a_layer_mode_config_is_refused():
+    with pytest.raises(ConfigError, match=r"enable_cpu_offload=True asks for module mode, but the "
+                                          r"offload config given with it is \{'mode': 'layer', "
+                                          r".*\(mode 'layer'\); drop enable_cpu_offload \(the "
+                                          r"config alone decides\), or give a config with "
+                                          r"\"mode\": \"module\""):
+        resolve_config({"mode": "layer", "components": ["dit"]}, enable_cpu_offload=True)
+
+
+def test_json_null_means_offloading_off():
+    assert resolve_config("null") is None
+    assert resolve_config(" null ", enable_cpu_offload=True) == resolve_config(
+        enable_cpu_offload=True)
 
 
 def test_legacy_switch_must_be_a_bool():
     with pytest.raises(ConfigError, match=r"field 'enable_cpu_offload' is 'true' \(str\); "
                                           r"accepted values are true and false"):
         resolve_config(None, enable_cpu_offload="true")
+
+
+def test_resolve_refuses_json_that_is_not_an_object():
+    with pytest.raises(ConfigError, match=r"must be an object \(a mapping\), not 5"):
+        resolve_config("5")
 
 
 def test_resolve_refuses_other_types():

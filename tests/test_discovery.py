@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import ClassVar, Protocol, runtime_checkable
 
 import pytest
 import torch
@@ -151,7 +152,7 @@ def test_exactly_the_expected_groups_are_resident_after_each_phase(
 
 
 def test_groups_policies_and_names(pipe):
-    scheduler = Scheduler.from_pipeline(pipe, OffloadConfig(mode="module"), device="cpu")
+    scheduler = Scheduler.from_pipeline(pipe, OffloadConfig(mode="module", components=["dit", "text_encoder"]), device="cpu")
     assert {n: scheduler[n].policy.value for n in scheduler} == {
         "transformer": "exclusive",
         "transformer_2": "exclusive",
@@ -185,9 +186,17 @@ def test_legacy_switch_builds_module_mode_with_dit_and_text_encoder(pipe):
     explicit.close()
 
 
-def test_legacy_switch_with_a_disagreeing_config_is_refused(pipe):
-    with pytest.raises(ConfigError, match=r"enable_cpu_offload=True means mode 'module'"):
-        Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["vae"]},
+def test_legacy_switch_with_a_module_mode_config_lets_the_config_decide(pipe):
+    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]},
+                                        enable_cpu_offload=True, device="cpu")
+    assert scheduler["text_encoder"].policy.value == "resident"
+    assert scheduler["transformer"].policy.value == "exclusive"
+    scheduler.close()
+
+
+def test_legacy_switch_with_a_layer_mode_config_is_refused(pipe):
+    with pytest.raises(ConfigError, match=r"enable_cpu_offload=True asks for module mode"):
+        Scheduler.from_pipeline(pipe, {"mode": "layer", "components": ["dit"]},
                                 enable_cpu_offload=True, device="cpu")
 
 
@@ -204,8 +213,8 @@ def test_no_config_means_offloading_off(pipe):
 
 
 def test_pin_memory_false_gives_pageable_host_masters(pipe):
-    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "pin_memory": False},
-                                        device="cpu")
+    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"],
+                                              "pin_memory": False}, device="cpu")
     assert scheduler.pin_memory is False
     assert not any(scheduler[n].host_master.pinned for n in scheduler)
     scheduler.close()
@@ -230,7 +239,7 @@ def _categories(pipe):
 
 def test_plan_components_is_pure_and_lists_groups(pipe):
     pointers = [t.data_ptr() for t in pipe.state_dict().values()]
-    plan = plan_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module"))
+    plan = plan_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
     assert isinstance(plan, ComponentPlan)
     assert list(plan.exclusive) == ["transformer", "transformer_2", "text_encoder"]
     assert list(plan.resident) == ["vae", "time_embed"]
@@ -247,7 +256,7 @@ def test_plan_components_is_pure_and_lists_groups(pipe):
 def test_a_member_nested_in_a_member_of_the_same_group_adds_only_an_alias(pipe):
     encoders = {"text_encoder": pipe.text_encoder, "text_encoder.0": pipe.text_encoder[0]}
     plan = plan_components("P", {"transformer": pipe.transformer}, encoders, {}, {},
-                           OffloadConfig(mode="module"))
+                           OffloadConfig(mode="module", components=["dit", "text_encoder"]))
     groups = {name: modules for name, _, modules, _ in plan.groups()}
     assert groups["text_encoder"] == (pipe.text_encoder,)
     scheduler = Scheduler("cpu")
@@ -258,7 +267,7 @@ def test_a_member_nested_in_a_member_of_the_same_group_adds_only_an_alias(pipe):
 
 
 def test_apply_plan_removes_what_it_added_when_a_registration_fails(pipe):
-    plan = plan_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module"))
+    plan = plan_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
     scheduler = Scheduler("cpu")
     scheduler.add("time_embed", nn.Linear(2, 2), policy="resident")
     with pytest.raises(RegistrationError, match=r"a group named 'time_embed' is already"):
@@ -372,6 +381,78 @@ def test_tensors_shared_inside_one_group_or_with_offloading_off_are_fine():
 
 
 def test_a_pipeline_without_declarations_is_refused():
-    with pytest.raises(ConfigError, match=r"Sequential does not declare its components: "
-                                          r"subclass SupportsComponentDiscovery"):
+    with pytest.raises(ConfigError, match=r"Sequential does not declare its components: its "
+                                          r"class has no _dit_modules, _encoder_modules, "
+                                          r"_vae_modules, _resident_modules; list dotted paths "
+                                          r"in .*or subclass SupportsComponentDiscovery, which "
+                                          r"gives each an empty default"):
         Scheduler.from_pipeline(make_block(), CONFIG, device="cpu")
+
+
+def test_a_partial_declaration_names_what_is_missing():
+    class OnlyDits(nn.Module):
+        _dit_modules = ("transformer",)
+        _encoder_modules = ("text_encoder",)
+
+    pipe = OnlyDits()
+    pipe.transformer, pipe.text_encoder = make_block(WIDTH), make_block(WIDTH)
+    with pytest.raises(ConfigError, match=r"OnlyDits does not declare its components: its class "
+                                          r"has no _vae_modules, _resident_modules;"):
+        Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+
+
+@runtime_checkable
+class OmniDiscovery(Protocol):
+    """vLLM-Omni 0.30's own mixin (vllm_omni/diffusion/models/interface.py), copied: lists."""
+
+    _dit_modules: ClassVar[list[str]]
+    _encoder_modules: ClassVar[list[str]]
+    _vae_modules: ClassVar[list[str]]
+    _resident_modules: ClassVar[list[str]] = []
+
+
+class OmniPipeline(nn.Module, OmniDiscovery):
+    """A vLLM-Omni-style pipeline: it subclasses vLLM-Omni's mixin, not ours."""
+
+    _dit_modules = ["transformer", "transformer_2"]
+    _encoder_modules = ["text_encoder", "prompt_adapter.encoder"]
+    _vae_modules = ["vae"]
+    _resident_modules = ["time_embed"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        reference = TwoExpertPipeline()
+        for name, module in reference.named_children():
+            setattr(self, name, module)
+
+    generate = TwoExpertPipeline.generate
+
+
+def test_a_pipeline_declaring_the_classvars_without_our_mixin_is_discovered():
+    pipe = OmniPipeline()
+    assert not isinstance(pipe, SupportsComponentDiscovery)
+    plain = copy.deepcopy(pipe)
+    scheduler = Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    assert {n: scheduler[n].policy.value for n in scheduler} == {
+        "transformer": "exclusive", "transformer_2": "exclusive", "text_encoder": "exclusive",
+        "vae": "resident", "time_embed": "resident",
+    }
+    prompt = torch.randn(3, WIDTH)
+    with torch.no_grad():
+        assert torch.equal(pipe.generate(prompt, scheduler), plain.generate(prompt, NoOffload()))
+    assert scheduler.transitions.count > 0
+    scheduler.close()
+
+
+def test_a_diffusers_pipeline_is_pointed_at_the_diffusers_adapter():
+    pytest.importorskip("diffusers")
+    from _tiny_pipelines import tiny_wan22
+
+    pipe = tiny_wan22()
+    pointers = [t.data_ptr() for t in pipe.transformer.state_dict().values()]
+    with pytest.raises(ConfigError, match=r"WanPipeline is a diffusers pipeline, which does not "
+                                          r"declare its components the vLLM-Omni way; offload it "
+                                          r"with residency\.adapters\.diffusers\.enable_offload"
+                                          r"\(pipe, config\)"):
+        Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    assert [t.data_ptr() for t in pipe.transformer.state_dict().values()] == pointers

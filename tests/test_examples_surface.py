@@ -37,8 +37,9 @@ def test_example_runs_and_asserts_bit_identity(script, argv, printed, monkeypatc
 @pytest.mark.parametrize(
     ("flag", "message"),
     [
-        ('{"mode": "modul"}', "offload config field 'mode' is 'modul'"),
-        ('{"mode": "layer"}', "layer mode parses but is not available yet"),
+        ('{"mode": "modul", "components": ["dit"]}', "offload config field 'mode' is 'modul'"),
+        ('{"mode": "module"}', "offload config field 'components' is missing"),
+        ('{"mode": "layer", "components": ["dit"]}', "layer mode parses but is not available yet"),
     ],
 )
 def test_cli_example_refuses_bad_flags_with_status_2(flag, message):
