@@ -72,6 +72,7 @@ on the pipeline, nothing at module level.
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 import weakref
@@ -83,7 +84,7 @@ from torch import nn
 
 from residency.config import OffloadConfig, resolve_config
 from residency.discovery import ENCODER_GROUP, ComponentPlan, apply_plan, plan_components
-from residency.errors import ConfigError, RegistrationError, ResidencyError
+from residency.errors import ConfigError, PhaseError, RegistrationError, ResidencyError
 from residency.scheduler import Scheduler
 
 __all__ = ["PhaseEntry", "disable_offload", "enable_offload", "offload_scheduler"]
@@ -96,6 +97,10 @@ ENCODER_NAMES = re.compile(r"text_encoder(_\d+)?|image_encoder")
 VAE_NAMES = re.compile(r"vae")
 #: The entry points wrapped on every module of an exclusive group (those the module has).
 ENTRY_POINTS = ("forward", "encode", "decode")
+#: The config when none is given.
+DEFAULT_CONFIG = OffloadConfig(mode="module", components=("dit", "text_encoder"))
+#: How many wrappers deep `_chain` looks for residency's entries.
+MAX_CHAIN = 64
 
 
 def enable_offload(
@@ -126,8 +131,9 @@ def enable_offload(
             "its components twice. Use the scheduler the first call returned "
             "(offload_scheduler(pipe)), or call disable_offload(pipe) first"
         )
-    parsed = resolve_config(config) or OffloadConfig(mode="module")
-    _check_no_instance_wrappers(owner, components)
+    parsed = resolve_config(config) or DEFAULT_CONFIG
+    _check_no_other_offloader(owner, components)
+    _check_not_shared(owner, components)
     plan = _plan(owner, components, parsed)
     pipeline = weakref.ref(pipe)
     scheduler = Scheduler(device, pin_memory=None if parsed.pin_memory else False)
@@ -154,14 +160,27 @@ def disable_offload(pipe: object) -> None:
     pipeline sharing them: disable that one).
     """
     components = _module_components(pipe)
+    owner = type(pipe).__name__
     offload = _offload_of(pipe, components)
     if offload is None:
-        raise _not_enabled(type(pipe).__name__, components)
-    offload.scheduler.close()
+        raise _not_enabled(owner, components)
+    _close(owner, offload.scheduler)
     for module, device in offload.placements:
-        offload.unwrap(module)  # the class's methods show through again
+        offload.unwrap(module)  # what each entry wrapped is the entry point again
         if device.type != "cpu":
             module.to(device)
+
+
+def _close(owner: str, scheduler: Scheduler) -> None:
+    """Close `scheduler`, refused (changing nothing) while one of its phases is active."""
+    try:
+        scheduler.close()
+    except PhaseError:
+        raise PhaseError(
+            f"cannot disable offloading on this {owner} while one of its phases is active (a "
+            "component's forward is running, or a `with scheduler.resident(...)` block is open); "
+            "call disable_offload(pipe) after the pipeline call returns"
+        ) from None
 
 
 def offload_scheduler(pipe: object) -> Scheduler | None:
@@ -197,11 +216,19 @@ class _Offload:
         return owner is None or owner is pipe
 
     def unwrap(self, module: nn.Module) -> None:
-        """Delete this record's entries from `module`'s instance attributes."""
+        """Take this record's entries off `module` (see [Note: other wrappers]).
+
+        An outermost entry is replaced by what it wrapped; one buried under another wrapper is
+        detached in place (a pass-through from then on).
+        """
         for name in ENTRY_POINTS:
-            entry = vars(module).get(name)
-            if isinstance(entry, PhaseEntry) and entry.offload is self:
-                delattr(module, name)
+            outermost = vars(module).get(name)
+            for entry in _chain(outermost):
+                if entry.offload is not self:
+                    continue
+                if entry is outermost:
+                    entry.restore(module, name)
+                entry.detach()
 
 
 class PhaseEntry:
@@ -211,52 +238,101 @@ class PhaseEntry:
         pipe.transformer(latents)     # with scheduler.resident("transformer"): original(latents)
 
     `enable_offload` sets one as an instance attribute for each entry point of each module of an
-    exclusive group; the class's method is untouched and shows through again when the entry is
-    deleted.  Tensor arguments (also inside lists, tuples and dicts) go to the compute device first
-    (see [Note: the execution device]).  ``inspect.signature`` sees the original's signature
-    (``__wrapped__``).  The entries are the adapter's only state (see [Note: adapter state]).
+    exclusive group.  It wraps what a call ran before: the class's method, or another per-instance
+    wrapper already there (a diffusers cache hook); `disable_offload` puts that back.  Tensor
+    arguments (also inside lists, tuples and dicts) go to the compute device first (see [Note: the
+    execution device]).  ``inspect.signature`` sees the original's signature (``__wrapped__``).
+    The entries are the adapter's only state (see [Note: adapter state]).
+
+    A *detached* entry (``offload is None``) is a pass-through: what `disable_offload` leaves when
+    another wrapper holds the entry inside its own chain (see [Note: other wrappers]).  A deep copy
+    of an entry is a deep copy of what it wraps: a copied module is plain and detached.
     """
 
-    def __init__(self, offload: _Offload, group: str, method: Callable) -> None:
+    # The record sits in a slot, not in __dict__: a wrapper set on top of an entry copies the
+    # entry's __dict__ into its own (functools.update_wrapper), and must not carry the scheduler.
+    __slots__ = ("offload", "group", "method", "replaced", "__dict__")
+
+    def __init__(self, offload: _Offload, group: str, method: Callable, *, replaced: bool) -> None:
         functools.update_wrapper(self, method)  # first: it copies the method's __dict__ in
-        #: The record shared by every entry of the same `enable_offload` call.
-        self.offload = offload
+        #: The record shared by every entry of the same `enable_offload` call; None once detached.
+        self.offload: _Offload | None = offload
         #: The exclusive group entered around each call.
         self.group = group
-        #: The wrapped bound method (the module's class attribute, bound to the module).
+        #: What a call ran before: the class's method bound to the module, or another wrapper.
         self.method = method
+        #: Whether `method` was an instance attribute (another wrapper) that disabling puts back.
+        self.replaced = replaced
 
     @property
-    def scheduler(self) -> Scheduler:
-        """The scheduler whose phase this entry enters."""
-        return self.offload.scheduler
+    def scheduler(self) -> Scheduler | None:
+        """The scheduler whose phase this entry enters (None once detached)."""
+        return None if self.offload is None else self.offload.scheduler
 
     def __call__(self, *args, **kwargs):
-        scheduler = self.offload.scheduler
-        device = scheduler.device
-        with scheduler.resident(self.group):
+        offload = self.offload
+        if offload is None:
+            return self.method(*args, **kwargs)
+        device = offload.scheduler.device
+        with offload.scheduler.resident(self.group):
             return self.method(*_to_device(args, device), **_to_device(kwargs, device))
 
+    def restore(self, module: nn.Module, name: str) -> None:
+        """Make what this entry wrapped `module`'s entry point `name` again."""
+        if self.replaced:
+            setattr(module, name, self.method)
+        else:
+            delattr(module, name)  # the class's method shows through again
+
+    def detach(self) -> None:
+        """Become a pass-through that holds no scheduler."""
+        self.offload = None
+
+    def __deepcopy__(self, memo: dict) -> Callable:
+        return copy.deepcopy(self.method, memo)
+
     def __repr__(self) -> str:
-        return f"<PhaseEntry {self.method.__name__!r} of group {self.group!r}>"
+        name = getattr(self, "__name__", "?")
+        if self.offload is None:
+            return f"<PhaseEntry {name!r}, detached>"
+        return f"<PhaseEntry {name!r} of group {self.group!r}>"
 
 
-def _entries(components: Mapping[str, nn.Module]) -> Iterator[tuple[str, PhaseEntry]]:
-    """(component name, entry) of every `PhaseEntry` set on a component."""
+def _chain(entry_point: object) -> Iterator[PhaseEntry]:
+    """Every `PhaseEntry` in the chain of wrappers under `entry_point`, outermost first.
+
+    A `PhaseEntry` leads to what it wraps; any other wrapper to its ``__wrapped__``
+    (functools.update_wrapper: diffusers' and accelerate's hooks set it).
+    """
+    seen: set[int] = set()
+    current = entry_point
+    while current is not None and id(current) not in seen and len(seen) < MAX_CHAIN:
+        seen.add(id(current))
+        if isinstance(current, PhaseEntry):
+            yield current
+            current = current.method
+        else:
+            current = getattr(current, "__wrapped__", None)
+
+
+def _live_entries(components: Mapping[str, nn.Module]) -> Iterator[tuple[str, PhaseEntry]]:
+    """(component name, entry) of every entry not detached, outermost or buried, on a component."""
     for name, module in components.items():
         for attribute in ENTRY_POINTS:
-            entry = vars(module).get(attribute)
-            if isinstance(entry, PhaseEntry):
-                yield name, entry
+            for entry in _chain(vars(module).get(attribute)):
+                if entry.offload is not None:
+                    yield name, entry
 
 
 def _offload_of(pipe: object, components: Mapping[str, nn.Module]) -> _Offload | None:
     """`pipe`'s record, found through the entries on its components; None when not offloaded."""
-    return next((e.offload for _, e in _entries(components) if e.offload.belongs_to(pipe)), None)
+    return next(
+        (e.offload for _, e in _live_entries(components) if e.offload.belongs_to(pipe)), None
+    )
 
 
 def _not_enabled(owner: str, components: Mapping[str, nn.Module]) -> ResidencyError:
-    shared = next((name for name, _ in _entries(components)), None)
+    shared = next((name for name, _ in _live_entries(components)), None)
     if shared is None:
         return ResidencyError(
             f"offloading is not enabled on this {owner}; there is nothing to disable "
@@ -338,23 +414,41 @@ def _category(name: str) -> str:
     return "other"
 
 
-def _check_no_instance_wrappers(owner: str, components: dict[str, nn.Module]) -> None:
-    """Refuse components whose entry points are already instance attributes.
+def _check_no_other_offloader(owner: str, components: dict[str, nn.Module]) -> None:
+    """Refuse components another offloader moves: two offloaders would fight over the weights.
 
-    That is another offloader's hook (accelerate's model and sequential offload and diffusers'
-    group offloading all replace the component's own ``forward``) or a `PhaseEntry` of a pipeline
-    sharing the component.  Hooks on submodules only (a block cache) do not conflict.
+    accelerate's hooks (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``) leave
+    ``_hf_hook`` on the modules they manage; diffusers' group offloading registers a
+    "group_offloading" hook in its ``_diffusers_hook`` registry.  Other wrappers (a cache) compose.
     """
     for name, module in components.items():
-        replaced = [entry for entry in ENTRY_POINTS if entry in vars(module)]
-        if replaced:
-            raise RegistrationError(
-                f"{owner}: component {name!r} already has an instance-level {replaced[0]!r}: a "
-                "hook of another offloader (enable_model_cpu_offload, enable_sequential_cpu_"
-                "offload, group offloading) or residency's wrapper from a pipeline sharing this "
-                "component. Remove it first (pipe.remove_all_hooks(), or disable_offload on the "
-                "other pipeline), then call enable_offload"
-            )
+        for submodule in module.modules():
+            if "_hf_hook" in vars(submodule):
+                raise RegistrationError(
+                    f"{owner}: component {name!r} is managed by accelerate's hooks "
+                    "(enable_model_cpu_offload or enable_sequential_cpu_offload); two offloaders "
+                    "would fight over its weights. Call pipe.remove_all_hooks() first, then "
+                    "enable_offload"
+                )
+            registry = vars(submodule).get("_diffusers_hook")
+            if registry is not None and registry.get_hook("group_offloading") is not None:
+                raise RegistrationError(
+                    f"{owner}: component {name!r} has diffusers' group offloading; two "
+                    "offloaders would fight over its weights, and group offloading cannot be "
+                    "removed in place. Load the component again without enable_group_offload, "
+                    "then call enable_offload"
+                )
+
+
+def _check_not_shared(owner: str, components: dict[str, nn.Module]) -> None:
+    """Refuse components offloaded through another pipeline that shares them."""
+    shared = next((name for name, _ in _live_entries(components)), None)
+    if shared is not None:
+        raise RegistrationError(
+            f"{owner}: component {shared!r} is already offloaded through another pipeline that "
+            "shares it (residency's wrapper is on it). Call disable_offload on that pipeline "
+            "first, then enable_offload"
+        )
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -371,14 +465,28 @@ def _device_of(module: nn.Module) -> torch.device:
 def _wrap_exclusive_groups(offload: _Offload, plan: ComponentPlan) -> None:
     """Set a `PhaseEntry` for each entry point of each module of an exclusive group.
 
-    `_check_no_instance_wrappers` made sure none of them is an instance attribute yet.
+    Each entry wraps what a call runs now: the class's method, or another wrapper already set on
+    the instance (see [Note: other wrappers]).
     """
     for group, members in plan.exclusive.items():
         for _, module in members:
             for name in ENTRY_POINTS:
-                method = getattr(module, name, None)
+                method, replaced = _entry_point(module, name)
                 if callable(method):
-                    setattr(module, name, PhaseEntry(offload, group, method))
+                    setattr(module, name, PhaseEntry(offload, group, method, replaced=replaced))
+
+
+def _entry_point(module: nn.Module, name: str) -> tuple[object, bool]:
+    """(what ``module.<name>(...)`` runs, whether that is an instance attribute).
+
+    Looks through residency's own detached entries on top, so entries do not pile up.
+    """
+    current, replaced = vars(module).get(name), True
+    if current is None:
+        return getattr(module, name, None), False  # the class's method, bound
+    while isinstance(current, PhaseEntry) and current.offload is None:
+        current, replaced = current.method, current.replaced
+    return current, replaced
 
 
 def _to_device(value, device: torch.device):

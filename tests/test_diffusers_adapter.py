@@ -249,17 +249,35 @@ def test_a_second_enable_offload_is_refused_and_changes_nothing():
     disable_offload(pipe)
 
 
-def test_another_offloaders_hook_is_refused_and_changes_nothing():
+def test_accelerates_offload_hook_is_refused_and_changes_nothing():
+    from accelerate import cpu_offload_with_hook
+
+    pytest.importorskip("accelerate")
     pipe = tiny_flux()
-    original = pipe.vae.decode
-    pipe.vae.decode = lambda *a, **k: original(*a, **k)  # stands in for a foreign hook
+    cpu_offload_with_hook(pipe.vae, execution_device="cpu")  # what enable_model_cpu_offload sets
+    before = module_attributes(pipe)
     pointers = [p.data_ptr() for p in pipe.transformer.parameters()]
-    with pytest.raises(RegistrationError, match=r"FluxPipeline: component 'vae' already has an "
-                       r"instance-level 'decode'.*remove_all_hooks"):
+    with pytest.raises(RegistrationError, match=r"FluxPipeline: component 'vae' is managed by "
+                       r"accelerate's hooks.*Call pipe.remove_all_hooks\(\) first"):
         enable_offload(pipe, device="cpu")
     assert offload_scheduler(pipe) is None
-    assert instance_entry_points(pipe) == ["vae.decode"]
+    assert module_attributes(pipe) == before
     assert [p.data_ptr() for p in pipe.transformer.parameters()] == pointers
+    pipe.remove_all_hooks()  # what the message says removes it
+    enable_offload(pipe, device="cpu")
+    disable_offload(pipe)
+
+
+def test_diffusers_group_offloading_is_refused_and_changes_nothing():
+    pipe = tiny_wan22()
+    pipe.transformer.enable_group_offload(onload_device=torch.device("cpu"),
+                                          offload_type="leaf_level")
+    before = module_attributes(pipe)
+    with pytest.raises(RegistrationError, match=r"WanPipeline: component 'transformer' has "
+                       r"diffusers' group offloading.*Load the component again without "
+                       r"enable_group_offload"):
+        enable_offload(pipe, device="cpu")
+    assert offload_scheduler(pipe) is None and module_attributes(pipe) == before
 
 
 def test_a_component_shared_with_an_offloaded_pipeline_is_refused():
@@ -269,8 +287,9 @@ def test_a_component_shared_with_an_offloaded_pipeline_is_refused():
     scheduler = enable_offload(pipe, device="cpu")
     entries = instance_entry_points(pipe)
     sibling = FluxPipeline(**pipe.components)
-    with pytest.raises(RegistrationError, match="component 'text_encoder' already has an "
-                       "instance-level 'forward'"):
+    with pytest.raises(RegistrationError, match="FluxPipeline: component 'text_encoder' is "
+                       "already offloaded through another pipeline that shares it.*Call "
+                       "disable_offload on that pipeline first"):
         enable_offload(sibling, device="cpu")
     assert offload_scheduler(sibling) is None  # the entries it sees are the other pipeline's
     with pytest.raises(ResidencyError, match="not enabled on this FluxPipeline, but its component "
@@ -297,9 +316,12 @@ def test_disable_offload_inside_a_phase_is_refused_and_changes_nothing():
     plain, pipe = tiny_flux(), tiny_flux()
     scheduler = enable_offload(pipe, device="cpu")
     entries = instance_entry_points(pipe)
-    refused = pytest.raises(PhaseError, match="cannot close the scheduler while a phase is active")
-    with scheduler.resident("transformer"), refused:
+    refused = pytest.raises(PhaseError, match=r"^cannot disable offloading on this FluxPipeline "
+                            r"while one of its phases is active .*call disable_offload\(pipe\) "
+                            r"after the pipeline call returns$")
+    with scheduler.resident("transformer"), refused as error:
         disable_offload(pipe)
+    assert "clos" not in str(error.value) and error.value.__cause__ is None
     assert offload_scheduler(pipe) is scheduler and instance_entry_points(pipe) == entries
     assert torch.equal(images(pipe, 0), images(plain, 0))
     disable_offload(pipe)
