@@ -52,22 +52,48 @@ on the pipeline, nothing at module level.
 
 * Finding it.  `offload_scheduler`, `disable_offload` and the second-call check of
   `enable_offload` read the entry points of ``pipe.components`` (``vars(module)``, no probing of
-  the class).  Entries sit on component roots only (every member of an exclusive group is a
-  component), so no submodule walk is needed.  A pipeline is offloaded when one of its components
-  carries an entry whose record belongs to it.
+  the class) and follow each one's chain of wrappers (`_chain`).  Entries sit on component roots
+  only (every member of an exclusive group is a component), so no submodule walk is needed.  A
+  pipeline is offloaded when one of its components carries a live entry whose record belongs to
+  it.
 * Siblings.  A pipeline built from another's components (``FluxPipeline(**pipe.components)``)
   sees the same entries; the record's weak reference tells the two apart, so the sibling is
   refused with the component's name and told to disable the other pipeline.  A record whose
   pipeline has been dropped belongs to whichever pipeline still holds its components, so its
   entries can still be removed.
-* Undoing.  Close the scheduler (weights back in host memory), delete the record's entries from
-  the recorded components (the class's methods show through again: the originals need no
-  saving), move each recorded component back to its device.
+* Undoing.  Close the scheduler (weights back in host memory), take the record's entries off the
+  recorded components (see [Note: other wrappers]), move each recorded component back to its
+  device.
 * Lifetime.  An entry holds its module's bound method and the module holds the entry: a cycle the
   garbage collector frees with the pipeline, scheduler and host masters included.
+* Copies.  ``copy.deepcopy`` of an entry is a deep copy of what it wraps, so a copied module gets
+  its own class method bound to the copy (or a copy of another wrapper) and its own weights: it is
+  plain and detached.  The record (and its scheduler, which holds a lock) is never copied.
 * Nothing to find by.  A config that offloads none of the pipeline's components would set no
   entry, so nothing could later find the record; `enable_offload` refuses it (`ConfigError`).  It
   would only have moved every component onto the device, which ``pipe.to(device)`` does.
+
+[Note: other wrappers]
+Other code sets per-instance wrappers too: diffusers' caches (``transformer.enable_cache(...)``:
+FasterCache and friends) replace the component's ``forward`` through diffusers' hook registry, and
+they set ``__wrapped__`` (functools.update_wrapper) to what they wrapped.  The adapter composes with
+them in either order and undoes only what it did:
+
+* Set before `enable_offload`: the entry wraps the wrapper (``entry.method``, ``entry.replaced``),
+  and `disable_offload` puts that very object back.  Remove such a wrapper only after
+  `disable_offload`: diffusers' ``disable_cache`` restores the ``forward`` it saw, which would drop
+  residency's entry and leave the component running outside its phase.
+* Set after: the entry is buried in the other wrapper's chain, where no generic code can take it
+  out.  `disable_offload` finds it by following ``__wrapped__`` (`_chain`) and *detaches* it: its
+  record is dropped (no scheduler held) and every later call passes straight through to what it
+  wrapped, with the component's weights back where they were.  The other wrapper stays and
+  keeps working; a later `enable_offload` wraps it anew, and when the other wrapper is removed and
+  puts the detached entry back on top, the next `enable_offload` looks through it.
+* The record sits in a ``__slots__`` slot: a wrapper set on top copies the entry's ``__dict__``
+  (functools.update_wrapper) and so never carries the scheduler.
+* Offloaders are refused, not composed: accelerate's hooks (``enable_model_cpu_offload``,
+  sequential offload) and diffusers' group offloading move the same weights.
+
 """
 
 from __future__ import annotations
