@@ -33,6 +33,7 @@ from residency.errors import (
     UnknownGroupError,
 )
 from residency.no_offload import NoOffload
+from residency.omni import OmniOffloadMixin
 from residency.records import TransitionLog, TransitionRecord, chrome_trace, summarize
 from residency.scheduler import Phase, Scheduler
 from residency.split import SplitModel
@@ -51,6 +52,7 @@ __all__ = [
     "resolve_config",
     "SupportsComponentDiscovery",
     "SplitModel",
+    "OmniOffloadMixin",
     "ComponentPlan",
     "plan_components",
     "apply_plan",
