@@ -67,7 +67,8 @@ class TwoExpertPipeline(SupportsComponentDiscovery, nn.Module):
 
 
 def _on_device(group) -> bool:
-    buffer = group.device_storage.buffer
+    storage = group.device_storage  # None while offloaded (or the shared buffer, unfilled)
+    buffer = None if storage is None else storage.buffer
     if buffer is None:
         return False
     start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
