@@ -1,0 +1,281 @@
+"""The change-detection primitive: every bit flip and every swap of two elements is caught.
+
+Small layouts (a chunk of 256 bytes as 8 rows x 4 words) make exhaustive checks cheap; the default
+layouts are checked at their chunk boundaries.  Speed lives in benchmarks/test_change_detection.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from residency.digests import ChangeDetector, DigestLayout, chunk_digests
+
+SMALL = DigestLayout(chunk_nbytes=256, columns=4)  # 8 rows x 4 int64 words per chunk
+#: One integer dtype per element size: a swap of 2-byte elements is the same bytes for int16 and
+#: bfloat16, and integer equality is byte equality (no NaN).
+ELEMENT_DTYPES = [torch.uint8, torch.int16, torch.int32, torch.int64]
+
+
+def random_bytes(nbytes: int, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator).to(device)
+
+
+def remembered(buffer: torch.Tensor, layout: DigestLayout = SMALL) -> ChangeDetector:
+    detector = ChangeDetector(layout)
+    detector.remember(buffer)
+    return detector
+
+
+def chunk_range(index: int, nbytes: int, layout: DigestLayout = SMALL) -> tuple[int, int]:
+    return index * layout.chunk_nbytes, min((index + 1) * layout.chunk_nbytes, nbytes)
+
+
+def flip_bit(buffer: torch.Tensor, byte: int, bit: int) -> None:
+    buffer[byte] ^= 1 << bit
+
+
+def swap(elements: torch.Tensor, i: int, j: int) -> None:
+    elements[i], elements[j] = elements[j].clone(), elements[i].clone()
+
+
+# --- unchanged, determinism, shapes ---------------------------------------------------------------
+
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 255, 256, 257, 1000, 1024])
+def test_an_unchanged_buffer_reports_nothing(nbytes):
+    buffer = random_bytes(nbytes)
+    assert remembered(buffer).changed_chunks(buffer) == []
+
+
+def test_the_same_bytes_give_the_same_digests_in_any_buffer():
+    buffer = random_bytes(3 * 2**20 + 5)
+    layout = DigestLayout.for_device(buffer.device)
+    copy = torch.empty(buffer.numel() + 64, dtype=torch.uint8)[64:]
+    copy.copy_(buffer)
+    assert torch.equal(chunk_digests(buffer, layout), chunk_digests(buffer, layout))
+    assert torch.equal(chunk_digests(buffer, layout), chunk_digests(copy, layout))
+
+
+def test_digests_are_small_and_one_row_per_chunk():
+    layout = DigestLayout.for_device(torch.device("cpu"))
+    digests = chunk_digests(random_bytes(5 * 2**20 + 3), layout)
+    assert digests.dtype == torch.int64
+    assert digests.shape == (6, layout.rows + layout.columns)
+    assert digests.numel() * 8 < 0.01 * 6 * layout.chunk_nbytes
+
+
+def test_an_empty_buffer_has_no_chunks():
+    empty = torch.empty(0, dtype=torch.uint8)
+    assert chunk_digests(empty, SMALL).shape == (0, SMALL.digest_words)
+    assert remembered(empty).changed_chunks(empty) == []
+
+
+def test_the_last_partial_chunk_counts_its_own_bytes_not_the_padding():
+    buffer = random_bytes(2 * 256 + 3)
+    zeros_beyond = torch.cat([buffer, torch.zeros(256 - 3, dtype=torch.uint8)])
+    assert torch.equal(chunk_digests(buffer, SMALL), chunk_digests(zeros_beyond, SMALL))
+    detector = remembered(buffer)
+    buffer[-1] ^= 0x80
+    assert detector.changed_chunks(buffer) == [(512, 515)]
+
+
+# --- bit flips ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("nbytes", [256 * 3, 256 * 2 + 13])
+def test_every_single_bit_flip_is_detected_in_its_chunk(nbytes):
+    buffer = random_bytes(nbytes, seed=1)
+    detector = remembered(buffer)
+    for byte, bit in itertools.product(range(nbytes), range(8)):
+        flip_bit(buffer, byte, bit)
+        assert detector.changed_chunks(buffer) == [chunk_range(byte // 256, nbytes)], (byte, bit)
+        flip_bit(buffer, byte, bit)
+    assert detector.changed_chunks(buffer) == []
+
+
+def test_bit_flips_at_the_default_chunk_boundaries():
+    layout = DigestLayout.for_device(torch.device("cpu"))
+    chunk = layout.chunk_nbytes
+    nbytes = 3 * chunk + 4099  # a last partial chunk, not a multiple of 8
+    buffer = random_bytes(nbytes, seed=2)
+    detector = remembered(buffer, layout)
+    for byte in (0, chunk - 1, chunk, 2 * chunk - 1, 3 * chunk, nbytes - 1):
+        for bit in (0, 7):
+            flip_bit(buffer, byte, bit)
+            assert detector.changed_chunks(buffer) == [chunk_range(byte // chunk, nbytes, layout)]
+            flip_bit(buffer, byte, bit)
+
+
+# --- swaps ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ELEMENT_DTYPES)
+def test_swaps_of_two_different_elements_anywhere_in_a_chunk_are_detected(dtype):
+    buffer = random_bytes(256 * 2)
+    elements = buffer.view(dtype)
+    per_chunk = 256 // elements.element_size()
+    detector = remembered(buffer)
+    step = 1 if elements.element_size() >= 4 else 3  # all pairs of words; a third of the small ones
+    for chunk in range(2):
+        indices = range(chunk * per_chunk, (chunk + 1) * per_chunk, step)
+        for i, j in itertools.combinations(indices, 2):
+            if elements[i] == elements[j]:
+                continue  # the same bytes: swapping them changes nothing
+            swap(elements, i, j)
+            assert detector.changed_chunks(buffer) == [chunk_range(chunk, 512)], (dtype, i, j)
+            swap(elements, i, j)
+
+
+@pytest.mark.parametrize("dtype", ELEMENT_DTYPES)
+def test_swaps_of_neighbours_same_row_and_same_column_in_the_default_layout(dtype):
+    layout = DigestLayout.for_device(torch.device("cpu"))
+    nbytes = 2 * layout.chunk_nbytes + 1000  # the last chunk is partial
+    buffer = random_bytes(nbytes, seed=3)
+    elements = buffer.view(dtype)
+    size = elements.element_size()
+    row = 8 * layout.columns // size  # elements per row
+    detector = remembered(buffer, layout)
+    chunk_elements = layout.chunk_nbytes // size
+    last = elements.numel() - 1
+    pairs = [(0, 1), (0, row - 1), (5, 5 + row), (7, 7 + (layout.rows - 1) * row),
+             (chunk_elements - 1, chunk_elements - 2), (2 * chunk_elements, last),
+             (last - 1, last)]
+    for i, j in pairs:
+        if elements[i] == elements[j]:
+            elements[j] += 1
+            detector.remember(buffer)
+        swap(elements, i, j)
+        chunk = (i * size) // layout.chunk_nbytes
+        assert detector.changed_chunks(buffer) == [chunk_range(chunk, nbytes, layout)], (i, j)
+        swap(elements, i, j)
+
+
+def test_a_swap_across_a_chunk_boundary_reports_both_chunks_as_one_range():
+    buffer = random_bytes(256 * 4)
+    words = buffer.view(torch.float64)
+    detector = remembered(buffer)
+    swap(words, 32 - 1, 32)  # the last word of chunk 0, the first of chunk 1
+    assert detector.changed_chunks(buffer) == [(0, 512)]
+
+
+def test_swapping_x_and_minus_x_is_detected():
+    """Sign-only differences (2**63 between the words) defeat odd-weighted sums modulo 2**64."""
+    buffer = torch.zeros(256 * 2, dtype=torch.uint8)
+    values = buffer.view(torch.float64)
+    values[3], values[3 + 4] = 1.5, -1.5  # one row apart, same column
+    detector = remembered(buffer)
+    swap(values, 3, 7)
+    assert detector.changed_chunks(buffer) == [(0, 256)]
+    values[3], values[7] = 1.5, -1.5
+    values[10], values[20] = -values[10], -values[20]  # two sign flips of zeros: -0.0
+    assert detector.changed_chunks(buffer) == [(0, 256)]
+
+
+def test_one_chunk_per_call_and_all_chunks_per_call_give_the_same_digests(monkeypatch):
+    """The CPU path (one chunk per pair of sums) and the accelerator path (every chunk at once)."""
+    import residency.digests as digests
+
+    buffer = random_bytes(256 * 7 + 100)
+    per_chunk = chunk_digests(buffer, SMALL)
+    monkeypatch.setattr(digests, "_chunks_per_call", lambda device, count: max(count, 1))
+    assert torch.equal(chunk_digests(buffer, SMALL), per_chunk)
+
+
+# --- edits the version counter cannot see ---------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_an_edit_through_data_of_a_typed_view_is_detected(dtype):
+    buffer = random_bytes(256 * 8)
+    weight = buffer[256 * 2 : 256 * 4].view(dtype).view(8, -1)
+    weight.copy_(torch.randn(weight.shape).to(dtype))
+    detector = remembered(buffer)
+    weight.data[3] += torch.ones_like(weight[3])  # peft's merge: weight.data += delta
+    assert detector.changed_chunks(buffer) == [chunk_range(2, buffer.numel())]
+
+
+def test_several_changed_chunks_give_merged_ranges_in_order():
+    buffer = random_bytes(256 * 6 + 10)
+    detector = remembered(buffer)
+    for byte in (256 * 5 + 3, 256 * 1 + 7, 256 * 2, 256 * 6 + 9):
+        buffer[byte] += 1
+    assert detector.changed_chunks(buffer) == [(256, 768), (1280, 1546)]
+
+
+def test_the_reference_is_the_last_remembered_state():
+    buffer = random_bytes(256 * 2)
+    detector = remembered(buffer)
+    buffer[10] += 1
+    detector.remember(buffer)  # the next load brought the edited bytes
+    assert detector.changed_chunks(buffer) == []
+    buffer[10] -= 1  # edited back to the packed bytes: a change from the load, not from the pack
+    assert detector.changed_chunks(buffer) == [(0, 256)]
+
+
+def test_the_documented_blind_spot_is_a_rectangle_of_cancelling_changes():
+    """What the module docstring says can escape: four words, +d/-d in two rows and two columns."""
+    buffer = torch.zeros(256, dtype=torch.int64).view(torch.uint8)
+    words = buffer.view(torch.int64)
+    detector = remembered(buffer)
+    columns = SMALL.columns
+    words[0], words[1], words[columns], words[columns + 1] = 5, -5, -5, 5
+    assert detector.changed_chunks(buffer) == []
+
+
+# --- misuse ---------------------------------------------------------------------------------------
+
+def test_changed_chunks_before_remember_raises():
+    with pytest.raises(RuntimeError, match="remember"):
+        ChangeDetector(SMALL).changed_chunks(random_bytes(256))
+
+
+@pytest.mark.parametrize("bad, error", [
+    (torch.zeros(8, dtype=torch.float32), TypeError),
+    (torch.zeros(2, 8, dtype=torch.uint8), TypeError),
+    (torch.zeros(16, dtype=torch.uint8)[::2], ValueError),
+    (torch.zeros(16, dtype=torch.uint8)[3:], ValueError),
+    ([0] * 8, TypeError),
+])
+def test_a_buffer_that_is_not_aligned_contiguous_bytes_is_refused(bad, error):
+    with pytest.raises(error):
+        chunk_digests(bad, SMALL)
+    with pytest.raises(error):
+        ChangeDetector(SMALL).remember(bad)
+
+
+def test_a_buffer_of_another_length_is_refused():
+    detector = remembered(random_bytes(512))
+    with pytest.raises(ValueError, match="remember"):
+        detector.changed_chunks(random_bytes(256))
+
+
+@pytest.mark.parametrize("chunk_nbytes, columns", [(0, 4), (256, 0), (100, 4), (256, 64)])
+def test_a_layout_that_does_not_tile_a_chunk_is_refused(chunk_nbytes, columns):
+    with pytest.raises(ValueError):
+        DigestLayout(chunk_nbytes=chunk_nbytes, columns=columns)
+
+
+def test_forget_drops_the_reference_and_repr_says_so():
+    buffer = random_bytes(600)
+    detector = remembered(buffer)
+    assert "600 bytes in 3 chunks" in repr(detector)
+    detector.forget()
+    assert "nothing remembered" in repr(detector)
+    with pytest.raises(RuntimeError):
+        detector.changed_chunks(buffer)
+
+
+# --- accelerator ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_device_digests_equal_cpu_digests_and_detect_edits_on_the_device():
+    device = torch.accelerator.current_accelerator()
+    buffer = random_bytes(9 * 2**20 + 13, seed=4)
+    for layout in (DigestLayout.for_device(device), DigestLayout.for_device(torch.device("cpu"))):
+        on_device = buffer.to(device)
+        assert torch.equal(chunk_digests(on_device, layout).cpu(), chunk_digests(buffer, layout))
+        detector = remembered(on_device, layout)
+        assert detector.changed_chunks(on_device) == []
+        on_device.view(torch.float32)[2**20].add_(1.0)  # in chunk 4 MiB // chunk_nbytes
+        chunk = (4 * 2**20) // layout.chunk_nbytes
+        assert detector.changed_chunks(on_device) == [chunk_range(chunk, buffer.numel(), layout)]
