@@ -8,8 +8,11 @@
 It runs the pipeline once without offloading and once under the offload config (default: module
 mode, dit and text_encoder), checks that the outputs are bit-identical, and prints each phase
 change: bytes moved, seconds, GB/s, the floor (a plain copy of the same bytes, measured in the same
-run) and the peak device bytes.  Exit status: 0 when the outputs are identical, 1 when they
-differ, 2 for bad arguments or a refused configuration.
+run) and the peak device bytes.  Every argument is checked before any work (the device exists, the
+trace path is writable, the pipeline folder holds a diffusers model, the config validates).  Exit
+status (`EXIT_STATUSES`): 0 when the outputs are identical, 1 when they differ, 2 for bad
+arguments or a refused configuration, 3 when the run crashed (an unexpected exception: its
+traceback, then a one-line summary, go to stderr).  Progress lines go to stderr as the run goes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import gc
 import json
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -44,6 +49,13 @@ __all__ = ["main"]
 #: The offload config when no flag gives one.
 DEFAULT_CONFIG = OffloadConfig(mode="module", components=("dit", "text_encoder"))
 DEFAULT_PROMPT = "a cat walking on the moon"
+#: Exit statuses, as `--help` lists them.
+EXIT_OK, EXIT_DIFFERS, EXIT_USAGE, EXIT_CRASHED = 0, 1, 2, 3
+EPILOG = """exit status:
+  0  the outputs are bit-identical (or not compared: --no-check)
+  1  the outputs differ
+  2  bad usage: an argument, the offload config or the pipeline was refused (nothing was run)
+  3  crashed: an unexpected error; its traceback and a one-line summary are on stderr"""
 
 
 @attrs.define(kw_only=True)
@@ -71,24 +83,33 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m residency",
         description="Run a pipeline with and without model-level offloading; check the outputs "
         "are bit-identical and print the phase timeline.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--size", choices=list(SIZES), default="small",
                         help="synthetic pipeline size (default: small; a14b: Wan2.2's real shape)")
     parser.add_argument("--steps", type=_positive, default=8, help="denoising steps (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="noise and weight seed (default: 0)")
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT,
+                        help=f"the prompt (default: {DEFAULT_PROMPT!r})")
     parser.add_argument("--device", default=None,
-                        help="compute device (default: the current accelerator, else cpu)")
+                        help="compute device, e.g. cpu, cuda, cuda:1 (default: the current "
+                        "accelerator, else cpu); checked before the run")
     parser.add_argument("--trace", metavar="OUT.json", type=Path, default=None,
-                        help="write a Chrome/Perfetto trace of phases and transfers")
+                        help="write a Chrome/Perfetto trace of phases and transfers (the path is "
+                        "checked for writing before the run)")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip the run without offloading (for models that do not fit)")
     diffusers = parser.add_argument_group("a local diffusers model instead of the synthetic one")
     diffusers.add_argument("--pipeline", metavar="PATH", type=Path, default=None,
-                           help="a diffusers model folder (DiffusionPipeline.from_pretrained)")
-    diffusers.add_argument("--height", type=_positive, default=None)
-    diffusers.add_argument("--width", type=_positive, default=None)
-    diffusers.add_argument("--num-frames", type=_positive, default=None)
+                           help="a diffusers model folder with a model_index.json "
+                           "(DiffusionPipeline.from_pretrained, local files only)")
+    diffusers.add_argument("--height", type=_positive, default=None,
+                           help="output height in pixels (default: the pipeline's)")
+    diffusers.add_argument("--width", type=_positive, default=None,
+                           help="output width in pixels (default: the pipeline's)")
+    diffusers.add_argument("--num-frames", type=_positive, default=None,
+                           help="video frames, for video pipelines (default: the pipeline's)")
     diffusers.add_argument("--call-args", metavar="JSON", type=_json_object, default={},
                            help="more keyword arguments for the pipeline call, as a JSON object")
     add_offload_arguments(parser)
@@ -96,35 +117,128 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse `argv`, run, print the report; returns the exit status."""
+    """Parse and check `argv`, run, print the report; returns the exit status (see `EPILOG`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     config = offload_config_from_args(parser, args) or DEFAULT_CONFIG
-    device = torch.device(args.device) if args.device else default_device()
+    device = _check_arguments(parser, args)
     try:
-        run = (_run_pipeline if args.pipeline else _run_synthetic)(args, config, device)
+        return _run_and_report(args, config, device)
     except ResidencyError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+        parser.exit(EXIT_USAGE, f"{parser.prog}: error: {error}\n")
+    except Exception as error:  # an unexpected failure: say so, with its own exit status
+        traceback.print_exc()
+        summary = str(error).splitlines()[0] if str(error) else ""
+        print(f"{parser.prog}: crashed: {type(error).__name__}: {summary} (traceback above); "
+              f"exit status {EXIT_CRASHED}", file=sys.stderr)
+        return EXIT_CRASHED
+
+
+def _run_and_report(args: argparse.Namespace, config: OffloadConfig, device: torch.device) -> int:
+    run = (_run_pipeline if args.pipeline else _run_synthetic)(args, config, device)
     print(_report(run, config, device))
     if args.trace is not None:
         spans = run.recorder.spans if run.recorder is not None else ()
         write_trace(args.trace, run.records, spans)
         print(f"trace: {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     run.scheduler.close()
-    return 0 if run.expected is None or torch.equal(run.output, run.expected) else 1
+    if run.expected is None or torch.equal(run.output, run.expected):
+        return EXIT_OK
+    return EXIT_DIFFERS
+
+
+def _progress(stage: str) -> Callable[[str], None]:
+    """A progress reporter: one line to stderr per call, with the seconds since it was made."""
+    start = time.perf_counter()
+
+    def report(line: str) -> None:
+        print(f"[{time.perf_counter() - start:8.2f} s] {stage}: {line}", file=sys.stderr,
+              flush=True)
+
+    return report
+
+
+# -- checking the arguments before any work -------------------------------------------------------
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """Refuse (exit status 2) what would fail later; returns the compute device."""
+    device = _check_device(parser, args.device)
+    if args.trace is not None:
+        _check_writable(parser, args.trace)
+    if args.pipeline is not None:
+        _check_pipeline_folder(parser, args.pipeline)
+    return device
+
+
+def _check_device(parser: argparse.ArgumentParser, text: str | None) -> torch.device:
+    if text is None:
+        return default_device()
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        parser.error(f"--device {text!r} is not a device name; give cpu, cuda, cuda:1, ...")
+    if device.type == "cpu":
+        return device
+    available = ["cpu"]
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        count = torch.accelerator.device_count()
+        available += [f"{accelerator.type}:{index}" for index in range(count)]
+        if accelerator.type == device.type and (device.index or 0) < count:
+            return device
+    parser.error(f"--device {text}: there is no such device on this machine (available: "
+                 f"{', '.join(available)}); leave --device out to use the default")
+
+
+def _check_writable(parser: argparse.ArgumentParser, path: Path) -> None:
+    """Open `path` for appending (creating it only for the check) so a bad path fails now."""
+    if path.is_dir():
+        parser.error(f"--trace {path} is a folder; give a file name, e.g. {path / 'trace.json'}")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        parser.error(f"--trace {path}: cannot write there ({error.strerror}); give a path in a "
+                     "folder that exists and is writable")
+    if not existed:
+        path.unlink()
+
+
+def _check_pipeline_folder(parser: argparse.ArgumentParser, path: Path) -> None:
+    index = path / "model_index.json"
+    if not index.is_file():
+        parser.error(f"--pipeline {path}: no model_index.json there; give a diffusers model "
+                     "folder (one written by pipe.save_pretrained or downloaded from the Hub)")
+    try:
+        declared = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        parser.error(f"--pipeline {path}: model_index.json cannot be read as JSON ({error}); "
+                     "save the pipeline again with pipe.save_pretrained")
+    if not isinstance(declared, dict) or "_class_name" not in declared:
+        parser.error(f"--pipeline {path}: model_index.json names no pipeline class "
+                     "(\"_class_name\"); it is not a diffusers model folder")
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        parser.error("--pipeline needs diffusers: pip install -e \".[diffusers]\"")
 
 
 # -- the synthetic pipeline -----------------------------------------------------------------------
 
 
 def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torch.device) -> Run:
+    _progress("build")(f"synthetic pipeline, size {args.size!r}")
     pipe = SyntheticWan22.build(args.size, seed=args.seed)
     expected, plain_seconds = None, None
     if args.check:
         pipe.scheduler = Scheduler.from_pipeline(pipe, None, device=device)  # NoOffload
-        pipe(args.prompt, steps=1, seed=args.seed)  # warm-up: one-time costs are not offloading's
+        pipe(args.prompt, steps=1, seed=args.seed,  # warm-up: one-time costs are not offloading's
+             progress=_progress("warm-up"))
         start = time.perf_counter()
-        expected = pipe(args.prompt, steps=args.steps, seed=args.seed).cpu()
+        expected = pipe(args.prompt, steps=args.steps, seed=args.seed,
+                        progress=_progress("run without offloading")).cpu()
         plain_seconds = time.perf_counter() - start
         pipe.to("cpu")
         _release_device_memory(device)
@@ -133,7 +247,8 @@ def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torc
     pipe.scheduler = recorder
     _reset_allocator_peak(device)
     start = time.perf_counter()
-    output = pipe(args.prompt, steps=args.steps, seed=args.seed).cpu()
+    output = pipe(args.prompt, steps=args.steps, seed=args.seed,
+                  progress=_progress("run with offloading")).cpu()
     seconds = time.perf_counter() - start
     return _finish(
         scheduler, recorder=recorder, output=output, expected=expected, plain_seconds=plain_seconds,
@@ -164,13 +279,16 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
         return _first_tensor(pipe(**kwargs, generator=generator)).cpu()
 
     expected, plain_seconds = None, None
+    report = _progress(f"pipeline {args.pipeline}")
     if args.check:
+        report("loading, then the run without offloading")
         plain = _load_pipeline(args.pipeline).to(device)
         start = time.perf_counter()
         expected = generate(plain)
         plain_seconds = time.perf_counter() - start
         del plain
         _release_device_memory(device)
+    report("loading, then the run with offloading")
     pipe = _load_pipeline(args.pipeline)
     scheduler = enable_offload(pipe, config, device=device)
     _reset_allocator_peak(device)
@@ -187,11 +305,6 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
 
 
 def _load_pipeline(path: Path):
-    if not (path / "model_index.json").is_file():
-        raise ResidencyError(
-            f"--pipeline {path}: no model_index.json there; give a diffusers model folder "
-            "(one written by pipe.save_pretrained or downloaded from the Hub)"
-        )
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(path, local_files_only=True)
@@ -228,6 +341,7 @@ def _finish(scheduler: Scheduler, *, recorder: PhaseRecorder | None, device: tor
     peak = max(peak, scheduler.device_nbytes)
     allocator_peak = _allocator_peak(device)
     scheduler.offload_all()
+    _progress("floor")("a plain copy of each group's bytes")
     floor = measure_floor(scheduler)
     groups = [(name, scheduler[name].policy.value, scheduler[name].nbytes) for name in scheduler]
     return Run(scheduler=scheduler, groups=groups, records=records, first_index=first_index,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from typing import ClassVar
 
 import attrs
@@ -281,20 +282,35 @@ class SyntheticWan22(SupportsComponentDiscovery, nn.Module):
         ]
 
     @torch.no_grad()
-    def forward(self, prompt: str, *, steps: int = 8, seed: int = 0) -> torch.Tensor:
-        """A video (batch, frames, 3, height, width) for `prompt`, in `steps` Euler steps."""
+    def forward(
+        self, prompt: str, *, steps: int = 8, seed: int = 0,
+        progress: Callable[[str], None] | None = None,
+    ) -> torch.Tensor:
+        """A video (batch, frames, 3, height, width) for `prompt`, in `steps` Euler steps.
+
+        `progress`, when given, is called with a short line before each phase ("text_encoder",
+        "step 3/8: transformer", "vae").
+        """
         device, size = self.device, self.size
+        report = progress or _silent
+        report("text_encoder")
         with self.scheduler.resident("text_encoder"):
             context = self.text_encoder(self.tokenize(prompt).to(device))
         shape = (1, size.latent_channels, size.latent_frames, size.latent_height, size.latent_width)
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
         latents = noise.to(device=device, dtype=size.dtype)
-        for path, sigma, following in self.timesteps(steps):
+        for step, (path, sigma, following) in enumerate(self.timesteps(steps), start=1):
+            report(f"step {step}/{steps}: {path}")
             with self.scheduler.resident(path):
                 velocity = getattr(self, path)(latents, sigma, context)
             latents = latents + (following - sigma) * velocity
+        report("vae")
         with self.scheduler.resident("vae"):
             return self.vae(latents)
+
+
+def _silent(line: str) -> None:
+    """The default `progress`: report nothing."""
 
 
 def _initialise(pipe: nn.Module, seed: int) -> None:

@@ -11,6 +11,14 @@ The *floor* of a transition is a plain copy of the same bytes (the group's host 
 a reused device buffer, measured in the same process right after the run; ``x floor`` is how many
 times slower the real transition was.  Everything above 1.0 is overhead (see docs/design.md).
 
+[Note: when x floor means something]
+A phase change also pays fixed costs that do not grow with its bytes: Python, the lock, re-pointing
+each tensor (~1 us apiece, see docs/design.md).  For a group of a few KiB the floor copy takes a
+microsecond or two and those fixed costs alone make the ratio 100x or more (418x on 9 KiB), which
+says nothing about how the copy performs.  So ``x floor`` is shown only for a load of at least
+`MIN_FLOOR_BYTES` whose floor takes at least `MIN_FLOOR_SECONDS`; other rows print "—", and the
+total ratio counts only the rows shown.
+
 [Note: timing on accelerators]
 A scheduler's `TransitionRecord` times cover *issuing* an accelerator copy, which runs on a side
 stream.  To time the copy itself, `PhaseRecorder(synchronize=True)` waits for the device before a
@@ -41,6 +49,14 @@ __all__ = [
     "timeline_rows",
     "write_trace",
 ]
+
+#: A load must move at least this many bytes for ``x floor`` to be shown (see [Note: when x floor
+#: means something]).
+MIN_FLOOR_BYTES = 1 << 20
+#: ...and its floor copy must take at least this long: well above the fixed costs of a change.
+MIN_FLOOR_SECONDS = 100e-6
+#: What the ``x floor`` column prints for a row whose ratio would not mean anything.
+NOT_MEANINGFUL = "—"
 
 
 @attrs.frozen(kw_only=True)
@@ -191,6 +207,12 @@ class Row:
     def times_floor(self) -> float | None:
         return self.seconds / self.floor_seconds if self.nbytes and self.floor_seconds else None
 
+    @property
+    def floor_comparable(self) -> bool:
+        """Whether the load is big enough for ``x floor`` to measure the copy, not fixed costs."""
+        return (self.nbytes >= MIN_FLOOR_BYTES and self.floor_seconds is not None
+                and self.floor_seconds >= MIN_FLOOR_SECONDS)
+
 
 def timeline_rows(
     records: Sequence[TransitionRecord],
@@ -232,6 +254,12 @@ def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _times_floor(row: Row) -> str:
+    if row.times_floor is not None and not row.floor_comparable:
+        return NOT_MEANINGFUL
+    return _number(row.times_floor, ".2f")
+
+
 def format_timeline(rows: Sequence[Row], *, peak_device_bytes: int, device: torch.device,
                     allocator_peak: int | None = None) -> str:
     """The timeline as a text table with totals, the floor ratio and peak device bytes."""
@@ -247,21 +275,27 @@ def format_timeline(rows: Sequence[Row], *, peak_device_bytes: int, device: torc
             f"{row.index:>3} {row.at * 1e3:>9.2f}  {change:<34} {format_bytes(row.nbytes):>10} "
             f"{format_bytes(row.written_back):>10} {row.seconds * 1e3:>9.3f} "
             f"{_number(row.gbps, '.2f'):>7} {_number(row.floor_gbps, '.2f'):>10} "
-            f"{_number(row.times_floor, '.2f'):>8}"
+            f"{_times_floor(row):>8}"
         )
-    loads = [row for row in rows if row.nbytes and row.floor_seconds]
+    loads = [row for row in rows if row.floor_comparable]
     moved = sum(row.nbytes for row in rows)
     seconds = sum(row.seconds for row in rows)
     ratio = (sum(r.seconds for r in loads) / sum(r.floor_seconds for r in loads)) if loads else None
     lines.append(
         f"total: {format_bytes(moved)} moved in {seconds * 1e3:.2f} ms "
-        f"(x{_number(ratio, '.2f')} the floor), "
+        f"(x{NOT_MEANINGFUL if ratio is None else format(ratio, '.2f')} the floor), "
         f"{format_bytes(sum(row.written_back for row in rows))} written back"
     )
     peak = f"peak device bytes: {format_bytes(peak_device_bytes)} in the scheduler's storages"
     if allocator_peak is not None:
         peak += f"; allocator peak {format_bytes(allocator_peak)} (weights and activations)"
     lines.append(peak)
+    if any(row.times_floor is not None and not row.floor_comparable for row in rows):
+        lines.append(
+            f"{NOT_MEANINGFUL} in x floor: a load under {MIN_FLOOR_BYTES >> 20} MiB or with a floor "
+            f"under {MIN_FLOOR_SECONDS * 1e6:.0f} us, where the fixed cost of a phase change (tens "
+            "of microseconds) swamps the copy and the ratio would say nothing about it"
+        )
     return "\n".join(lines)
 
 

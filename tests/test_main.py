@@ -14,13 +14,22 @@ import pytest
 import torch
 
 from residency import Scheduler
-from residency.__main__ import main
+from residency.__main__ import build_parser, main
 from residency.records import TransitionRecord
 from residency.synthetic import SIZES, SyntheticWan22
-from residency.timeline import PhaseRecorder, format_timeline, timeline_rows, write_trace
+from residency.timeline import (
+    MIN_FLOOR_BYTES,
+    MIN_FLOOR_SECONDS,
+    NOT_MEANINGFUL,
+    PhaseRecorder,
+    format_timeline,
+    timeline_rows,
+    write_trace,
+)
 
 #: One intra-op thread in the subprocesses: on a shared 2-core machine OpenMP waits dominate.
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}
+MODULE_MODE = {"mode": "module", "components": ["dit", "text_encoder"]}
 WAN_CALL = ["--height", "16", "--width", "16", "--num-frames", "5",
             "--call-args", '{"max_sequence_length": 8}']
 
@@ -52,7 +61,9 @@ def test_main_job_prints_the_timeline_and_writes_a_perfetto_trace(tmp_path: Path
     for change in ("- -> vae", "- -> text_encoder", "text_encoder -> transformer",
                    "transformer -> transformer_2"):
         row = timeline_row(out, change)
-        assert row[-1] != "-" and float(row[-1]) > 0  # x floor was measured
+        assert row[-1] == NOT_MEANINGFUL  # tiny groups: x floor would measure fixed costs
+        assert float(row[-2]) > 0  # the floor itself was measured
+    assert f"{NOT_MEANINGFUL} in x floor: a load under 1 MiB" in out  # the legend says why
     assert "peak device bytes:" in out
 
     events = json.loads(trace.read_text())["traceEvents"]
@@ -124,7 +135,7 @@ def test_the_console_script_runs_main(capsys):
 
 def test_transfers_are_named_ranges_in_a_profiler_trace(tmp_path: Path):
     pipe = SyntheticWan22.build("tiny")
-    pipe.scheduler = Scheduler.from_pipeline(pipe, {"mode": "module"}, device="cpu")
+    pipe.scheduler = Scheduler.from_pipeline(pipe, MODULE_MODE, device="cpu")
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as profiler:
         pipe("a red dog", steps=4)
@@ -152,7 +163,7 @@ def test_synthetic_builds_are_deterministic_and_leave_the_global_rng_alone():
 
 def test_synthetic_offloaded_run_is_bit_identical_and_phases_are_exclusive():
     plain, pipe = SyntheticWan22.build("tiny"), SyntheticWan22.build("tiny")
-    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module"}, device="cpu")
+    scheduler = Scheduler.from_pipeline(pipe, MODULE_MODE, device="cpu")
     recorder = PhaseRecorder(scheduler)
     pipe.scheduler = recorder
     assert torch.equal(pipe("a red dog", steps=4), plain("a red dog", steps=4))
@@ -190,6 +201,7 @@ def record(source, target, nbytes, start, seconds, written=0):
 def test_timeline_rows_compare_each_load_with_its_floor():
     records = [record(None, "a", 2_000_000, 10.0, 0.002), record("a", "b", 1_000_000, 10.5, 0.004),
                record("b", None, 0, 11.0, 0.001, written=512)]
+    records[1] = record("a", "b", 2_000_000, 10.5, 0.004)
     rows = timeline_rows(records, {"a": 0.001, "b": 0.002}, first_index=7)
     assert [r.index for r in rows] == [8, 9, 10]
     assert [r.at for r in rows] == [0.0, 0.5, 1.0]
@@ -210,3 +222,93 @@ def test_trace_shows_when_each_group_was_resident(tmp_path: Path):
     assert resident["resident b"] == pytest.approx((2.1e6, 0.0))    # still resident at the end
     assert not [e for e in trace["traceEvents"] if e["name"] == "evict None"]
     assert json.loads((tmp_path / "t.json").read_text()) == trace
+
+
+def test_x_floor_is_shown_only_where_it_measures_the_copy():
+    big, floor = MIN_FLOOR_BYTES, MIN_FLOOR_SECONDS
+    records = [record(None, "big", big, 1.0, 2 * floor),            # shown: x2.00
+               record("big", "small", 9 * 1024, 1.1, 418 * 1e-6),  # 9 KiB: fixed costs
+               record("small", "fast", big, 1.2, floor / 2)]       # floor too short to compare
+    rows = timeline_rows(records, {"big": floor, "small": 1e-6, "fast": floor / 10})
+    assert [row.floor_comparable for row in rows] == [True, False, False]
+    text = format_timeline(rows, peak_device_bytes=0, device=torch.device("cpu"))
+    lines = text.splitlines()
+    assert lines[2].split()[-1] == "2.00"
+    assert lines[3].split()[-1] == NOT_MEANINGFUL and lines[4].split()[-1] == NOT_MEANINGFUL
+    assert "(x2.00 the floor)" in text  # the total counts only the rows shown
+    assert f"{NOT_MEANINGFUL} in x floor: a load under 1 MiB or with a floor under 100 us" in text
+    only_big = format_timeline(rows[:1], peak_device_bytes=0, device=torch.device("cpu"))
+    assert NOT_MEANINGFUL not in only_big  # no legend when every ratio is shown
+
+
+# -- arguments are checked before any work; exit statuses -----------------------------------------
+
+
+def refused(capsys, *argv: str) -> str:
+    """Run main with `argv`, expect exit status 2 before any work; returns stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "] build:" not in err and "] run" not in err  # nothing ran
+    return err
+
+
+def test_a_device_that_is_not_there_is_a_usage_error(capsys):
+    err = refused(capsys, "--size", "tiny", "--device", "cuda:99")
+    assert "--device cuda:99: there is no such device on this machine (available: cpu" in err
+    assert "--device 'gpu0' is not a device name" in refused(capsys, "--device", "gpu0")
+
+
+def test_an_unwritable_trace_path_is_refused_before_the_run(tmp_path: Path, capsys):
+    missing = tmp_path / "no such folder" / "trace.json"
+    err = refused(capsys, "--size", "tiny", "--trace", str(missing))
+    assert f"--trace {missing}: cannot write there (No such file or directory)" in err
+    assert "is a folder" in refused(capsys, "--size", "tiny", "--trace", str(tmp_path))
+    assert not missing.parent.exists()
+
+
+def test_a_folder_that_is_not_a_diffusers_model_is_refused(tmp_path: Path, capsys):
+    (tmp_path / "model_index.json").write_text('{"name": "not a pipeline"}')
+    err = refused(capsys, "--pipeline", str(tmp_path))
+    assert "model_index.json names no pipeline class" in err
+    (tmp_path / "model_index.json").write_text("{")
+    assert "model_index.json cannot be read as JSON" in refused(capsys, "--pipeline", str(tmp_path))
+
+
+def test_a_crash_exits_3_with_the_traceback_and_a_summary(tmp_path: Path):
+    pytest.importorskip("diffusers")
+    (tmp_path / "model_index.json").write_text(json.dumps(
+        {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"]}
+    ))  # looks like a diffusers folder, but the transformer's folder is missing
+    done = run_main("--pipeline", str(tmp_path), "--steps", "1")
+    assert done.returncode == 3, done.stderr
+    assert "Traceback (most recent call last)" in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("python -m residency: crashed: ") and last.endswith(
+        "(traceback above); exit status 3")
+
+
+def test_help_documents_the_exit_statuses_and_every_option(capsys):
+    parser = build_parser()
+    undocumented = [action.option_strings for action in parser._actions
+                    if action.option_strings and not action.help]
+    assert undocumented == []
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for line in ("0  the outputs are bit-identical", "1  the outputs differ", "2  bad usage",
+                 "3  crashed"):
+        assert line in out
+
+
+def test_progress_goes_to_stderr_phase_by_phase(capsys):
+    assert main(["--size", "tiny", "--steps", "3"]) == 0
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    experts = [path for path, _, _ in SyntheticWan22.build("tiny").timesteps(3)]
+    for stage in ("run without offloading", "run with offloading"):
+        lines = [line.split("] ", 1)[1] for line in err if f"] {stage}: " in line]
+        steps = [f"{stage}: step {n}/3: {path}" for n, path in enumerate(experts, start=1)]
+        assert lines == [f"{stage}: text_encoder", *steps, f"{stage}: vae"]
+    assert "step 1/3" not in captured.out  # the report stays clean
