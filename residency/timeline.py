@@ -292,8 +292,8 @@ def format_timeline(rows: Sequence[Row], *, peak_device_bytes: int, device: torc
     lines.append(peak)
     if any(row.times_floor is not None and not row.floor_comparable for row in rows):
         lines.append(
-            f"{NOT_MEANINGFUL} in x floor: a load under {MIN_FLOOR_BYTES >> 20} MiB or with a floor "
-            f"under {MIN_FLOOR_SECONDS * 1e6:.0f} us, where the fixed cost of a phase change (tens "
+            f"{NOT_MEANINGFUL} in x floor: a load under {MIN_FLOOR_BYTES >> 20} MiB or with a "
+            f"floor under {MIN_FLOOR_SECONDS * 1e6:.0f} us, where the fixed cost of a phase change (tens "
             "of microseconds) swamps the copy and the ratio would say nothing about it"
         )
     return "\n".join(lines)

@@ -250,11 +250,9 @@ def test_a_second_enable_offload_is_refused_and_changes_nothing():
 
 
 def test_accelerates_offload_hook_is_refused_and_changes_nothing():
-    from accelerate import cpu_offload_with_hook
-
-    pytest.importorskip("accelerate")
+    accelerate = pytest.importorskip("accelerate")
     pipe = tiny_flux()
-    cpu_offload_with_hook(pipe.vae, execution_device="cpu")  # what enable_model_cpu_offload sets
+    accelerate.cpu_offload_with_hook(pipe.vae, execution_device="cpu")  # what enable_model_cpu_offload sets
     before = module_attributes(pipe)
     pointers = [p.data_ptr() for p in pipe.transformer.parameters()]
     with pytest.raises(RegistrationError, match=r"FluxPipeline: component 'vae' is managed by "
