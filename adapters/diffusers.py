@@ -109,7 +109,7 @@ import torch
 from torch import nn
 
 from residency.config import OffloadConfig, resolve_config
-from residency.discovery import ENCODER_GROUP, ComponentPlan, apply_plan, plan_components
+from residency.discovery import ENCODER_GROUP, ComponentPlan, build_scheduler, plan_components
 from residency.errors import ConfigError, PhaseError, RegistrationError, ResidencyError
 from residency.scheduler import Scheduler
 
@@ -162,13 +162,9 @@ def enable_offload(
     _check_not_shared(owner, components)
     plan = _plan(owner, components, parsed)
     pipeline = weakref.ref(pipe)
-    scheduler = Scheduler(device, pin_memory=None if parsed.pin_memory else False)
     placements = tuple((module, _device_of(module)) for module in components.values())
-    try:
-        apply_plan(scheduler, plan)
-    except BaseException:
-        scheduler.close()
-        raise
+    pin_memory = None if parsed.pin_memory else False
+    scheduler = build_scheduler(plan, lambda: Scheduler(device, pin_memory=pin_memory))
     _wrap_exclusive_groups(_Offload(scheduler, pipeline, placements), plan)
     _place_execution_device(scheduler, plan)
     return scheduler

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from residency.component import Policy
+from residency.enums import Policy
 from residency.errors import ConfigError, RegistrationError
 from residency.transport import default_device
 

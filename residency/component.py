@@ -20,11 +20,11 @@ phase change to have every tensor written back.
 
 from __future__ import annotations
 
-import enum
-
+import attrs
 import torch
 from torch import nn
 
+from residency.enums import Policy, ResidencyState
 from residency.errors import DeviceMemoryError, ModuleChangedError, PhaseError
 from residency.memory import DeviceStorage, HostMaster
 from residency.tensors import Inventory, data_ptrs, repoint, versions
@@ -33,32 +33,26 @@ from residency.transport import Completion, Transport
 __all__ = ["Policy", "Residency", "ResidencyState"]
 
 
-class Policy(enum.Enum):
-    """How the scheduler treats a group."""
+@attrs.frozen
+class _PendingLoad:
+    """A load begun by `_begin_load` and not finished yet."""
 
-    #: Swapped in by ``resident(name)``; at most one exclusive group is on the device at a time.
-    EXCLUSIVE = "exclusive"
-    #: Placed on the device at registration and never evicted (a VAE, shared embeddings).
-    RESIDENT = "resident"
-
-
-class ResidencyState(enum.Enum):
-    """Where a component's weights live."""
-
-    #: The host master is the only copy; every tensor is a view of it.  No device memory is used.
-    OFFLOADED = "offloaded"
-    #: Bytes are being copied into device storage; tensors still view the host master.
-    LOADING = "loading"
-    #: Tensors are views of device storage.  The host master still holds the bytes as loaded;
-    #: changes made since are written back on eviction.
-    RESIDENT = "resident"
+    #: The device storage being copied into.
+    storage: DeviceStorage
+    #: The group's views of it, in inventory order.
+    views: list[torch.Tensor]
+    #: The end of the copy.
+    completion: Completion
+    #: Version counters when the copy began (prefetch: edits after it are copied again), or None.
+    watched_versions: list[int] | None
 
 
 class Residency:
-    """One registered component: its modules, its host master, its device storage and its state.
+    """One group: its modules, its host master, the device storage it was loaded into, its state.
 
     Created by `Scheduler.add`; model code does not build these.  ``_load`` and ``_evict`` are called
-    by the scheduler only; reading ``is_resident``, ``nbytes`` and ``state`` is always safe.
+    by the scheduler's placement only; reading ``is_resident``, ``nbytes`` and ``state`` is always
+    safe.  `state` and `device_storage` are this object's own facts, written only by its verbs.
 
         residency = scheduler.add("text_encoder", encoder)
         with scheduler.resident("text_encoder"):
@@ -72,12 +66,14 @@ class Residency:
         policy: Policy,
         inventory: Inventory,
         host_master: HostMaster,
-        device_storage: DeviceStorage,
         transport: Transport,
         *,
         excluded: tuple[nn.Module, ...] = (),
+        category: str | None = None,
     ) -> None:
         self.name = name
+        #: The config component it was made for ("dit", "text_encoder", "vae"), or None.
+        self.category = category
         self.modules = modules
         #: Submodules of `modules` left out of the group (they belong to other groups or none).
         self.excluded = excluded
@@ -86,7 +82,9 @@ class Residency:
         self.exclusive = policy is Policy.EXCLUSIVE
         self.inventory = inventory
         self.host_master = host_master
-        self.device_storage = device_storage
+        #: The device storage the tensors view while RESIDENT (the last one loaded into; None
+        #: before the first load).
+        self.device_storage: DeviceStorage | None = None
         self._transport = transport
         self.state = ResidencyState.OFFLOADED
         #: Where each tensor sat in device storage at the last load (to notice ``.data = ...``).
@@ -97,9 +95,8 @@ class Residency:
         #: costs a redundant write-back at the next eviction.
         self._loaded_versions = versions(inventory.tensors)
         self._marked_dirty = False
-        #: While LOADING: (storage, views, completion, versions when the copy began or None).
-        self._pending: tuple[DeviceStorage, list[torch.Tensor], Completion, list[int] | None]
-        self._pending = None
+        #: While LOADING: the copy under way.
+        self._pending: _PendingLoad | None = None
 
     def __repr__(self) -> str:
         return (
@@ -127,16 +124,15 @@ class Residency:
         """Have every tensor written back at the next eviction (for edits made through ``.data``)."""
         self._marked_dirty = True
 
-    def _load(self, storage: DeviceStorage | None = None) -> int:
-        """Copy the host master to device storage and re-point the tensors there; returns bytes copied.
+    def _load(self, storage: DeviceStorage) -> int:
+        """Copy the host master into `storage` and re-point the tensors there; returns bytes copied.
 
-        `storage` defaults to the storage the group used last.  On any failure (including a
-        ``KeyboardInterrupt``) the group is left cleanly offloaded.
+        On any failure (including a ``KeyboardInterrupt``) the group is left cleanly offloaded.
         """
         self._begin_load(storage)
         return self._finish_load()
 
-    def _begin_load(self, storage: DeviceStorage | None = None, *, watch_edits: bool = False) -> None:
+    def _begin_load(self, storage: DeviceStorage, *, watch_edits: bool = False) -> None:
         """Issue the copy into device storage; the tensors keep reading the host master.
 
         The group is LOADING until `_finish_load` (or `_cancel_load`).  Used directly for prefetch,
@@ -146,14 +142,14 @@ class Residency:
         self._require(ResidencyState.OFFLOADED, "load")
         self._check_structure()
         self._adopt_replaced_offloaded()
-        storage = self.device_storage if storage is None else storage
         self.state = ResidencyState.LOADING
         try:
             self._prepare_storage(storage, self.inventory.layout.contiguous_nbytes)
             views = storage.views_for(self, self.inventory)
             copies = self.host_master.chunk_copies(storage.buffer, self.inventory)
             watched = versions(self.inventory.tensors) if watch_edits else None
-            self._pending = (storage, views, self._transport.to_device(copies), watched)
+            completion = self._transport.to_device(copies)
+            self._pending = _PendingLoad(storage, views, completion, watched)
         except BaseException:
             self.state = ResidencyState.OFFLOADED
             raise
@@ -161,18 +157,19 @@ class Residency:
     def _finish_load(self) -> int:
         """Order compute after the copy and re-point the tensors to device storage."""
         self._require(ResidencyState.LOADING, "finish loading")
-        storage, views, completion, watched = self._pending
+        pending = self._pending
         try:
-            if watched is not None:
-                completion = self._recopy_edited(views, watched, completion)
+            completion = pending.completion
+            if pending.watched_versions is not None:
+                completion = self._recopy_edited(pending.views, pending.watched_versions, completion)
             completion.wait()
-            repoint(self.inventory.tensors, views)
+            repoint(self.inventory.tensors, pending.views)
         except BaseException:
             self._cancel_load()
             raise
         self._pending = None
-        self.device_storage = storage
-        self._device_ptrs = storage.pointers_for(self)
+        self.device_storage = pending.storage
+        self._device_ptrs = pending.storage.pointers_for(self)
         self.state = ResidencyState.RESIDENT
         return self.inventory.layout.nbytes
 
@@ -182,13 +179,13 @@ class Residency:
         Storage the user gave a tensor meanwhile (``.data = ...``) is adopted into the master.
         """
         self._require(ResidencyState.LOADING, "cancel loading")
-        storage, _, completion, _ = self._pending
+        pending = self._pending
         # The copy may still be reading the host master, whose memory may be released next
         # (remove, refresh, close): wait for it.  Prefetches are cancelled rarely.
-        completion.synchronize()
+        pending.completion.synchronize()
         self._pending = None
         self.state = ResidencyState.OFFLOADED
-        storage.retire()
+        pending.storage.retire()
         self._adopt_replaced_offloaded(keep_misfits=True)
 
     def _recopy_edited(self, views, watched: list[int], completion: Completion) -> Completion:

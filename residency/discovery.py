@@ -32,19 +32,19 @@ own way (the diffusers adapter); `scheduler_from_pipeline` is what ``Scheduler.f
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import attrs
 import torch
 from torch import nn
 
-from residency.component import Policy
 from residency.config import OffloadConfig, resolve_config
+from residency.enums import Policy
 from residency.errors import ConfigError
 from residency.no_offload import NoOffload
-from residency.scheduler import Scheduler
+from residency.registry import check_tensors_disjoint
 from residency.split import split_parts
 from residency.tensors import unique_submodules
 
@@ -55,6 +55,7 @@ __all__ = [
     "Member",
     "SupportsComponentDiscovery",
     "apply_plan",
+    "build_scheduler",
     "declares_components",
     "plan_components",
     "resolve_path",
@@ -63,6 +64,18 @@ __all__ = [
 
 #: One listed module: its dotted path from the pipeline and the module.
 Member = tuple[str, nn.Module]
+
+
+class Registrar(Protocol):
+    """What `apply_plan` needs of a scheduler (`Scheduler` and `NoOffload` both are one).
+
+    Discovery sits below the scheduler: it is handed one (or a factory), never imports it.
+    """
+
+    def add(self, name: str, modules, *, policy, exclude, category) -> object: ...
+    def alias(self, path: str, name: str) -> None: ...
+    def remove(self, name: str) -> object: ...
+    def close(self) -> None: ...
 
 #: The name of the one group all selected encoders share.
 ENCODER_GROUP = "text_encoder"
@@ -134,6 +147,9 @@ class ComponentPlan:
     excluded: Mapping[str, tuple[nn.Module, ...]] = attrs.field(
         factory=dict, converter=_proxy, hash=False
     )
+    #: Group name -> the config component it was made for ("dit", "text_encoder", "vae"); groups
+    #: of `_resident_modules` have none.
+    categories: Mapping[str, str] = attrs.field(factory=dict, converter=_proxy, hash=False)
 
     def groups(self) -> Iterator[tuple[str, Policy, tuple[nn.Module, ...], tuple[nn.Module, ...]]]:
         """(name, policy, modules, excluded) of every group: exclusive groups first.
@@ -197,9 +213,10 @@ def plan_components(
     for path, dit in dits.items():
         builder.add_dit(path, dit, offload="dit" in selected)
     if encoders:
-        builder.add(ENCODER_GROUP, _policy("text_encoder", selected), encoders.items())
+        builder.add(ENCODER_GROUP, _policy("text_encoder", selected), encoders.items(),
+                    category="text_encoder")
     if vaes:
-        builder.add(VAE_GROUP, _policy("vae", selected), vaes.items())
+        builder.add(VAE_GROUP, _policy("vae", selected), vaes.items(), category="vae")
     for path, module in residents.items():
         builder.add(path, Policy.RESIDENT, [(path, module)])
     return builder.build()
@@ -231,11 +248,22 @@ class _PlanBuilder:
         self.groups: list[tuple[str, Policy, tuple[Member, ...], tuple[nn.Module, ...]]] = []
         self.aliases: dict[str, str] = {}
         self.split_models: list[Member] = []
+        self.categories: dict[str, str] = {}
         self._resident_part_names: set[str] = set()
 
-    def add(self, name: str, policy: Policy, members, excluded: tuple[nn.Module, ...] = ()) -> None:
+    def add(
+        self,
+        name: str,
+        policy: Policy,
+        members,
+        excluded: tuple[nn.Module, ...] = (),
+        *,
+        category: str | None = None,
+    ) -> None:
         members = tuple(members)
         self.groups.append((name, policy, members, excluded))
+        if category is not None:
+            self.categories.setdefault(name, category)
         for path, _ in members:
             self.alias(path, name)
 
@@ -254,7 +282,8 @@ class _PlanBuilder:
         if parts:
             self.split_models.append((path, dit))
         if not (parts and offload):
-            self.add(path, Policy.EXCLUSIVE if offload else Policy.RESIDENT, [(path, dit)])
+            self.add(path, Policy.EXCLUSIVE if offload else Policy.RESIDENT, [(path, dit)],
+                     category="dit")
             for part in parts:
                 # Entering any resident-policy group does the same (nothing), so when two
                 # resident split models share a part name, the first one's group serves both.
@@ -264,10 +293,10 @@ class _PlanBuilder:
             return
         part_members = _resolve_parts(self.owner, path, dit, parts)
         for part, members in part_members.items():
-            self.add(part, Policy.EXCLUSIVE, members)
+            self.add(part, Policy.EXCLUSIVE, members, category="dit")
         part_modules = tuple(m for members in part_members.values() for _, m in members)
         if _has_tensors_outside(dit, part_modules):
-            self.add(path, Policy.RESIDENT, [(path, dit)], excluded=part_modules)
+            self.add(path, Policy.RESIDENT, [(path, dit)], excluded=part_modules, category="dit")
 
     def build(self) -> ComponentPlan:
         excluded = {name: modules for name, _, _, modules in self.groups if modules}
@@ -291,6 +320,7 @@ class _PlanBuilder:
             aliases=self.aliases,
             split_models=tuple(self.split_models),
             excluded=excluded,
+            categories=self.categories,
         )
         _check_alias_names(plan)
         return plan
@@ -466,21 +496,22 @@ def _declared_modules(pipeline: object, declaration: str) -> dict[str, nn.Module
 # -- applying -----------------------------------------------------------------------------------
 
 
-def apply_plan(scheduler: Scheduler | NoOffload, plan: ComponentPlan) -> None:
+def apply_plan(scheduler: Registrar, plan: ComponentPlan) -> None:
     """Register the plan's groups and aliases on `scheduler` and attach its split models.
 
         apply_plan(Scheduler("cuda"), plan_components("MyPipeline", dits, encoders, vaes, {}, c))
 
-    Each group is added with ``exclude=`` its excluded subtrees.  With a `Scheduler`, groups that
-    would share a tensor are refused first (`ConfigError`); if a registration fails anyway, the
-    groups added so far are removed before the error propagates.
+    Each group is added with ``exclude=`` its excluded subtrees and its category.  Unless offloading
+    is off (`NoOffload`), groups that would share a tensor are refused first (`ConfigError`); if a
+    registration fails anyway, the groups added so far are removed before the error propagates.
     """
-    if isinstance(scheduler, Scheduler):
-        _check_no_shared_tensors(plan)
+    if not isinstance(scheduler, NoOffload):
+        check_tensors_disjoint(plan.owner, _member_tensors(plan))
     added: list[str] = []
     try:
         for name, policy, modules, excluded in plan.groups():
-            scheduler.add(name, modules, policy=policy, exclude=excluded)
+            category = plan.categories.get(name)
+            scheduler.add(name, modules, policy=policy, exclude=excluded, category=category)
             added.append(name)
     except BaseException:
         for name in reversed(added):
@@ -492,32 +523,33 @@ def apply_plan(scheduler: Scheduler | NoOffload, plan: ComponentPlan) -> None:
         model.scheduler = scheduler
 
 
-def _check_no_shared_tensors(plan: ComponentPlan) -> None:
-    owners: dict[tuple, tuple[str, str]] = {}
+def build_scheduler(plan: ComponentPlan, make_scheduler: Callable[[], Registrar]) -> Registrar:
+    """A new scheduler with `plan` applied; closed again if the plan cannot be applied.
+
+        scheduler = build_scheduler(plan, lambda: Scheduler(device))
+    """
+    scheduler = make_scheduler()
+    try:
+        apply_plan(scheduler, plan)
+    except BaseException:
+        scheduler.close()
+        raise
+    return scheduler
+
+
+def _member_tensors(plan: ComponentPlan) -> Iterator[tuple[str, str, Iterable[torch.Tensor]]]:
     for group, path, module in plan.members():
-        for tensor in _group_tensors(module, plan.excluded.get(group, ())):
-            storage = tensor.untyped_storage()
-            if storage.nbytes() == 0:
-                continue
-            key = (storage.device, storage.data_ptr())
-            other_group, other_path = owners.setdefault(key, (group, path))
-            if other_group != group:
-                raise ConfigError(
-                    f"{plan.owner}: {path!r} (group {group!r}) shares a tensor with {other_path!r} "
-                    f"(group {other_group!r}); a tensor belongs to one group: list both modules in "
-                    "one category (in a split model: keep the tensor inside one part or outside "
-                    "every part), or untie the weights"
-                )
+        yield group, path, _group_tensors(module, plan.excluded.get(group, ()))
 
 
 def scheduler_from_pipeline(
-    cls: type[Scheduler],
+    make_scheduler: Callable[..., Registrar],
     pipeline: object,
     config: object = None,
     *,
     enable_cpu_offload: object = False,
     device=None,
-) -> Scheduler | NoOffload:
+) -> Registrar:
     """The scheduler for a pipeline that declares its components (``Scheduler.from_pipeline``).
 
         scheduler = Scheduler.from_pipeline(pipe, '{"mode": "module", "components": ["dit"]}')
@@ -533,13 +565,6 @@ def scheduler_from_pipeline(
     dits, encoders, vaes, residents = (_declared_modules(pipeline, d) for d in _DECLARATIONS)
     plan = plan_components(owner, dits, encoders, vaes, residents, parsed)
     if parsed is None:
-        scheduler: Scheduler | NoOffload = NoOffload(device)
-    else:
-        scheduler = cls(device, pin_memory=None if parsed.pin_memory else False)
-    try:
-        apply_plan(scheduler, plan)
-    except BaseException:
-        if isinstance(scheduler, Scheduler):
-            scheduler.close()
-        raise
-    return scheduler
+        return build_scheduler(plan, lambda: NoOffload(device))
+    pin_memory = None if parsed.pin_memory else False
+    return build_scheduler(plan, lambda: make_scheduler(device, pin_memory=pin_memory))

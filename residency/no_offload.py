@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from residency.arguments import as_excluded, as_modules, check_name, parse_policy
-from residency.component import Policy
+from residency.enums import Policy
 from residency.records import TransitionLog
 
 __all__ = ["NoOffload"]
@@ -41,6 +41,7 @@ class NoOffload:
         *,
         policy: str | Policy = "exclusive",
         exclude: nn.Module | Iterable[nn.Module] = (),
+        category: str | None = None,
     ) -> None:
         """Check the arguments as `Scheduler.add` does; move the modules to `device` when given."""
         check_name(name, self._names)

@@ -29,11 +29,9 @@ parts (tied weights across that line are refused).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-if TYPE_CHECKING:
-    from residency.no_offload import NoOffload
-    from residency.scheduler import Scheduler
+from residency.no_offload import NoOffload
 
 __all__ = ["SplitModel", "split_parts"]
 
@@ -48,8 +46,6 @@ class _SchedulerSlot:
     def __get__(self, model: object, owner: type) -> object:
         if model is None:
             return self
-        from residency.no_offload import NoOffload
-
         scheduler = NoOffload()
         vars(model)["scheduler"] = scheduler
         return scheduler
@@ -78,7 +74,7 @@ class SplitModel:
 
     #: Where the parts' groups live: set by `Scheduler.from_pipeline` (or by hand); a `NoOffload`
     #: until then, so ``with self.scheduler.resident(part):`` always works.
-    scheduler: Scheduler | NoOffload = _SchedulerSlot()  # type: ignore[assignment]
+    scheduler: object = _SchedulerSlot()  # a Scheduler or a NoOffload
 
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())  # type: ignore[misc]

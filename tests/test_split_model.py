@@ -117,7 +117,8 @@ class SplitPipeline(SupportsComponentDiscovery, nn.Module):
 
 def _inside(tensor, group) -> bool:
     """Whether `tensor` reads `group`'s device buffer."""
-    buffer = group.device_storage.buffer
+    storage = group.device_storage  # None before the group's first load
+    buffer = None if storage is None else storage.buffer
     start = buffer.data_ptr() if buffer is not None else -1
     return start <= tensor.data_ptr() < start + (buffer.numel() if buffer is not None else 0)
 
@@ -393,7 +394,7 @@ def test_apply_plan_removes_the_shared_group_too_when_a_later_registration_fails
     plain = copy.deepcopy(pipe)
     dits, encoders, vaes = ({"transformer": pipe.transformer}, {"text_encoder": pipe.text_encoder},
                             {"vae": pipe.vae})
-    plan = plan_components("SplitPipeline", dits, encoders, vaes, {}, OffloadConfig(mode="module"))
+    plan = plan_components("SplitPipeline", dits, encoders, vaes, {}, OffloadConfig(mode="module", components=("dit", "text_encoder")))
     assert list(plan.resident) == ["transformer", "vae"]  # the shared group is added before vae
     scheduler = Scheduler("cpu")
     scheduler.add("vae", nn.Linear(2, 2), policy="resident")

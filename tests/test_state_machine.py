@@ -31,6 +31,7 @@ from hypothesis.stateful import (
 from torch import nn
 
 from residency import PhaseError, ResidencyState, Scheduler
+from residency.enums import PhaseStatus
 
 from conftest import enter_refreshing, make_block, run_block, twin
 
@@ -112,6 +113,7 @@ class PhaseMachine(RuleBasedStateMachine):
         try:
             while self.stack:
                 self.stack.pop().__exit__(None, None, None)
+                self.close_leaving_phases()
                 self.one_exclusive_group_and_it_is_the_innermost()
                 self.every_tensor_lives_where_its_group_is()
             self.no_weight_lost_or_mixed_up()
@@ -159,6 +161,15 @@ class PhaseMachine(RuleBasedStateMachine):
             assert not phase.__exit__(Boom, error, error.__traceback__)
         else:
             phase.__exit__(None, None, None)
+        self.close_leaving_phases()
+
+    def close_leaving_phases(self) -> None:
+        """Phases whose exit was refused (misnested) close once the phases inside them are left."""
+        while self.stack and self.stack[-1].status is not PhaseStatus.ACTIVE:
+            phase = self.stack.pop()
+            assert phase.status is PhaseStatus.EXITED_LATE, repr(phase)
+            phase.__exit__(None, None, None)  # leaving it again does nothing
+            assert phase.status is PhaseStatus.EXITED
 
     @precondition(lambda self: len(self.stack) >= 2)
     @rule(data=st.data())
@@ -168,6 +179,7 @@ class PhaseMachine(RuleBasedStateMachine):
         with pytest.raises(PhaseError, match="leave phases in the reverse order"):
             self.stack[index].__exit__(None, None, None)
         assert self.scheduler.current == current
+        assert self.stack[index].status is PhaseStatus.LEAVING
 
     @precondition(lambda self: self.stack)
     @rule()

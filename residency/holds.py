@@ -1,0 +1,344 @@
+"""Holds: who may run.  Every thread's open phases, who holds the current group, and the queue.
+
+[Note: holds, nesting and threads]
+A thread *holds* the group of its innermost open phase.  A group can only be evicted when nobody
+holds it.  Entering a phase of another group first gives up the thread's own hold (a nested phase
+suspends the outer one), then waits until the current group has no holders, then swaps.  Leaving the
+nested phase gives up its hold and takes the outer group back, swapping again if needed.  Because a
+waiting thread never holds anything, threads cannot deadlock on each other through the scheduler.
+Waiters are served first come, first served; a thread asking for the group already on the device
+joins it at once unless someone queued earlier for another group.
+
+What can still hang is a hold that is never released: a thread that ended inside a phase (a phase
+must be left on the thread that entered it).  Waiters notice such holds and raise `DeadlockError`;
+``wait_timeout`` turns any longer wait into a `DeadlockError` too.
+
+[Note: misnested exits]
+Leaving a phase while a phase inside it is still open (possible without ``with``: generators,
+``ExitStack`` misuse) is refused with `PhaseError` and changes nothing now: the inner phases'
+code may still be running and must keep its weights.  The phase is marked LEAVING and closes by
+itself the moment the phases inside it have been left - so after a misnested ``with`` the thread
+does not hold its group forever: once the inner phases exit, the holds are empty and other threads
+can enter any group.  Leaving it again afterwards does nothing (a ``with`` statement never calls
+``__exit__`` twice, so a caller that retries must not be punished).  Leaving a phase on a thread
+that did not enter it raises and changes nothing: that thread's frames are not ours to touch.
+
+Fields (every one guarded by the scheduler lock; `Holds` is their one mutator):
+
+* ``_threads``: thread -> `ThreadHolds`, for each thread with an open phase or a hold.  Invariant:
+  an entry with no frames and no hold is removed; a thread's frames are its open phases, innermost
+  last, and each frame names the exclusive group the thread needs while the frame is innermost.
+* a thread's ``held``: the group it holds, or None.  Invariant: every held group is the placement's
+  current group (the facade grants a hold only after making the group current).
+* ``_queue``: tickets of threads waiting for a group, oldest first.  Invariant: a thread waits on
+  at most one ticket and holds nothing while it waits.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from residency.component import Residency
+from residency.enums import PhaseStatus
+from residency.errors import DeadlockError, PhaseError, SchedulerClosedError
+from residency.locks import CHECKING, check_held
+
+__all__ = ["Holds", "ThreadHolds", "Ticket"]
+
+#: How often a waiting thread looks for holders whose threads have ended (seconds).
+_DEAD_HOLDER_POLL = 0.05
+_current_thread = threading.current_thread
+_ACTIVE = PhaseStatus.ACTIVE
+
+
+class ThreadHolds:
+    """One thread's frames and hold."""
+
+    __slots__ = ("thread", "frames", "held")
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+        #: (phase, the exclusive group the thread needs while it is innermost), outermost first.
+        #: A phase's ``status`` is written here only.
+        self.frames: list[tuple[object, Residency | None]] = []
+        self.held: Residency | None = None
+
+    def needs(self) -> Residency | None:
+        """The exclusive group the innermost frame needs (None outside every phase)."""
+        return self.frames[-1][1] if self.frames else None
+
+
+class Ticket:
+    """A thread's place in the queue for `group`."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Residency) -> None:
+        self.group = group
+
+
+class Holds:
+    """The table of who may run (see the notes above); the facade calls it with the lock held.
+
+        entry = holds.entry(thread)
+        holds.push(entry, phase, needs=group)    # a frame, after the hold was granted
+    """
+
+    def __init__(self, lock: threading.RLock, *, wait_timeout: float | None) -> None:
+        self._lock = lock
+        #: Waiters sleep here; the same lock.
+        self._wakeup = threading.Condition(lock)
+        self.wait_timeout = wait_timeout
+        self._threads: dict[threading.Thread, ThreadHolds] = {}  # guarded by the lock
+        #: Per thread, a shortcut to its entry (read by that thread only).
+        self._local = threading.local()
+        #: How many entries hold a group (kept with ``held``, read on every exit).
+        self._holder_count = 0  # guarded by the lock
+        self._queue: collections.deque[Ticket] = collections.deque()  # guarded by the lock
+
+    # -- queries (the lock held) ---------------------------------------------------------------
+
+    def _local_entry(self) -> ThreadHolds:
+        """The calling thread's entry, made on its first phase.  The thread-local slot is only a
+        shortcut to the entry: the table (``_threads``) says whether it is open or holds."""
+        entry = self._local.entry = ThreadHolds(_current_thread())
+        return entry
+
+    def holders(self) -> list[threading.Thread]:
+        return [t for t, e in self._threads.items() if e.held is not None]
+
+    def has_holders(self) -> bool:
+        return self._holder_count > 0
+
+    def queue_is_empty(self) -> bool:
+        return not self._queue
+
+    def involves(self, group: Residency) -> bool:
+        """Whether any thread holds `group`, waits for it, or has a phase of it open (suspended
+        phases included)."""
+        return any(ticket.group is group for ticket in self._queue) or any(
+            entry.held is group
+            or any(phase.group is group or needs is group for phase, needs in entry.frames)
+            for entry in self._threads.values()
+        )
+
+    def describe_holders(self, current: Residency | None) -> str:
+        names = ", ".join(repr(t.name) for t in self.holders()) or "no thread"
+        return f"group {current.name if current else None!r} is held by {names}"
+
+    # -- frames ------------------------------------------------------------------------------
+
+    def push(self, entry: ThreadHolds, phase, needs: Residency | None) -> None:
+        """Open `phase` as `entry`'s innermost frame."""
+        if CHECKING:
+            check_held(self._lock)
+        entry.frames.append((phase, needs))
+        phase.status = PhaseStatus.ACTIVE
+        self._threads[entry.thread] = entry
+
+    def try_join(self, phase, current: Residency | None) -> ThreadHolds | None:
+        """Open `phase` at once when that needs no swap and no wait; else return the calling
+        thread's entry (for the facade's slow path), changing nothing.
+
+        At once: re-entry of the group the thread holds, or a thread holding nothing joining the
+        current group while nobody is queued.  This is every phase of a denoising loop after the
+        first: a dict lookup and a list append under the lock, no tensor work.
+        """
+        if CHECKING:
+            check_held(self._lock)
+        try:
+            entry = self._local.entry
+        except AttributeError:
+            entry = self._local_entry()
+        group, held = phase.group, entry.held
+        if held is not group:  # (a held group is exclusive)
+            if held is not None or group is not current or self._queue or not group.exclusive:
+                return entry
+            self._holder_count += 1
+            entry.held = group
+            self._threads[entry.thread] = entry
+        entry.frames.append((phase, group))
+        phase.status = _ACTIVE
+        return None
+
+    def leave(self, phase) -> tuple[ThreadHolds, Residency] | None:
+        """Close `phase` (see `pop`) and give up the hold when no phase of the thread needs one.
+
+        Returns None when that is all, or (entry, group the new innermost frame needs) when the
+        facade must move the thread's hold.  Raises `PhaseError` like `pop`.
+        """
+        if CHECKING:
+            check_held(self._lock)
+        try:
+            entry = self._local.entry
+        except AttributeError:
+            entry = self._local_entry()
+        frames = entry.frames
+        if frames and frames[-1][0] is phase and len(frames) == 1 and entry.held is not None:
+            # The common exit: the thread's only phase; give up the hold, forget the entry.
+            frames.pop()
+            phase.status = PhaseStatus.EXITED
+            self._drop_hold(entry)
+            return None
+        needs = self.pop(entry, phase)
+        if needs is entry.held:
+            return None
+        if needs is None:
+            self.give_up(entry)
+            return None
+        return entry, needs
+
+    def pop(self, entry: ThreadHolds, phase) -> Residency | None:
+        """Close `phase`, the innermost frame, and every LEAVING frame it uncovers; returns what
+        the new innermost frame needs.
+
+        Raises `PhaseError` when `phase` is not open on this thread, or when phases inside it are
+        still open (then it is marked LEAVING: see [Note: misnested exits]).
+        """
+        if CHECKING:
+            check_held(self._lock)
+        frames = entry.frames
+        if not frames or frames[-1][0] is not phase:
+            self._refuse_exit(entry, phase)
+        frames.pop()
+        phase.status = PhaseStatus.EXITED
+        while frames and frames[-1][0].status is PhaseStatus.LEAVING:
+            frames.pop()[0].status = PhaseStatus.EXITED_LATE
+        return frames[-1][1] if frames else None
+
+    def _refuse_exit(self, entry: ThreadHolds, phase) -> None:
+        depth = _depth_of(entry, phase)
+        if depth != len(entry.frames) - 1:
+            phase.status = PhaseStatus.LEAVING
+            inner = ", ".join(repr(p.group.name) for p, _ in entry.frames[depth + 1 :])
+            raise PhaseError(
+                f"the phase of {phase.group.name!r} was left while phases inside it are still "
+                f"active ({inner}); it will close when they are left. Use `with`, and leave "
+                "phases in the reverse order of entering them"
+            )
+
+    def forget_if_idle(self, entry: ThreadHolds) -> None:
+        """Drop `entry` from the table once it has no frame and no hold."""
+        if CHECKING:
+            check_held(self._lock)
+        if not entry.frames and entry.held is None:
+            self._threads.pop(entry.thread, None)
+
+    # -- holding -----------------------------------------------------------------------------
+
+    def take(self, entry: ThreadHolds, group: Residency) -> None:
+        """Record that `entry`'s thread holds `group` (the placement's current group)."""
+        if CHECKING:
+            check_held(self._lock)
+        if entry.held is None:
+            self._holder_count += 1
+        entry.held = group
+        self._threads[entry.thread] = entry
+
+    def give_up(self, entry: ThreadHolds) -> None:
+        """`entry`'s thread holds nothing any more; wake waiters if nobody does.  An entry left
+        with no frame is dropped from the table."""
+        if CHECKING:
+            check_held(self._lock)
+        if entry.held is not None:
+            self._drop_hold(entry)
+        elif not entry.frames:
+            self._threads.pop(entry.thread, None)
+
+    def _drop_hold(self, entry: ThreadHolds) -> None:
+        self._holder_count -= 1
+        entry.held = None
+        if not entry.frames:
+            del self._threads[entry.thread]
+        if self._queue and not self._holder_count:
+            self._wakeup.notify_all()
+
+    def may_join(self, group: Residency, current: Residency | None) -> bool:
+        """Whether a thread may hold `group` at once: it is current and nobody waits."""
+        return group is current and not self._queue
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def enqueue(self, group: Residency) -> Ticket:
+        if CHECKING:
+            check_held(self._lock)
+        ticket = Ticket(group)
+        self._queue.append(ticket)
+        return ticket
+
+    def dequeue(self, ticket: Ticket) -> None:
+        if CHECKING:
+            check_held(self._lock)
+        self._queue.remove(ticket)
+        self._wakeup.notify_all()
+
+    def wait_for_turn(
+        self, ticket: Ticket, current: Callable[[], Residency | None], is_open: Callable[[], bool]
+    ) -> None:
+        """Sleep until `ticket` may join the current group or swap it out (first come, first served).
+
+        `current` reads the placement's current group; `is_open` whether the scheduler is open.
+        """
+        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
+        while not self._may_proceed(ticket, current()):
+            if not is_open():
+                raise SchedulerClosedError(
+                    "the scheduler was closed while this phase waited for its group; create a new "
+                    "Scheduler and add the modules again to keep offloading"
+                )
+            self._release_dead_holders(ticket.group, current())
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlockError(
+                    f"waited {self.wait_timeout} s for group {ticket.group.name!r}: "
+                    f"{self.describe_holders(current())}. Leave phases promptly, or raise "
+                    "wait_timeout"
+                )
+            self._wakeup.wait(_DEAD_HOLDER_POLL)
+
+    def wake_all(self) -> None:
+        self._wakeup.notify_all()
+
+    def _may_proceed(self, ticket: Ticket, current: Residency | None) -> bool:
+        for earlier in self._queue:
+            if earlier is ticket:
+                break
+            if earlier.group is not ticket.group:
+                return False
+        if current is ticket.group:
+            return True
+        return not self.has_holders() and self._queue[0] is ticket
+
+    def _release_dead_holders(self, wanted: Residency, current: Residency | None) -> None:
+        """When every holder's thread has ended inside a phase, drop their entries and raise."""
+        if CHECKING:
+            check_held(self._lock)
+        holders = self.holders()
+        dead = [thread for thread in holders if not thread.is_alive()]
+        if not dead or len(dead) < len(holders):
+            return
+        for thread in dead:
+            del self._threads[thread]
+        self._holder_count -= len(dead)
+        names = ", ".join(repr(t.name) for t in dead)
+        raise DeadlockError(
+            f"group {wanted.name!r} waited on group {current.name if current else None!r}, held "
+            f"by phases of thread(s) {names} that ended without leaving them; those holds are now "
+            "released. Leave every phase on the thread that entered it (use `with`)"
+        )
+
+    def __iter__(self) -> Iterator[ThreadHolds]:
+        return iter(list(self._threads.values()))
+
+
+def _depth_of(entry: ThreadHolds, phase) -> int:
+    for depth in range(len(entry.frames) - 1, -1, -1):
+        if entry.frames[depth][0] is phase:
+            return depth
+    raise PhaseError(
+        f"the phase of {phase.group.name!r} was left on thread "
+        f"{threading.current_thread().name!r}, which did not enter it; leave a phase on the "
+        "thread that entered it"
+    )

@@ -1,0 +1,266 @@
+"""Placement: which groups' bytes are on the device, in which storage, and how a switch happens.
+
+The one answer to "what is on the device?".  It owns the device storages and carries out every
+phase change (evict the current exclusive group, load the next, write the record), so the next
+placement policies (layer mode's block slots, multi-rank's sharded copies) plug in here.
+
+Fields (every one guarded by the scheduler lock; `Placement` is their one mutator):
+
+* ``_exclusive_storages``: the two device buffers exclusive groups share.  The first is always used;
+  the second only once `prefetch` needs room beside the current group.
+* ``_planned``: every registered group, in registration order (the groups it may place).
+  Invariant: each always-resident (policy RESIDENT) group in it is RESIDENT in a storage of its own.
+* ``current``: the exclusive group on the device, or None.  Invariant: ``current.state`` is
+  RESIDENT, its tensors view ``current.device_storage``, and no other exclusive group is RESIDENT.
+* ``prefetched``: an exclusive group whose copy `prefetch` started, or None.  Invariant: it is
+  LOADING into the exclusive storage that ``current`` does not use.
+
+Which storage a group's tensors view is the group's own fact (`Residency.device_storage`, written
+when a load finishes); placement reads it to choose a buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+import torch
+from torch.profiler import record_function
+
+from residency.component import Residency
+from residency.enums import Policy
+from residency.errors import RegistrationError
+from residency.locks import CHECKING, check_held
+from residency.memory import DeviceStorage
+from residency.records import TransitionLog, TransitionRecord
+from residency.transport import Transport
+
+__all__ = ["Placement"]
+
+
+class Placement:
+    """The device side of a scheduler (see the module docstring); called with the lock held.
+
+        placement.switch_to(dit)         # evict the current exclusive group, load `dit`, record it
+        placement.current is dit         # True
+    """
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        transport: Transport,
+        *,
+        device: torch.device,
+        device_memory_limit: int | None,
+        transitions: TransitionLog,
+    ) -> None:
+        self._lock = lock
+        self._transport = transport
+        self.device = device
+        self.device_memory_limit = device_memory_limit
+        self._transitions = transitions
+        self._exclusive_storages = (DeviceStorage(transport), DeviceStorage(transport))
+        self._planned: list[Residency] = []  # guarded by the lock
+        self.current: Residency | None = None  # guarded by the lock
+        self.prefetched: Residency | None = None  # guarded by the lock
+
+    # -- queries --------------------------------------------------------------------------------
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of every device storage that exists now (the shared buffers included)."""
+        storages = {id(s): s for s in self._exclusive_storages}
+        for group in self._planned:
+            if not group.exclusive and group.device_storage is not None:
+                storages[id(group.device_storage)] = group.device_storage
+        return sum(storage.nbytes for storage in storages.values())
+
+    def resident_names(self) -> list[str]:
+        """Names of the groups whose weights are on the device now, in registration order."""
+        return [g.name for g in self._planned if not g.exclusive or g is self.current]
+
+    def spans(self) -> list[tuple[int, int, Residency]]:
+        """[start, end) host and device addresses of every planned group's bytes."""
+        spans = []
+        for group in self._planned:
+            for chunk in group.host_master.chunks:
+                spans.append((chunk.data_ptr(), chunk.data_ptr() + chunk.numel(), group))
+            storage = group.device_storage
+            if group.is_resident and storage is not None and storage.buffer is not None:
+                start = storage.buffer.data_ptr()
+                spans.append((start, start + storage.buffer.numel(), group))
+        return spans
+
+    def check_budget(self, name: str, needs: Iterable[tuple[Policy, int]]) -> None:
+        """Refuse a group whose device bytes, with those of `needs` (every group and claim,
+        the new one last), would exceed ``device_memory_limit``."""
+        limit = self.device_memory_limit
+        if limit is None:
+            return
+        needs = list(needs)
+        exclusive = max((n for p, n in needs if p is Policy.EXCLUSIVE), default=0)
+        planned = exclusive + sum(n for p, n in needs if p is Policy.RESIDENT)
+        if planned > limit:
+            raise RegistrationError(
+                f"cannot add group {name!r}: it needs {needs[-1][1]} bytes of device memory, "
+                f"and with the groups already registered the device would need {planned} bytes, "
+                f"over device_memory_limit={limit}. Raise the limit or split the group"
+            )
+
+    # -- admitting and withdrawing groups --------------------------------------------------------
+
+    def admit(self, group: Residency) -> None:
+        """Plan a place for a newly registered group; an always-resident group is loaded now.
+
+        If that load fails the group is not admitted and the error propagates.
+        """
+        if CHECKING:
+            check_held(self._lock)
+        if group.exclusive:
+            self._planned.append(group)
+            self._update_size_hints()
+            return
+        start = time.perf_counter()
+        with record_function(f"residency::load {group.name}"):
+            nbytes = group._load(DeviceStorage(self._transport))
+        self._planned.append(group)
+        self._record(None, group, nbytes, 0, start, start)
+
+    def withdraw(self, group: Residency, *, evict: bool) -> None:
+        """Forget `group` and drop its views and storage.
+
+        With `evict`, a resident group is evicted first (changes written back; tensors that no
+        longer fit their place are kept as the user made them, on the host).  Without, its
+        tensors keep viewing the device bytes (`refresh` re-packs them from there).
+        """
+        if CHECKING:
+            check_held(self._lock)
+        self.cancel_prefetch()
+        if evict and group.is_resident:
+            group._evict(keep_changed=True)
+        if self.current is group:
+            self.current = None
+        for storage in {*self._exclusive_storages, group.device_storage} - {None}:
+            storage.forget(group)
+        if not group.exclusive and group.device_storage is not None:
+            group.device_storage.release()
+        if group in self._planned:
+            self._planned.remove(group)
+        self._update_size_hints()
+
+    # -- phase changes ---------------------------------------------------------------------------
+
+    def switch_to(self, group: Residency | None) -> None:
+        """Evict the current exclusive group and load `group` (None: leave the device empty).
+
+        Called with no holders.  On failure to load, the device holds no exclusive group.
+        """
+        if CHECKING:
+            check_held(self._lock)
+        previous, start, written = self.current, time.perf_counter(), 0
+        if previous is not None:
+            with record_function(f"residency::evict {previous.name}"):
+                written = previous._evict()
+            self.current = None
+        evicted, nbytes = time.perf_counter(), 0
+        if group is not None:
+            with record_function(f"residency::load {group.name}"):
+                nbytes = self._load(group)
+            self.current = group
+        self._record(previous, group, nbytes, written, start, evicted)
+
+    def prefetch(self, group: Residency) -> bool:
+        """Start copying exclusive `group` beside the current one when there is room (see
+        `Scheduler.prefetch`); returns whether a copy was started."""
+        if CHECKING:
+            check_held(self._lock)
+        if not group.exclusive or group is self.current or group is self.prefetched:
+            return False
+        if not self._room_for_prefetch(group):
+            return False
+        self.cancel_prefetch()
+        group._begin_load(self._free_storage(group), watch_edits=True)
+        self.prefetched = group
+        return True
+
+    def cancel_prefetch(self) -> None:
+        if CHECKING:
+            check_held(self._lock)
+        if self.prefetched is not None:
+            self.prefetched._cancel_load()
+            self.prefetched = None
+
+    def offload_all(self) -> None:
+        """Evict the current exclusive group and free the shared buffers."""
+        if CHECKING:
+            check_held(self._lock)
+        self.cancel_prefetch()
+        if self.current is not None:
+            self.switch_to(None)
+        self.release_shared()
+
+    def release_shared(self) -> None:
+        if CHECKING:
+            check_held(self._lock)
+        for storage in self._exclusive_storages:
+            storage.release()
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _load(self, group: Residency) -> int:
+        if group is self.prefetched:
+            self.prefetched = None
+            return group._finish_load()
+        self.cancel_prefetch()
+        return group._load(self._free_storage(group))
+
+    def _free_storage(self, group: Residency) -> DeviceStorage:
+        """The shared buffer `group` should load into: its last one unless the current group uses it."""
+        occupied = self.current.device_storage if self.current is not None else None
+        first, second = self._exclusive_storages
+        last = group.device_storage if group.device_storage in self._exclusive_storages else first
+        if last is not occupied:
+            return last
+        return second if occupied is first else first
+
+    def _room_for_prefetch(self, group: Residency) -> bool:
+        """Whether the buffer `group` would be copied into fits beside everything already held."""
+        storage = self._free_storage(group)
+        needed = max(group.inventory.layout.contiguous_nbytes, storage.size_hint)
+        growth = 0 if storage.nbytes >= needed and not storage.is_aliased() else needed
+        if self.device_memory_limit is not None:
+            held = self.device_nbytes - (storage.nbytes if growth else 0)
+            return held + growth <= self.device_memory_limit
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return growth <= free
+        return self.device.type == "cpu"
+
+    def _update_size_hints(self) -> None:
+        """Size the shared buffers for the largest exclusive group, so each is allocated once."""
+        sizes = [g.inventory.layout.contiguous_nbytes for g in self._planned if g.exclusive]
+        for storage in self._exclusive_storages:
+            storage.size_hint = max(sizes, default=0)
+
+    def _record(
+        self,
+        previous: Residency | None,
+        group: Residency | None,
+        nbytes: int,
+        written: int,
+        start: float,
+        evicted: float,
+    ) -> None:
+        self._transitions.append(
+            TransitionRecord(
+                from_group=previous.name if previous is not None else None,
+                to_group=group.name if group is not None else None,
+                nbytes=nbytes,
+                written_back=written,
+                start=start,
+                evict_seconds=evicted - start,
+                load_seconds=time.perf_counter() - evicted,
+                thread=threading.current_thread().name,
+            )
+        )

@@ -1,0 +1,343 @@
+"""The registry: group names, aliases, claims, and every ownership rule.
+
+The one answer to "whose module or tensor is this?" - asked by the scheduler at registration and by
+discovery and the diffusers adapter before they build groups.
+
+* A **group** is a registered `Residency`; a **claim** is a group `add` is still packing (its name,
+  modules and tensors are taken already); an **alias** is another name (a dotted module path) that
+  leads to a group.
+* A tensor belongs to one group at most (storage shared with another group's tensor counts: tied
+  weights must be in one group).
+* A module belongs to one group of one scheduler in the process.
+
+[Note: the one process-wide map]
+Two schedulers that accepted the same module would both re-point its tensors and hold its weights
+twice.  To refuse the second, ownership has to be known across schedulers, so a process-wide
+``WeakKeyDictionary`` maps each registered module to its owner (a weak reference to the registry and
+the group name).  It is the library's only module-level state: weak on both sides, so it keeps
+nothing alive, and written only under the owning scheduler's lock plus its own small lock.
+
+Fields (guarded by the scheduler lock; `Registry` is their one mutator):
+
+* ``_groups``: name -> group.  Invariant: names, aliases and claim names are pairwise distinct.
+* ``_aliases``: alias -> group name.  Invariant: every alias leads to a registered group.
+* ``_claims``: name -> `Claim` while `add` packs outside the lock.
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+
+import attrs
+import torch
+from torch import nn
+
+from residency.component import Residency
+from residency.enums import Policy
+from residency.errors import ConfigError, RegistrationError, UnknownGroupError
+from residency.locks import CHECKING, check_held
+from residency.tensors import Inventory
+
+__all__ = ["CATEGORIES", "Claim", "Registry", "check_tensors_disjoint", "owner_of"]
+
+#: The component categories of a config; a lookup of one of them names the groups made for it.
+CATEGORIES = ("dit", "text_encoder", "vae")
+
+# See [Note: the one process-wide map].
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, str]] = weakref.WeakKeyDictionary()
+_OWNERS_LOCK = threading.Lock()
+
+
+@attrs.frozen
+class Claim:
+    """A group being packed by `add`: its name, modules and tensors are taken."""
+
+    name: str
+    policy: Policy
+    inventory: Inventory
+
+
+def owner_of(module: nn.Module) -> tuple[Registry, str] | None:
+    """The registry and group that own `module` in this process, or None."""
+    with _OWNERS_LOCK:
+        found = _OWNERS.get(module)
+    if found is None:
+        return None
+    registry = found[0]()
+    return None if registry is None or not registry.is_open else (registry, found[1])
+
+
+class Registry:
+    """Names, aliases and claims of one scheduler, and the ownership checks (see module docstring).
+
+        registry.claim(Claim("dit", Policy.EXCLUSIVE, inventory))   # refuses taken modules/tensors
+        registry.enroll(group)                                      # after packing
+    """
+
+    def __init__(self, lock: threading.RLock, owner_label: str) -> None:
+        self._lock = lock
+        #: How other schedulers' refusals name this one ("<Scheduler on cpu>").
+        self.owner_label = owner_label
+        self.is_open = True  # guarded by the lock
+        self._groups: dict[str, Residency] = {}  # guarded by the lock
+        self._aliases: dict[str, str] = {}  # guarded by the lock
+        self._claims: dict[str, Claim] = {}  # guarded by the lock
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Residency]:
+        return iter(list(self._groups.values()))
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._groups or name in self._aliases
+
+    def names(self) -> list[str]:
+        return list(self._groups)
+
+    def get(self, name: object) -> Residency | None:
+        """The group `name` (or alias) leads to, or None; the phase entry's fast lookup."""
+        try:
+            return self._groups[name]
+        except (KeyError, TypeError):  # TypeError: an unhashable name
+            pass
+        if isinstance(name, str) and name in self._aliases:
+            return self._groups.get(self._aliases[name])
+        return None
+
+    def lookup(self, name: object) -> Residency:
+        """The group `name` (or an alias) leads to; `UnknownGroupError` with a hint otherwise."""
+        group = self.get(name) if isinstance(name, str) else None
+        if group is None:
+            raise UnknownGroupError(self._unknown(name)) from None
+        return group
+
+    def aliases_of(self, group: Residency) -> list[str]:
+        return [path for path, name in self._aliases.items() if name == group.name]
+
+    def check_registered(self, group: Residency) -> None:
+        if self._groups.get(group.name) is not group:
+            raise UnknownGroupError(
+                f"group {group.name!r} was removed or refreshed after this phase was created; "
+                f"create the phase again with scheduler.resident({group.name!r})"
+            )
+
+    def needs(
+        self, name: str, policy: Policy, inventory: Inventory, ignore: Residency | None = None
+    ) -> list[tuple[Policy, int]]:
+        """(policy, device bytes) of every group and claim but `ignore`, then of the new one."""
+        others = [*self._groups.values(), *self._claims.values()]
+        return [
+            *((o.policy, o.inventory.layout.contiguous_nbytes) for o in others if o is not ignore),
+            (policy, inventory.layout.contiguous_nbytes),
+        ]
+
+    def check_claimable(
+        self,
+        claim: Claim,
+        spans: Sequence[tuple[int, int, Residency]],
+        *,
+        replacing: Residency | None = None,
+    ) -> None:
+        """Refuse a claim whose name, modules or tensors are taken; changes nothing.
+
+        `spans` are the host and device address ranges of the registered groups (placement's);
+        `replacing` is a group being re-packed under its own name (`refresh`): its name, modules
+        and tensors do not count as taken.
+        """
+        if replacing is None:
+            self._check_name_free(claim.name)
+        self._check_modules_free(claim.name, claim.inventory.modules, replacing)
+        self._check_tensors_free(claim.name, claim.inventory, spans, replacing)
+
+    # -- mutators -------------------------------------------------------------------------------
+
+    def claim(self, claim: Claim) -> None:
+        """Reserve a name, modules and tensors for a group being packed (`check_claimable` first)."""
+        if CHECKING:
+            check_held(self._lock)
+        self._claims[claim.name] = claim
+        self._take_modules(claim.inventory.modules, claim.name)
+
+    def release_claim(self, name: str) -> None:
+        """Give up a claim whose packing failed."""
+        if CHECKING:
+            check_held(self._lock)
+        claim = self._claims.pop(name, None)
+        if claim is not None:
+            self._give_up_modules(claim.inventory.modules)
+
+    def enroll(self, group: Residency, aliases: Iterable[str] = ()) -> None:
+        """Register a packed group under its claimed name (and `aliases`); takes its modules."""
+        if CHECKING:
+            check_held(self._lock)
+        self._claims.pop(group.name, None)
+        self._groups[group.name] = group
+        self._aliases.update(dict.fromkeys(aliases, group.name))
+        self._take_modules(group.inventory.modules, group.name)
+
+    def unregister(self, group: Residency) -> None:
+        """Forget `group`, its aliases and its modules' ownership."""
+        if CHECKING:
+            check_held(self._lock)
+        del self._groups[group.name]
+        for path in self.aliases_of(group):
+            del self._aliases[path]
+        self._give_up_modules(group.inventory.modules)
+
+    def alias(self, path: object, group: Residency) -> None:
+        """Let `path` lead to `group`; refused (changing nothing) when it names or leads elsewhere."""
+        if CHECKING:
+            check_held(self._lock)
+        if not isinstance(path, str) or not path:
+            raise RegistrationError(f"an alias must be a non-empty string, not {path!r}")
+        if path in self._groups and self._groups[path] is not group:
+            raise RegistrationError(
+                f"{path!r} is the name of group {path!r}; it cannot also lead to {group.name!r}"
+            )
+        if self._aliases.get(path, group.name) != group.name:
+            raise RegistrationError(
+                f"{path!r} already leads to group {self._aliases[path]!r}; it cannot also lead "
+                f"to {group.name!r}. Call scheduler.remove({self._aliases[path]!r}) first"
+            )
+        self._aliases[path] = group.name
+
+    def close(self) -> None:
+        if CHECKING:
+            check_held(self._lock)
+        self.is_open = False
+
+    def _take_modules(self, modules: Iterable[nn.Module], name: str) -> None:
+        with _OWNERS_LOCK:
+            for module in modules:
+                _OWNERS[module] = (weakref.ref(self), name)
+
+    def _give_up_modules(self, modules: Iterable[nn.Module]) -> None:
+        with _OWNERS_LOCK:
+            for module in modules:
+                found = _OWNERS.get(module)
+                if found is not None and found[0]() is self:
+                    del _OWNERS[module]
+
+    # -- ownership checks -------------------------------------------------------------------------
+
+    def _check_tensors_free(
+        self,
+        name: str,
+        inventory: Inventory,
+        spans: Sequence[tuple[int, int, Residency]],
+        ignore: Residency | None,
+    ) -> None:
+        """Refuse tensors that are another group's (by identity, or by address in its storage)."""
+        owners = {
+            id(t): other
+            for other in [*self._groups.values(), *self._claims.values()]
+            if other is not ignore and other.name != name
+            for t in other.inventory.tensors
+        }
+        spans = [span for span in spans if span[2] is not ignore]
+        for tensor, slots in zip(inventory.tensors, inventory.slots):
+            other = owners.get(id(tensor)) or _owner_by_address(spans, tensor)
+            if other is not None:
+                raise RegistrationError(
+                    f"cannot add group {name!r}: its {slots[0].describe()} shares storage with "
+                    f"group {other.name!r}. A tensor belongs to one group; put both modules in "
+                    "one group, or untie the weights before registering"
+                )
+
+    def _check_name_free(self, name: str) -> None:
+        if name in self._groups or name in self._aliases or name in self._claims:
+            raise RegistrationError(
+                f"a group named {name!r} is already registered; choose another name, or call "
+                f"scheduler.remove({name!r}) first"
+            )
+
+    def _check_modules_free(
+        self, name: str, modules: Iterable[nn.Module], replacing: Residency | None
+    ) -> None:
+        for module in modules:
+            owner = owner_of(module)
+            if owner is None or (replacing is not None and owner == (self, replacing.name)):
+                continue
+            raise RegistrationError(_taken_message(name, module, owner, self))
+
+    def _unknown(self, name: object) -> str:
+        if not isinstance(name, str):
+            return (
+                f"group names are strings, not {type(name).__name__} ({name!r}); known groups: "
+                f"{self._known_list()}"
+            )
+        known = sorted(self._groups) + sorted(self._aliases)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        if name in CATEGORIES and self._groups:
+            hint = (
+                f" Groups made from a pipeline are named after their components, not by "
+                f"category; {name!r} components here: {self._category_members(name)}"
+            )
+        return (
+            f"no group named {name!r}; known groups: {self._known_list()}.{hint} Register it "
+            f"with scheduler.add({name!r}, modules) first"
+        )
+
+    def _known_list(self) -> str:
+        known = sorted(self._groups) + sorted(self._aliases)
+        return ", ".join(map(repr, known)) or "none"
+
+    def _category_members(self, category: str) -> str:
+        members = [g.name for g in self._groups.values() if g.category == category]
+        return ", ".join(map(repr, members)) or "none (that category was not registered)"
+
+
+def _taken_message(
+    name: str, module: nn.Module, owner: tuple[Registry, str], asking: Registry
+) -> str:
+    registry, group = owner
+    where = "" if registry is asking else f" of another scheduler ({registry.owner_label})"
+    return (
+        f"cannot add group {name!r}: its {type(module).__name__} module already belongs to "
+        f"group {group!r}{where}. A module belongs to one group of one scheduler; remove it "
+        f"from {group!r}" + (" or close that scheduler" if where else "")
+        + ", register a different module, or exclude it"
+    )
+
+
+def _owner_by_address(spans, tensor: torch.Tensor) -> Residency | None:
+    if tensor.untyped_storage().nbytes() == 0:
+        return None
+    pointer = tensor.data_ptr()
+    for start, end, group in spans:
+        if start <= pointer < end:
+            return group
+    return None
+
+
+def check_tensors_disjoint(
+    owner: str, members: Iterable[tuple[str, str, Iterable[torch.Tensor]]]
+) -> None:
+    """Refuse a plan in which two groups would hold one storage: (group, path, tensors) per listed
+    module.  Discovery and the adapter ask this before registering anything, so a refused plan
+    changes nothing; `Registry.check_claimable` applies the same rule group by group."""
+    owners: dict[object, tuple[str, str]] = {}
+    for group, path, tensors in members:
+        for tensor in tensors:
+            if tensor.untyped_storage().nbytes() == 0:
+                continue
+            other_group, other_path = owners.setdefault(_storage_key(tensor), (group, path))
+            if other_group != group:
+                raise ConfigError(
+                    f"{owner}: {path!r} (group {group!r}) shares a tensor with {other_path!r} "
+                    f"(group {other_group!r}); a tensor belongs to one group: list both modules in "
+                    "one category (in a split model: keep the tensor inside one part or outside "
+                    "every part), or untie the weights"
+                )
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    storage = tensor.untyped_storage()
+    return (storage.device, storage.data_ptr())
