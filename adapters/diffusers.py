@@ -100,7 +100,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import re
+import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 
@@ -109,18 +109,20 @@ import torch
 from torch import nn
 
 from residency.config import OffloadConfig, resolve_config
+from residency.adapters.diffusers_roles import KINDS, Role, roles_of
 from residency.discovery import ENCODER_GROUP, ComponentPlan, build_scheduler, plan_components
-from residency.errors import ConfigError, PhaseError, RegistrationError, ResidencyError
+from residency.errors import (
+    ConfigError,
+    ModuleChangedError,
+    PhaseError,
+    RegistrationError,
+    ResidencyError,
+)
 from residency.scheduler import Scheduler
 
-__all__ = ["PhaseEntry", "disable_offload", "enable_offload", "offload_scheduler"]
+__all__ = ["PhaseEntry", "describe", "disable_offload", "enable_offload", "offload_scheduler"]
 
-#: Component names of the denoising transformers (each its own exclusive group when selected).
-DIT_NAMES = re.compile(r"transformer(_\d+)?")
-#: Component names of the encoders (one group, "text_encoder").
-ENCODER_NAMES = re.compile(r"text_encoder(_\d+)?|image_encoder")
-#: Component names of the VAE (group "vae").
-VAE_NAMES = re.compile(r"vae")
+_log = logging.getLogger("residency")
 #: The entry points wrapped on every module of an exclusive group (those the module has).
 ENTRY_POINTS = ("forward", "encode", "decode")
 #: The config when none is given.
@@ -160,12 +162,14 @@ def enable_offload(
     parsed = resolve_config(config) or DEFAULT_CONFIG
     _check_no_other_offloader(owner, components)
     _check_not_shared(owner, components)
-    plan = _plan(owner, components, parsed)
-    pipeline = weakref.ref(pipe)
-    placements = tuple((module, _device_of(module)) for module in components.values())
+    plan, roles = _plan(pipe, components, parsed)
+    placements = tuple((name, module, _device_of(module)) for name, module in components.items())
     pin_memory = None if parsed.pin_memory else False
     scheduler = build_scheduler(plan, lambda: Scheduler(device, pin_memory=pin_memory))
-    _wrap_exclusive_groups(_Offload(scheduler, pipeline, placements), plan)
+    leftovers = _leftovers(owner, plan, roles)
+    if leftovers is not None:
+        _log.warning("%s", leftovers)
+    _wrap_groups(_Offload(scheduler, weakref.ref(pipe), placements), plan)
     _place_execution_device(scheduler, plan)
     return scheduler
 
@@ -187,7 +191,7 @@ def disable_offload(pipe: object) -> None:
     if offload is None:
         raise _not_enabled(owner, components)
     _close(owner, offload.scheduler)
-    for module, device in offload.placements:
+    for _, module, device in offload.placements:
         offload.unwrap(module)  # what each entry wrapped is the entry point again
         if device.type != "cpu":
             module.to(device)
@@ -228,9 +232,35 @@ class _Offload:
     scheduler: Scheduler
     #: The pipeline it was called on, weakly: tells it apart from a sibling sharing components.
     pipeline: weakref.ref
-    #: (component module, the device its weights were on before) of every module component,
-    #: resident-policy ones included.
-    placements: tuple[tuple[nn.Module, torch.device], ...]
+    #: (component name, module, the device its weights were on before) of every module
+    #: component, resident-policy ones included.
+    placements: tuple[tuple[str, nn.Module, torch.device], ...]
+
+    def check_components(self) -> None:
+        """Refuse to run when the pipeline's module components are not the ones offloaded.
+
+        A component replaced or added after `enable_offload` (``register_modules``, attribute
+        assignment, ``load_ip_adapter``, a ``controlnet=`` swap) would run with its weights
+        wherever they are, outside every phase: `ModuleChangedError`, naming it.  A module that
+        wraps the offloaded one (``torch.compile``'s ``_orig_mod``) is the same component.
+        """
+        pipe = self.pipeline()
+        now = None if pipe is None else _components_of(pipe)
+        if not now:
+            return
+        offloaded = {name: module for name, module, _ in self.placements}
+        for name, module in now.items():
+            if offloaded.get(name) in (module, getattr(module, "_orig_mod", None)):
+                continue
+            change = "replaced" if name in offloaded else "added"
+            owner = type(pipe).__name__
+            raise ModuleChangedError(
+                f"{owner}: component {name!r} was {change} after enable_offload (it is now a "
+                f"{type(module).__name__}), so its weights are not offloaded and it would run "
+                "outside every phase. Change components while offloading is off: "
+                "disable_offload(pipe), then register_modules / load_ip_adapter / assign, then "
+                "enable_offload(pipe)"
+            )
 
     def belongs_to(self, pipe: object) -> bool:
         """Whether this is `pipe`'s record (a record whose pipeline is gone belongs to any)."""
@@ -295,8 +325,11 @@ class PhaseEntry:
         offload = self.offload
         if offload is None:
             return self.method(*args, **kwargs)
-        device = offload.scheduler.device
-        with offload.scheduler.resident(self.group):
+        scheduler = offload.scheduler
+        if scheduler.current != self.group:  # a phase change, or a resident-policy group
+            offload.check_components()
+        device = scheduler.device
+        with scheduler.resident(self.group):
             return self.method(*_to_device(args, device), **_to_device(kwargs, device))
 
     def restore(self, module: nn.Module, name: str) -> None:
@@ -387,32 +420,22 @@ def _module_components(pipe: object) -> dict[str, nn.Module]:
     return components
 
 
-def _plan(owner: str, components: dict[str, nn.Module], config: OffloadConfig) -> ComponentPlan:
-    categories: dict[str, dict[str, nn.Module]] = {"dit": {}, "encoder": {}, "vae": {}, "other": {}}
-    for name, module in components.items():
-        categories[_category(name)][name] = module
-    _check_both_found(owner, categories, config)
-    plan = plan_components(owner, categories["dit"], categories["encoder"], categories["vae"],
-                           categories["other"], config)
+def _plan(
+    pipe: object, components: dict[str, nn.Module], config: OffloadConfig
+) -> tuple[ComponentPlan, dict[str, Role]]:
+    """The grouping of `pipe`'s module components, and each one's `Role`."""
+    owner = type(pipe).__name__
+    roles = roles_of(pipe, components)
+    kinds: dict[str, dict[str, nn.Module]] = {kind: {} for kind in KINDS}
+    companions: dict[str, dict[str, nn.Module]] = {}
+    for name, role in roles.items():
+        kinds[role.kind][name] = components[name]
+        if role.joins is not None:
+            companions.setdefault(role.joins, {})[name] = components[name]
+    plan = plan_components(owner, kinds["dit"], kinds["encoder"], kinds["vae"],
+                           kinds["resident"], config, companions=companions)
     _check_something_offloaded(owner, components, plan, config)
-    return plan
-
-
-def _check_both_found(owner: str, categories: dict[str, dict], config: OffloadConfig) -> None:
-    """The grouping rule's refusal, worded for component names rather than declarations."""
-    if config.mode != "module" or not {"dit", "text_encoder"} <= set(config.components):
-        return
-    for category, names in (("dit", "transformer, transformer_2, ..."),
-                            ("encoder", "text_encoder, text_encoder_2, ..., image_encoder")):
-        if not categories[category]:
-            found = sorted(name for table in categories.values() for name in table)
-            other = "text_encoder" if category == "dit" else "dit"
-            raise ConfigError(
-                f"{owner}: the offload config selects 'dit' and 'text_encoder', but {owner} has "
-                f"no {category} component (named {names}); its module components are {found}. "
-                f'Select only the components it has, for example {{"mode": "module", '
-                f'"components": ["{other}"]}}'
-            )
+    return plan, roles
 
 
 def _check_something_offloaded(
@@ -424,16 +447,50 @@ def _check_something_offloaded(
     raise ConfigError(
         f"{owner}: the offload config selects {list(config.components)}, which matches none of "
         f"{owner}'s module components {sorted(components)}, so nothing would be offloaded. "
-        "Select components it has ('dit': transformer, transformer_2, ...; 'text_encoder': "
-        "text_encoder, ..., image_encoder; 'vae': vae), or move it with pipe.to(device) instead"
+        "Select components it has (describe(pipe) shows how each is classified; 'vae' selects "
+        "its VAE, vocoder, movq, ...), or move it with pipe.to(device) instead"
     )
 
 
-def _category(name: str) -> str:
-    for pattern, category in ((DIT_NAMES, "dit"), (ENCODER_NAMES, "encoder"), (VAE_NAMES, "vae")):
-        if pattern.fullmatch(name):
-            return category
-    return "other"
+def _leftovers(owner: str, plan: ComponentPlan, roles: Mapping[str, Role]) -> str | None:
+    """The one line naming the components that stay on the device because no rule placed them."""
+    left = [f"{name} ({role.why})" for name, role in roles.items() if role.kind == "resident"]
+    if not left:
+        return None
+    return (f"{owner}: kept on the device while offloading, since no category holds them: "
+            f"{', '.join(left)}")
+
+
+def describe(
+    pipe: object, config: OffloadConfig | Mapping | str | None = None
+) -> str:
+    """How `enable_offload(pipe, config)` would group `pipe`'s components, as a table.
+
+        print(describe(pipe))
+        # StableDiffusionXLControlNetPipeline, components ['dit', 'text_encoder']:
+        # component       kind       group          policy     why
+        # controlnet      companion  unet           exclusive  named like a step companion
+        # ...
+
+    Changes nothing; raises what `enable_offload` would raise for the config.
+    """
+    parsed = resolve_config(config) or DEFAULT_CONFIG
+    components = _module_components(pipe)
+    plan, roles = _plan(pipe, components, parsed)
+    policies = {name: "exclusive" for name in plan.exclusive} | {
+        name: "resident" for name in plan.resident}
+    groups = {path: group for group, path, _ in plan.members()}
+    rows = [("component", "kind", "group", "policy", "why")] + [
+        (name, role.kind, groups[name], policies[groups[name]], role.why)
+        for name, role in roles.items()
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"{type(pipe).__name__}, components {list(parsed.components)}:"] + [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4]
+        for row in rows
+    ]
+    notes = [plan.note, _leftovers(type(pipe).__name__, plan, roles)]
+    return "\n".join(lines + [f"note: {note}" for note in notes if note])
 
 
 def _check_no_other_offloader(owner: str, components: dict[str, nn.Module]) -> None:
@@ -484,13 +541,14 @@ def _device_of(module: nn.Module) -> torch.device:
 # -- entries --------------------------------------------------------------------------------------
 
 
-def _wrap_exclusive_groups(offload: _Offload, plan: ComponentPlan) -> None:
-    """Set a `PhaseEntry` for each entry point of each module of an exclusive group.
+def _wrap_groups(offload: _Offload, plan: ComponentPlan) -> None:
+    """Set a `PhaseEntry` for each entry point of each module of every group.
 
     Each entry wraps what a call runs now: the class's method, or another wrapper already set on
-    the instance (see [Note: other wrappers]).
+    the instance (see [Note: other wrappers]).  Entries of resident-policy groups move no weights;
+    they check that the components are still the ones offloaded (`_Offload.check_components`).
     """
-    for group, members in plan.exclusive.items():
+    for group, members in (*plan.exclusive.items(), *plan.resident.items()):
         for _, module in members:
             for name in ENTRY_POINTS:
                 method, replaced = _entry_point(module, name)

@@ -32,6 +32,7 @@ own way (the diffusers adapter); `scheduler_from_pipeline` is what ``Scheduler.f
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar, Protocol
@@ -60,6 +61,7 @@ __all__ = [
     "plan_components",
     "resolve_path",
     "scheduler_from_pipeline",
+    "stage_note",
 ]
 
 #: One listed module: its dotted path from the pipeline and the module.
@@ -76,6 +78,8 @@ class Registrar(Protocol):
     def alias(self, path: str, name: str) -> None: ...
     def remove(self, name: str) -> object: ...
     def close(self) -> None: ...
+
+_log = logging.getLogger("residency")
 
 #: The name of the one group all selected encoders share.
 ENCODER_GROUP = "text_encoder"
@@ -150,6 +154,8 @@ class ComponentPlan:
     #: Group name -> the config component it was made for ("dit", "text_encoder", "vae"); groups
     #: of `_resident_modules` have none.
     categories: Mapping[str, str] = attrs.field(factory=dict, converter=_proxy, hash=False)
+    #: One line on what offloading does for a pipeline missing a stage (`stage_note`), else None.
+    note: str | None = None
 
     def groups(self) -> Iterator[tuple[str, Policy, tuple[nn.Module, ...], tuple[nn.Module, ...]]]:
         """(name, policy, modules, excluded) of every group: exclusive groups first.
@@ -190,6 +196,8 @@ def plan_components(
     vaes: Mapping[str, nn.Module],
     residents: Mapping[str, nn.Module],
     config: OffloadConfig | None,
+    *,
+    companions: Mapping[str, Mapping[str, nn.Module]] = MappingProxyType({}),
 ) -> ComponentPlan:
     """Group a pipeline's modules (each keyed by its dotted path) as `config` selects.
 
@@ -198,20 +206,23 @@ def plan_components(
         plan = plan_components("WanPipeline", {"transformer": t1, "transformer_2": t2},
                                {"text_encoder": te}, {"vae": vae}, {}, config)
 
+    `companions` maps a DiT's path to modules that run inside each of its steps (a ControlNet):
+    they join that DiT's group, so a step never swaps (for a split model: its shared group).
+
     Pure: reads the modules, changes nothing.  Raises `ConfigError` (naming `owner_name` and the
     path) for layer mode, a module listed twice, a module nested inside a listed module of another
     group (outside the subtrees that group leaves out), split-model parts that do not resolve or
-    contain each other, and module mode selecting both "dit" and "text_encoder" with no DiT or no
-    encoder listed.
+    contain each other.  A pipeline with no DiT or no encoder is accepted: ``plan.note`` says what
+    offloading does for it (`stage_note`).
     """
     selected: set[str] = set()
     if config is not None:
         config.require_runnable()
         selected = set(config.components)
-    _check_both_listed(owner_name, dits, encoders, selected)
     builder = _PlanBuilder(owner_name)
     for path, dit in dits.items():
-        builder.add_dit(path, dit, offload="dit" in selected)
+        builder.add_dit(path, dit, offload="dit" in selected,
+                        companions=tuple(companions.get(path, {}).items()))
     if encoders:
         builder.add(ENCODER_GROUP, _policy("text_encoder", selected), encoders.items(),
                     category="text_encoder")
@@ -219,25 +230,42 @@ def plan_components(
         builder.add(VAE_GROUP, _policy("vae", selected), vaes.items(), category="vae")
     for path, module in residents.items():
         builder.add(path, Policy.RESIDENT, [(path, module)])
-    return builder.build()
+    plan = builder.build()
+    return attrs.evolve(plan, note=stage_note(plan, dits, encoders, selected))
 
 
 def _policy(component: str, selected: set[str]) -> Policy:
     return Policy.EXCLUSIVE if component in selected else Policy.RESIDENT
 
 
-def _check_both_listed(owner: str, dits: Mapping, encoders: Mapping, selected: set[str]) -> None:
-    if not {"dit", "text_encoder"} <= selected:
-        return
-    for listed, declaration, kind in ((dits, "_dit_modules", "DiT"),
-                                      (encoders, "_encoder_modules", "encoder")):
-        if not listed:
-            raise ConfigError(
-                f"{owner}: the offload config selects 'dit' and 'text_encoder' (module mode), but "
-                f"{owner} lists no {kind} modules ({declaration} is empty), so nothing could take "
-                f"turns with them; list the {kind} paths in {declaration}, or select only the "
-                "components the pipeline has"
-            )
+def stage_note(plan: ComponentPlan, dits: Mapping, encoders: Mapping, selected) -> str | None:
+    """The one line that says what module mode does for a pipeline missing a stage, else None.
+
+        note = stage_note(plan, {"transformer": t}, {}, {"dit", "text_encoder"})
+        # "DiTPipeline has no encoder: 'transformer' is its only exclusive group, so ..."
+
+    The rule for a pipeline with no DiT or no encoder, in one place (`plan_components` stores the
+    line as ``plan.note``; `apply_plan` logs it).  As vLLM-Omni 0.30 does with the legacy switch,
+    such a pipeline is accepted, not refused; unlike 0.30 (which then offloads nothing, and
+    refuses an explicit config), the selected modules it has are still offloaded.
+    """
+    if not {"dit", "text_encoder"} & set(selected):
+        return None
+    missing = [kind for kind, listed in (("DiT", dits), ("encoder", encoders)) if not listed]
+    if not missing:
+        return None
+    has = f"{plan.owner} has no {' and no '.join(missing)}"
+    exclusive = list(plan.exclusive)
+    if not exclusive:
+        return f"{has}: the offload config selects none of its modules, so nothing is offloaded"
+    if len(exclusive) == 1:
+        hint = " (select 'vae' as well to make it take turns with the VAE)"
+        return (
+            f"{has}: {exclusive[0]!r} is its only exclusive group, so it has nothing to take turns "
+            f"with and stays on the device from its first phase on"
+            f"{hint if VAE_GROUP in plan.resident else ''}"
+        )
+    return f"{has}: its exclusive groups {exclusive} take turns on the device"
 
 
 class _PlanBuilder:
@@ -277,13 +305,15 @@ class _PlanBuilder:
             )
         self.aliases[path] = name
 
-    def add_dit(self, path: str, dit: nn.Module, *, offload: bool) -> None:
+    def add_dit(
+        self, path: str, dit: nn.Module, *, offload: bool, companions: tuple[Member, ...] = ()
+    ) -> None:
         parts = split_parts(dit)
         if parts:
             self.split_models.append((path, dit))
         if not (parts and offload):
-            self.add(path, Policy.EXCLUSIVE if offload else Policy.RESIDENT, [(path, dit)],
-                     category="dit")
+            self.add(path, Policy.EXCLUSIVE if offload else Policy.RESIDENT,
+                     [(path, dit), *companions], category="dit")
             for part in parts:
                 # Entering any resident-policy group does the same (nothing), so when two
                 # resident split models share a part name, the first one's group serves both.
@@ -295,8 +325,9 @@ class _PlanBuilder:
         for part, members in part_members.items():
             self.add(part, Policy.EXCLUSIVE, members, category="dit")
         part_modules = tuple(m for members in part_members.values() for _, m in members)
-        if _has_tensors_outside(dit, part_modules):
-            self.add(path, Policy.RESIDENT, [(path, dit)], excluded=part_modules, category="dit")
+        if companions or _has_tensors_outside(dit, part_modules):
+            self.add(path, Policy.RESIDENT, [(path, dit), *companions], excluded=part_modules,
+                     category="dit")
 
     def build(self) -> ComponentPlan:
         excluded = {name: modules for name, _, _, modules in self.groups if modules}
@@ -507,6 +538,8 @@ def apply_plan(scheduler: Registrar, plan: ComponentPlan) -> None:
     """
     if not isinstance(scheduler, NoOffload):
         check_tensors_disjoint(plan.owner, _member_tensors(plan))
+        if plan.note is not None:
+            _log.warning("%s", plan.note)
     added: list[str] = []
     try:
         for name, policy, modules, excluded in plan.groups():

@@ -285,13 +285,13 @@ def test_a_component_shared_with_an_offloaded_pipeline_is_refused():
     scheduler = enable_offload(pipe, device="cpu")
     entries = instance_entry_points(pipe)
     sibling = FluxPipeline(**pipe.components)
-    with pytest.raises(RegistrationError, match="FluxPipeline: component 'text_encoder' is "
+    with pytest.raises(RegistrationError, match="FluxPipeline: component '(vae|text_encoder)' is "
                        "already offloaded through another pipeline that shares it.*Call "
                        "disable_offload on that pipeline first"):
         enable_offload(sibling, device="cpu")
     assert offload_scheduler(sibling) is None  # the entries it sees are the other pipeline's
     with pytest.raises(ResidencyError, match="not enabled on this FluxPipeline, but its component "
-                       "'text_encoder' is offloaded through another pipeline that shares it; "
+                       "'vae' is offloaded through another pipeline that shares it; "
                        "call disable_offload on that pipeline"):
         disable_offload(sibling)
     assert offload_scheduler(pipe) is scheduler and instance_entry_points(pipe) == entries
@@ -370,10 +370,11 @@ def test_enable_offload_sets_phase_entries_and_nothing_else():
     scheduler = enable_offload(pipe, device="cpu")
 
     assert {name: id(value) for name, value in vars(pipe).items()} == pipe_attributes
-    added = {"text_encoder": {"forward"}, "text_encoder_2": {"forward"}, "transformer": {"forward"}}
+    added = {"text_encoder": {"forward"}, "text_encoder_2": {"forward"}, "transformer": {"forward"},
+             "vae": {"forward", "encode", "decode"}}  # the VAE's (resident policy) move nothing
     assert module_attributes(pipe) == {
         path: names | added.get(path, set()) for path, names in before.items()
-    }  # the VAE (resident policy) gets no entry
+    }
     entry = vars(pipe.transformer)["forward"]
     assert isinstance(entry, PhaseEntry) and entry.scheduler is scheduler
     assert entry.group == "transformer" and vars(pipe.text_encoder_2)["forward"].group == (
@@ -451,14 +452,24 @@ class Unconditional:
                            "scheduler": object()}
 
 
-def test_a_pipeline_without_encoders_is_refused_by_component_name():
-    with pytest.raises(ConfigError, match=r"Unconditional: the offload config selects 'dit' and "
-                       r"'text_encoder', but Unconditional has no encoder component \(named "
-                       r"text_encoder, .*\); its module components are \['transformer', 'vae'\]"):
-        enable_offload(Unconditional(), device="cpu")
-    scheduler = enable_offload(Unconditional(), {"mode": "module", "components": ["dit"]},
-                               device="cpu")
-    assert list(scheduler) == ["transformer", "vae"]
+def test_a_pipeline_without_encoders_is_accepted_with_one_line_saying_what_it_does(caplog):
+    with caplog.at_level("WARNING", logger="residency"):
+        scheduler = enable_offload(Unconditional(), device="cpu")
+    assert list(scheduler) == ["transformer", "vae"] and scheduler["transformer"].exclusive
+    assert [r.getMessage() for r in caplog.records] == [
+        "Unconditional has no encoder: 'transformer' is its only exclusive group, so it has "
+        "nothing to take turns with and stays on the device from its first phase on (select "
+        "'vae' as well to make it take turns with the VAE)"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="residency"):
+        scheduler = enable_offload(Unconditional(), {"mode": "module", "components": ["dit", "vae"]},
+                                   device="cpu")
+    assert [r.getMessage() for r in caplog.records] == [
+        "Unconditional has no encoder: its exclusive groups ['transformer', 'vae'] take turns on "
+        "the device"
+    ]
+    assert scheduler["vae"].exclusive
 
 
 @pytest.mark.gpu

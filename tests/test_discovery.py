@@ -316,12 +316,6 @@ CONFIG = {"mode": "module", "components": ["dit", "text_encoder"]}
          r"BadPipeline: 'transformer.1' \(group 'transformer.1'\) is nested inside "
          r"'transformer' \(group 'transformer'\); a module belongs to one group: remove "
          r"'transformer.1' from its list, or list it in the same category as 'transformer'"),
-        ({"_dit_modules": ()},
-         r"BadPipeline: the offload config selects 'dit' and 'text_encoder' \(module mode\), but "
-         r"BadPipeline lists no DiT modules \(_dit_modules is empty\)"),
-        ({"_encoder_modules": ()},
-         r"BadPipeline: the offload config selects 'dit' and 'text_encoder' \(module mode\), but "
-         r"BadPipeline lists no encoder modules \(_encoder_modules is empty\)"),
         ({"_vae_modules": "vae"},
          r"BadPipeline._vae_modules is 'vae'; it must be a tuple of dotted paths"),
         ({"_encoder_modules": ("prompt_adapter.encoder",), "_resident_modules": ("text_encoder",)},
