@@ -210,7 +210,7 @@ def eviction(check: _Check) -> dict:
                 if changed:
                     with torch.no_grad():
                         for tensor in group.tensors:
-                            tensor.mul_(1)
+                            tensor.neg_()  # new bytes: digests see every changed chunk
             synchronize(device)
             _enter(scheduler, "small", device)
             records.append(scheduler.transitions[-1])

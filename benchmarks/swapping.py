@@ -23,12 +23,14 @@ class Alternation:
     """Registers two `Stack` groups of `nbytes` and `tensors` each; ``__call__`` swaps between them."""
 
     def __init__(self, scheduler: Scheduler, nbytes: int, tensors: int, *,
-                 dtype: torch.dtype = torch.float32, names: tuple[str, str] = ("a", "b")) -> None:
+                 dtype: torch.dtype = torch.float32, names: tuple[str, str] = ("a", "b"),
+                 detect_edits: bool = True) -> None:
         self.scheduler = scheduler
         self.names = names
         self.nbytes = 0
         for name in names:
-            self.nbytes = scheduler.add(name, Stack(nbytes, tensors, dtype=dtype)).nbytes
+            stack = Stack(nbytes, tensors, dtype=dtype)
+            self.nbytes = scheduler.add(name, stack, detect_edits=detect_edits).nbytes
         self.tensors = tensors
         self._next = 0
         self()  # the first load allocates the shared device storage

@@ -15,7 +15,15 @@ from residency.enums import Policy
 from residency.errors import ConfigError, RegistrationError
 from residency.transport import default_device
 
-__all__ = ["as_excluded", "as_modules", "check_name", "check_options", "parse_device", "parse_policy"]
+__all__ = [
+    "as_excluded",
+    "as_modules",
+    "check_flag",
+    "check_name",
+    "check_options",
+    "parse_device",
+    "parse_policy",
+]
 
 
 def check_name(name: object, taken: Iterable[str]) -> None:
@@ -29,6 +37,11 @@ def check_name(name: object, taken: Iterable[str]) -> None:
             f"a group named {name!r} is already registered; choose another name, or call "
             f"scheduler.remove({name!r}) first"
         )
+
+
+def check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise RegistrationError(f"{name}={value!r}; give True or False")
 
 
 def parse_policy(policy: str | Policy) -> Policy:

@@ -24,6 +24,7 @@ import attrs
 import torch
 from torch import nn
 
+from residency.digests import ChangeDetector
 from residency.enums import Policy, ResidencyState
 from residency.errors import DeviceMemoryError, ModuleChangedError, PhaseError
 from residency.memory import DeviceStorage, HostMaster
@@ -70,6 +71,7 @@ class Residency:
         *,
         excluded: tuple[nn.Module, ...] = (),
         category: str | None = None,
+        detect_edits: bool = True,
     ) -> None:
         self.name = name
         #: The config component it was made for ("dit", "text_encoder", "vae"), or None.
@@ -95,6 +97,12 @@ class Residency:
         #: costs a redundant write-back at the next eviction.
         self._loaded_versions = versions(inventory.tensors)
         self._marked_dirty = False
+        #: Digests of the device bytes as loaded (see [Note: finding what changed]); None when the
+        #: user promised not to edit (``detect_edits=False``): then only version counters and
+        #: data pointers tell.
+        self._detector = ChangeDetector() if detect_edits else None
+        #: Whether edits are found by digests of the bytes (False: the user promised not to edit).
+        self.detect_edits = detect_edits
         #: While LOADING: the copy under way.
         self._pending: _PendingLoad | None = None
 
@@ -121,7 +129,8 @@ class Residency:
         return self.inventory.tensors
 
     def mark_dirty(self) -> None:
-        """Have every tensor written back at the next eviction (for edits made through ``.data``)."""
+        """Have every byte written back at the next eviction (only needed with
+        ``detect_edits=False``, for edits the version counter cannot see)."""
         self._marked_dirty = True
 
     def _load(self, storage: DeviceStorage) -> int:
@@ -170,6 +179,8 @@ class Residency:
         self._pending = None
         self.device_storage = pending.storage
         self._device_ptrs = pending.storage.pointers_for(self)
+        if self._detector is not None:  # ordered after the copy by completion.wait()
+            self._detector.remember(self._device_bytes())
         self.state = ResidencyState.RESIDENT
         return self.inventory.layout.nbytes
 
@@ -202,25 +213,61 @@ class Residency:
     def _evict(self, *, keep_changed: bool = False) -> int:
         """Re-point the tensors to the host master, writing back what changed; returns bytes written.
 
-        Raises `ModuleChangedError` (and stays resident) when a changed tensor no longer fits its
-        place in the master (see `_misfits`), unless `keep_changed`: then such tensors are left as
-        the user made them, moved to the host, and everything else is evicted (used when the
-        group is being unregistered).
+        Raises `ModuleChangedError` (and stays resident, having written nothing) when a tensor given
+        new storage no longer fits its place in the master (see `_misfits`), unless
+        `keep_changed`: then such tensors are left as the user made them, moved to the host, and
+        everything else is evicted (used when the group is being unregistered).
         """
         self._require(ResidencyState.RESIDENT, "evict")
         tensors = self.inventory.tensors
-        dirty, replaced, now_versions = self._dirty_indices()
-        left = self._misfits_left(dirty, replaced, keep=keep_changed)
-        written = self._write_back([i for i in dirty if i not in left]) if dirty else 0
+        now_versions, replaced = versions(tensors), self._replaced()
+        left = self._misfits_left(sorted(replaced), replaced, keep=keep_changed)
+        # Edits in place first, then tensors given new storage: the later copy wins where both touch.
+        written = self._write_back_edits(now_versions, replaced)
+        written += self._write_back([i for i in sorted(replaced) if i not in left])
         homes = list(self.host_master.views)
         for i in left:
             homes[i] = tensors[i].detach().to("cpu")
         repoint(tensors, homes)
         self.device_storage.retire()
+        if self._detector is not None:
+            self._detector.forget()
         self._loaded_versions = now_versions
         self._marked_dirty = False
         self.state = ResidencyState.OFFLOADED
         return written
+
+    def _write_back_edits(self, now_versions: list[int], replaced: set[int]) -> int:
+        """Copy to the master what was edited in place while resident; returns the bytes copied.
+
+        [Note: finding what changed]
+        An edit through ``tensor.data`` (peft's LoRA merge), by a custom kernel or through an
+        alias moves neither the version counter nor the data pointer.  Only the bytes tell, so the
+        device bytes are digested at every load (after the copy: the bytes as loaded, not as
+        packed - the master may have been edited while offloaded) and again here; the chunks
+        whose digests differ are written back, and nothing else (`residency.digests` says what a
+        digest detects).  With ``detect_edits=False`` the user promised not to edit, and tensors
+        whose version counter moved are written back instead.
+        """
+        if self._marked_dirty:
+            return self._write_ranges([(0, self.inventory.layout.contiguous_nbytes)])
+        if self._detector is not None:
+            return self._write_ranges(self._detector.changed_chunks(self._device_bytes()))
+        moved = [i for i, (v, w) in enumerate(zip(now_versions, self._loaded_versions)) if v != w]
+        return self._write_back([i for i in moved if i not in replaced])
+
+    def _write_ranges(self, ranges: list[tuple[int, int]]) -> int:
+        """Copy device byte ranges (offsets into the group's device bytes) into the master."""
+        if not ranges:
+            return 0
+        pairs = self.host_master.range_copies(self.device_storage.buffer, ranges, self.inventory)
+        # The host may read the master right away, so this is one place that waits.
+        self._transport.to_host(pairs).synchronize()
+        return sum(host.numel() for host, _ in pairs)
+
+    def _device_bytes(self) -> torch.Tensor:
+        """The group's bytes in its device storage (chunks laid end to end, padding included)."""
+        return self.device_storage.buffer[: self.inventory.layout.contiguous_nbytes]
 
     def _require(self, state: ResidencyState, action: str) -> None:
         if self.state is not state:
@@ -249,23 +296,12 @@ class Residency:
                 "parameters so the scheduler can take the new tensors over"
             )
 
-    def _dirty_indices(self) -> tuple[list[int], set[int], list[int]]:
-        """Tensors changed while resident, those of them given new storage, and all versions now."""
-        tensors = self.inventory.tensors
-        now_versions, now_ptrs = versions(tensors), data_ptrs(tensors)
-        if (
-            not self._marked_dirty
-            and now_versions == self._loaded_versions
-            and now_ptrs == self._device_ptrs
-        ):
-            return [], set(), now_versions
-        replaced = {i for i, p in enumerate(now_ptrs) if p != self._device_ptrs[i]}
-        dirty = [
-            i
-            for i, v in enumerate(now_versions)
-            if self._marked_dirty or v != self._loaded_versions[i] or i in replaced
-        ]
-        return dirty, replaced, now_versions
+    def _replaced(self) -> set[int]:
+        """Tensors given new storage while resident (``.data = ...``, ``module.to(...)``)."""
+        now_ptrs = data_ptrs(self.inventory.tensors)
+        if now_ptrs == self._device_ptrs:
+            return set()
+        return {i for i, p in enumerate(now_ptrs) if p != self._device_ptrs[i]}
 
     def _misfits(self, indices: list[int], replaced: set[int]) -> list[tuple[int, str]]:
         """(index, why) of changed tensors whose bytes cannot go back to their place in the master.
@@ -301,6 +337,8 @@ class Residency:
 
     def _write_back(self, indices: list[int]) -> int:
         """Copy tensors `indices` into their places in the master; returns the bytes copied."""
+        if not indices:
+            return 0
         tensors, homes = self.inventory.tensors, self.host_master.views
         pairs = [(homes[i], tensors[i].detach()) for i in indices]
         # The host may read the master right away, so this is the one place that waits.

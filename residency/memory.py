@@ -93,6 +93,20 @@ class HostMaster:
         bases = inventory.layout.chunk_base
         return [(device_buffer[base : base + c.numel()], c) for base, c in zip(bases, self.chunks)]
 
+    def range_copies(self, device_buffer: torch.Tensor, ranges, inventory: Inventory):
+        """(host slice, device slice) pairs that copy device byte `ranges` back into the chunks.
+
+        `ranges` are ``(start, end)`` offsets into the device bytes (chunks laid end to end);
+        alignment padding between chunks has no host counterpart and is skipped.
+        """
+        pairs = []
+        for base, chunk in zip(inventory.layout.chunk_base, self.chunks):
+            for start, end in ranges:
+                first, last = max(start, base), min(end, base + chunk.numel())
+                if first < last:
+                    pairs.append((chunk[first - base : last - base], device_buffer[first:last]))
+        return pairs
+
 
 class DeviceStorage:
     """A reusable device buffer and the views each group has into it (see the notes above).

@@ -42,6 +42,7 @@ class NoOffload:
         policy: str | Policy = "exclusive",
         exclude: nn.Module | Iterable[nn.Module] = (),
         category: str | None = None,
+        detect_edits: bool = True,
     ) -> None:
         """Check the arguments as `Scheduler.add` does; move the modules to `device` when given."""
         check_name(name, self._names)

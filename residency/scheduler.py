@@ -24,8 +24,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from residency.arguments import as_excluded, as_modules, check_name, check_options, parse_device
-from residency.arguments import parse_policy
+from residency.arguments import as_excluded, as_modules, check_flag, check_name, check_options
+from residency.arguments import parse_device, parse_policy
 from residency.component import Residency
 from residency.discovery import scheduler_from_pipeline
 from residency.enums import PhaseStatus, Policy
@@ -167,14 +167,17 @@ class Scheduler:
         policy: str | Policy = "exclusive",
         exclude: nn.Module | Iterable[nn.Module] = (),
         category: str | None = None,
+        detect_edits: bool = True,
     ) -> Residency:
         """Register `modules` as group `name` and pack their weights into a host master.
 
         ``policy="exclusive"`` groups are swapped by ``resident()``; ``policy="resident"`` groups
         are placed on the device now and never evicted.  Submodules in `exclude` (and all under
         them) are left out, so they can form groups of their own.  `category` says which config
-        component the group is ("dit", "text_encoder", "vae"; for messages).  A refused call
-        changes nothing.
+        component the group is ("dit", "text_encoder", "vae"; for messages).  No edit made while
+        resident is lost, whatever path it takes; ``detect_edits=False`` is the opt-out for weights
+        you promise not to edit in place behind the version counter (eviction then skips reading
+        the bytes: see docs/guarantees.md).  A refused call changes nothing.
 
             scheduler.add("text_encoder", [clip, t5])
             scheduler.add("vae", pipe.vae, policy="resident")
@@ -183,13 +186,14 @@ class Scheduler:
         self._check_open()
         policy = parse_policy(policy)
         check_name(name, ())
+        check_flag("detect_edits", detect_edits)
         roots = as_modules(name, modules)
         excluded = as_excluded(name, exclude, roots)
         inventory = self._inventory(roots, excluded)
         with self._lock:
             self._check_open()
             self._claim(Claim(name, policy, inventory))
-        group = self._pack_claimed(name, roots, policy, inventory, excluded, category)
+        group = self._pack_claimed(name, roots, policy, inventory, excluded, category, detect_edits)
         return self._enroll(group)
 
     def alias(self, path: str, name: str) -> None:
@@ -217,7 +221,8 @@ class Scheduler:
             self._placement.withdraw(old, evict=False)
             self._registry.unregister(old)
         group = self._pack_claimed(
-            old.name, old.modules, old.policy, inventory, old.excluded, old.category
+            old.name, old.modules, old.policy, inventory, old.excluded, old.category,
+            old.detect_edits,
         )
         return self._enroll(group, aliases)
 
@@ -429,7 +434,9 @@ class Scheduler:
         self._placement.check_budget(claim.name, needs)
         self._registry.claim(claim)
 
-    def _pack_claimed(self, name, roots, policy, inventory, excluded, category) -> Residency:
+    def _pack_claimed(
+        self, name, roots, policy, inventory, excluded, category, detect_edits
+    ) -> Residency:
         """Pack a claimed group outside the lock (see [Note: packing outside the lock])."""
         # [Note: packing outside the lock] Building a master of many GiB takes seconds; phases of
         # other threads must not wait for it.  The claim keeps the name, modules and tensors
@@ -442,7 +449,7 @@ class Scheduler:
             raise
         return Residency(
             name, roots, policy, inventory, master, self._transport,
-            excluded=excluded, category=category,
+            excluded=excluded, category=category, detect_edits=detect_edits,
         )
 
     def _enroll(self, group: Residency, aliases: Iterable[str] = ()) -> Residency:

@@ -68,7 +68,9 @@ def test_gpu_check_dry_run_runs_every_section(tiny_suite, tmp_path):
     assert not [name for name, section in sections.items() if "error" in section]
     assert sections["ceiling"]["h2d_gbps"] > 0
     assert all(r["onload_gbps"] > 0 for r in sections["onload"]["groups"].values())
-    assert sections["eviction"]["changed"]["written_back"] == sections["eviction"]["nbytes"]
+    # Every changed chunk is written back: the weights, plus the alignment padding between them.
+    evicted = sections["eviction"]
+    assert evicted["nbytes"] <= evicted["changed"]["written_back"] <= 1.01 * evicted["nbytes"]
     assert "needs CUDA" in sections["steady_state"]["sync_debug"]["skipped"]
     modes = sections["pipeline"]["modes"]
     assert not [mode for mode, result in modes.items() if "error" in result]
@@ -80,9 +82,10 @@ def test_gpu_check_dry_run_runs_every_section(tiny_suite, tmp_path):
 
 def test_every_case_records_its_floor_and_ratio(tiny_run):
     cases = {b["name"]: b["extra_info"] for b in tiny_run["benchmarks"]}
-    expected = {"test_reentry", "test_swap_400mib", "test_eviction[unchanged]",
-                "test_eviction[changed]", "test_per_forward_overhead[accelerate_hook_str]",
-                "test_pipeline_cycle[residency]"}
+    expected = {"test_reentry", "test_swap_400mib", "test_swap_400mib_weights_not_edited",
+                "test_eviction[unchanged]", "test_eviction[changed]",
+                "test_eviction_of_an_unchanged_swap_sized_group", "test_change_detection[check]",
+                "test_per_forward_overhead[accelerate_hook_str]", "test_pipeline_cycle[residency]"}
     assert expected <= set(cases)
     assert any(name.startswith("test_transition_vs_size[") for name in cases)
     assert any(name.startswith("test_transition_vs_tensor_count[") for name in cases)
@@ -90,7 +93,8 @@ def test_every_case_records_its_floor_and_ratio(tiny_run):
     for name, info in cases.items():
         assert info["floor_s"] > 0, name
         assert info["ratio"] > 0, name
-    assert cases["test_eviction[changed]"]["written_back"] == cases["test_eviction[changed]"]["nbytes"]
+    changed = cases["test_eviction[changed]"]  # every chunk: the weights and the padding between
+    assert changed["nbytes"] <= changed["written_back"] <= 1.01 * changed["nbytes"]
     assert cases["test_eviction[unchanged]"]["written_back"] == 0
     assert tiny_run["machine_info"]["cpu_model"]
     assert tiny_run["residency"]["scale"] == "tiny"
