@@ -42,7 +42,8 @@ def installed_version(name: str) -> str | None:
 def test_constraints_pin_the_direct_dependencies():
     pinned = pins()
     for name in ["torch", "attrs", "pytest", "pytest-benchmark", "hypothesis", "diffusers",
-                 "transformers", "tokenizers", "sentencepiece", "accelerate", "matplotlib"]:
+                 "transformers", "tokenizers", "sentencepiece", "accelerate", "matplotlib", "peft", "torchao",
+                 "gguf", "bitsandbytes"]:
         assert name in pinned, f"{name} is a dependency of the project but not pinned"
 
 
