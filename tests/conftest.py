@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+# The debug check that every owner mutator runs under the scheduler lock (residency.locks) is read
+# once, at import: set it before anything imports residency.
+os.environ.setdefault("RESIDENCY_CHECK_LOCKS", "1")
+
 import copy
+import sys
 
 import pytest
 import torch
@@ -35,6 +42,19 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=[None, 1e-6], ids=["switch-default", "switch-1us"])
+def switch_interval(request):
+    """Run a test twice: with the default GIL switch interval, and handing the GIL between threads
+    every microsecond (many more interleavings).  Restored afterwards.  Yields the interval set."""
+    interval = sys.getswitchinterval()
+    if request.param is not None:
+        sys.setswitchinterval(request.param)
+    try:
+        yield sys.getswitchinterval()
+    finally:
+        sys.setswitchinterval(interval)
 
 
 @pytest.fixture
