@@ -118,7 +118,7 @@ from residency.errors import (
     RegistrationError,
     ResidencyError,
 )
-from residency.scheduler import Scheduler
+from residency.scheduler import Phase, Scheduler
 
 __all__ = ["PhaseEntry", "describe", "disable_offload", "enable_offload", "offload_scheduler"]
 
@@ -250,7 +250,8 @@ class _Offload:
             return
         offloaded = {name: module for name, module, _ in self.placements}
         for name, module in now.items():
-            if offloaded.get(name) in (module, getattr(module, "_orig_mod", None)):
+            recorded = offloaded.get(name)
+            if recorded is not None and recorded in (module, getattr(module, "_orig_mod", None)):
                 continue
             change = "replaced" if name in offloaded else "added"
             owner = type(pipe).__name__
@@ -325,12 +326,15 @@ class PhaseEntry:
         offload = self.offload
         if offload is None:
             return self.method(*args, **kwargs)
-        scheduler = offload.scheduler
-        if scheduler.current != self.group:  # a phase change, or a resident-policy group
-            offload.check_components()
-        device = scheduler.device
-        with scheduler.resident(self.group):
-            return self.method(*_to_device(args, device), **_to_device(kwargs, device))
+        phase = _enter_phase(offload, self.group)
+        device = offload.scheduler.device
+        try:
+            result = self.method(*_to_device(args, device), **_to_device(kwargs, device))
+        except BaseException as error:
+            _exit_phase(phase, error)
+            raise
+        _exit_phase(phase, None)
+        return result
 
     def restore(self, module: nn.Module, name: str) -> None:
         """Make what this entry wrapped `module`'s entry point `name` again."""
@@ -351,6 +355,27 @@ class PhaseEntry:
         if self.offload is None:
             return f"<PhaseEntry {name!r}, detached>"
         return f"<PhaseEntry {name!r} of group {self.group!r}>"
+
+
+@torch.compiler.disable
+def _enter_phase(offload: _Offload, group: str) -> Phase:
+    """Enter `group`'s phase, checking the components first at a phase change.
+
+    Kept out of ``torch.compile``'s graphs: a compiled component (``transformer.compile()``)
+    traces what the entry wraps and runs the phase change itself eagerly.
+    """
+    scheduler = offload.scheduler
+    if scheduler.current != group:  # a phase change, or a resident-policy group
+        offload.check_components()
+    phase = scheduler.resident(group)
+    phase.__enter__()
+    return phase
+
+
+@torch.compiler.disable
+def _exit_phase(phase: Phase, error: BaseException | None) -> None:
+    """Leave a phase `_enter_phase` entered (also kept out of compiled graphs)."""
+    phase.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
 
 
 def _chain(entry_point: object) -> Iterator[PhaseEntry]:

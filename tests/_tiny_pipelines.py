@@ -147,3 +147,177 @@ def flux_call(seed: int = 0, prompt: str = "a red dog") -> dict:
         "generator": torch.Generator().manual_seed(seed),
         "output_type": "pt",
     }
+
+
+# -- UNet families: SDXL, SD + ControlNet, SD + IP-Adapter, AnimateDiff, Kandinsky 2.2 ----------
+
+
+def _clip_text(projection: bool = False, hidden: int = 16):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=16,
+                            num_attention_heads=2, num_hidden_layers=1, max_position_embeddings=8,
+                            projection_dim=hidden, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
+
+
+def _tiny_vae(latent_channels: int = 4):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(sample_size=8, in_channels=3, out_channels=3, block_out_channels=(4,),
+                         layers_per_block=1, latent_channels=latent_channels,
+                         norm_num_groups=1).eval()
+
+
+def _sd_unet(cross_attention_dim: int = 16, **extra):
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(8, 16),
+        layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=2,
+        cross_attention_dim=cross_attention_dim, norm_num_groups=2, **extra,
+    ).eval()
+
+
+def _done(pipe):
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_sdxl(seed: int = 0):
+    """SDXL: CLIP text encoder, CLIP text encoder with projection, UNet ("text_time"), VAE."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+    torch.manual_seed(seed)
+    unet = _sd_unet(cross_attention_dim=32, addition_embed_type="text_time",
+                    addition_time_embed_dim=4, projection_class_embeddings_input_dim=6 * 4 + 16)
+    return _done(StableDiffusionXLPipeline(
+        vae=_tiny_vae(), text_encoder=_clip_text(), text_encoder_2=_clip_text(projection=True),
+        tokenizer=word_tokenizer(), tokenizer_2=word_tokenizer(), unet=unet,
+        scheduler=EulerDiscreteScheduler(), add_watermarker=False,
+    ))
+
+
+def _sd_parts():
+    from diffusers import DDIMScheduler
+
+    return {"vae": _tiny_vae(), "text_encoder": _clip_text(), "tokenizer": word_tokenizer(),
+            "unet": _sd_unet(), "scheduler": DDIMScheduler(), "safety_checker": None,
+            "feature_extractor": None, "requires_safety_checker": False}
+
+
+def tiny_sd_controlnet(seed: int = 0):
+    """Stable Diffusion with a ControlNet made from its UNet (runs in every denoising step)."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+
+    torch.manual_seed(seed)
+    parts = _sd_parts()
+    controlnet = ControlNetModel.from_unet(parts["unet"], conditioning_embedding_out_channels=(4,))
+    return _done(StableDiffusionControlNetPipeline(controlnet=controlnet.eval(), **parts))
+
+
+def tiny_sd_ip_adapter(seed: int = 0, *, load: bool = True):
+    """Stable Diffusion with an IP-Adapter: a CLIP vision `image_encoder`, and the adapter's
+    image projection and attention processors loaded into the UNet by ``load_ip_adapter``
+    (from a state dict made here, as a saved adapter would hold it)."""
+    from diffusers import StableDiffusionPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    torch.manual_seed(seed)
+    parts = _sd_parts()
+    parts["image_encoder"] = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=16, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1,
+        image_size=14, patch_size=7, projection_dim=16)).eval()
+    parts["feature_extractor"] = CLIPImageProcessor(size=14, crop_size=14)
+    pipe = _done(StableDiffusionPipeline(**parts))
+    if load:
+        pipe.load_ip_adapter(ip_adapter_state_dict(pipe.unet, 16), subfolder="", weight_name="")
+    return pipe
+
+
+def ip_adapter_state_dict(unet, image_embeds: int) -> dict:
+    """A random IP-Adapter ("image_proj" + "ip_adapter") laid out as diffusers' loader reads it."""
+    cross = unet.config.cross_attention_dim
+    image_proj = {"proj.weight": torch.randn(4 * cross, image_embeds),
+                  "proj.bias": torch.randn(4 * cross), "norm.weight": torch.ones(cross),
+                  "norm.bias": torch.zeros(cross)}
+    ip_adapter, key = {}, 1
+    for name in unet.attn_processors:
+        if name.endswith("attn2.processor"):
+            to_k = unet.get_submodule(name.removesuffix(".processor")).to_k.weight
+            ip_adapter[f"{key}.to_k_ip.weight"] = torch.randn_like(to_k)
+            ip_adapter[f"{key}.to_v_ip.weight"] = torch.randn_like(to_k)
+            key += 2  # the loader counts self- and cross-attention, and reads the odd ids
+    return {"image_proj": image_proj, "ip_adapter": ip_adapter}
+
+
+def tiny_animatediff(seed: int = 0):
+    """AnimateDiff (video): SD parts and a `motion_adapter` merged into a UNetMotionModel."""
+    from diffusers import AnimateDiffPipeline, MotionAdapter
+
+    torch.manual_seed(seed)
+    parts = _sd_parts()
+    for unused in ("safety_checker", "requires_safety_checker"):
+        parts.pop(unused)
+    adapter = MotionAdapter(block_out_channels=(8, 16), motion_layers_per_block=1,
+                            motion_norm_num_groups=2, motion_num_attention_heads=2,
+                            motion_max_seq_length=8)
+    return _done(AnimateDiffPipeline(motion_adapter=adapter.eval(), **parts))
+
+
+def unet_call(seed: int = 0, prompt: str = "a red dog", **extra) -> dict:
+    """Arguments for one tiny UNet-pipeline call (2 steps, 8x8 pixels)."""
+    return {"prompt": prompt, "height": 8, "width": 8, "num_inference_steps": 2,
+            "guidance_scale": 5.0, "generator": torch.Generator().manual_seed(seed),
+            "output_type": "pt", **extra}
+
+
+def tiny_kandinsky22(seed: int = 0):
+    """Kandinsky 2.2 combined: a prior (`prior_prior`, CLIP text and image encoders) makes image
+    embeddings, then a decoder (`unet`, `movq`) makes the image - two denoisers in one call."""
+    from diffusers import (
+        DDPMScheduler,
+        KandinskyV22CombinedPipeline,
+        PriorTransformer,
+        UNet2DConditionModel,
+        UnCLIPScheduler,
+        VQModel,
+    )
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    torch.manual_seed(seed)
+    prior = PriorTransformer(num_attention_heads=2, attention_head_dim=8, embedding_dim=16,
+                             num_layers=1, num_embeddings=8).eval()
+    image_encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=16, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1,
+        image_size=14, patch_size=7, projection_dim=16)).eval()
+    unet = UNet2DConditionModel(
+        in_channels=4, out_channels=8, addition_embed_type="image",
+        down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
+        up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
+        mid_block_type="UNetMidBlock2DSimpleCrossAttn", block_out_channels=(8, 16),
+        layers_per_block=1, encoder_hid_dim=16, encoder_hid_dim_type="image_proj",
+        cross_attention_dim=16, attention_head_dim=4, resnet_time_scale_shift="scale_shift",
+        norm_num_groups=2,
+    ).eval()
+    movq = VQModel(block_out_channels=[32, 32], down_block_types=["DownEncoderBlock2D"] * 2,
+                   in_channels=3, latent_channels=4, layers_per_block=1, norm_num_groups=2,
+                   norm_type="spatial", num_vq_embeddings=12, out_channels=3,
+                   up_block_types=["UpDecoderBlock2D"] * 2, vq_embed_dim=4).eval()
+    return _done(KandinskyV22CombinedPipeline(
+        unet=unet, scheduler=DDPMScheduler(beta_schedule="linear", clip_sample=False),
+        movq=movq, prior_prior=prior, prior_image_encoder=image_encoder,
+        prior_text_encoder=_clip_text(projection=True), prior_tokenizer=word_tokenizer(),
+        prior_scheduler=UnCLIPScheduler(variance_type="fixed_small_log", prediction_type="sample",
+                                        clip_sample=True, clip_sample_range=10.0),
+        prior_image_processor=CLIPImageProcessor(size=14, crop_size=14),
+    ))
+
+
+def kandinsky22_call(seed: int = 0, prompt: str = "a red dog") -> dict:
+    """Arguments for one tiny Kandinsky 2.2 call (2 prior and 2 decoder steps, 16x16 pixels)."""
+    return {"prompt": prompt, "height": 16, "width": 16, "num_inference_steps": 2,
+            "prior_num_inference_steps": 2, "guidance_scale": 4.0,
+            "prior_guidance_scale": 4.0, "generator": torch.Generator().manual_seed(seed),
+            "output_type": "pt"}
