@@ -6,16 +6,13 @@ the scheduler's to call (calling them directly would bypass its bookkeeping): th
 
 * ``_load`` copies the host master into device storage in bulk (one copy per chunk) and re-points
   every tensor to its device view.
-* ``_evict`` re-points every tensor back to its host view.  Unchanged tensors cost no copy.  Tensors
-  changed while resident are written back first: changed in place through the tensor (optimizer
-  steps, ``load_state_dict``, ``mul_`` under ``no_grad``: the version counter moves) or given new
-  storage with ``tensor.data = ...`` (LoRA fusing, ``module.to(...)``: the data pointer moves).
-
-[Note: what the version counter cannot see]
-``tensor.data`` returns a tensor with a *fresh* version counter, so ``p.data.mul_(2)`` changes the
-weights without moving ``p._version``.  Such edits made while resident are invisible to eviction.
-Edit through the tensor under ``torch.no_grad()`` instead, or call ``mark_dirty()`` before the next
-phase change to have every tensor written back.
+* ``_evict`` re-points every tensor back to its host view.  Unchanged bytes cost no copy.  What
+  changed while resident is written back first, whatever path the edit took: the chunks whose bytes
+  changed in place (see [Note: finding what changed]), and tensors given new storage with
+  ``tensor.data = ...`` or ``module.to(...)`` (the data pointer moves).
+* ``_adopt`` takes a new inventory and master after the modules changed shape (new or replaced
+  parameters, a new dtype): the scheduler re-packs the group before its next load rather than
+  refusing the change.
 """
 
 from __future__ import annotations
@@ -149,7 +146,12 @@ class Residency:
         load finishes, and `_finish_load` then copies what changed again.
         """
         self._require(ResidencyState.OFFLOADED, "load")
-        self._check_structure()
+        change = self.pending_change()
+        if change is not None:  # the scheduler adopts changes before a load; a direct call cannot
+            raise ModuleChangedError(
+                f"group {self.name!r} changed after it was packed ({change}) and was not re-packed; "
+                f"call scheduler.refresh({self.name!r})"
+            )
         self._adopt_replaced_offloaded()
         self.state = ResidencyState.LOADING
         try:
@@ -197,7 +199,7 @@ class Residency:
         self._pending = None
         self.state = ResidencyState.OFFLOADED
         pending.storage.retire()
-        self._adopt_replaced_offloaded(keep_misfits=True)
+        self._adopt_replaced_offloaded()
 
     def _recopy_edited(self, views, watched: list[int], completion: Completion) -> Completion:
         """After a prefetch: copy again every tensor edited on the host since the copy began."""
@@ -210,21 +212,20 @@ class Residency:
         completion.wait()
         return self._transport.to_device([(views[i], homes[i]) for i in edited])
 
-    def _evict(self, *, keep_changed: bool = False) -> int:
+    def _evict(self) -> int:
         """Re-point the tensors to the host master, writing back what changed; returns bytes written.
 
-        Raises `ModuleChangedError` (and stays resident, having written nothing) when a tensor given
-        new storage no longer fits its place in the master (see `_misfits`), unless
-        `keep_changed`: then such tensors are left as the user made them, moved to the host, and
-        everything else is evicted (used when the group is being unregistered).
+        A tensor given new storage that no longer fits its place in the master (a new dtype or
+        shape, a broken tie) is left as the user made it, moved to the host; `pending_change` then
+        reports it, and the scheduler re-packs the group before its next load.
         """
         self._require(ResidencyState.RESIDENT, "evict")
         tensors = self.inventory.tensors
         now_versions, replaced = versions(tensors), self._replaced()
-        left = self._misfits_left(sorted(replaced), replaced, keep=keep_changed)
+        left = {i for i, _ in self._misfits(sorted(replaced), replaced)}
         # Edits in place first, then tensors given new storage: the later copy wins where both touch.
         written = self._write_back_edits(now_versions, replaced)
-        written += self._write_back([i for i in sorted(replaced) if i not in left])
+        written += self._write_back_replaced([i for i in sorted(replaced) if i not in left])
         homes = list(self.host_master.views)
         for i in left:
             homes[i] = tensors[i].detach().to("cpu")
@@ -236,6 +237,49 @@ class Residency:
         self._marked_dirty = False
         self.state = ResidencyState.OFFLOADED
         return written
+
+    def pending_change(self) -> str | None:
+        """Why the group must be re-packed before it can load, or None (it is offloaded).
+
+        Parameters, buffers or submodules added, replaced or removed since it was packed, or a
+        tensor whose dtype, shape or strides no longer fit its place in the master.
+        """
+        change = self.inventory.changed_structure()
+        if change is not None:
+            return change
+        now_ptrs = data_ptrs(self.inventory.tensors)
+        if now_ptrs == self._host_ptrs:
+            return None
+        replaced = {i for i, p in enumerate(now_ptrs) if p != self._host_ptrs[i]}
+        misfits = self._misfits(sorted(replaced), replaced)
+        if not misfits:
+            return None
+        index, why = misfits[0]
+        return f"the {self.inventory.slots[index][0].describe()}: {why}"
+
+    def _adopt(self, inventory: Inventory, host_master: HostMaster) -> None:
+        """Take over a new inventory and master (packed from the modules as they are now)."""
+        self._require(ResidencyState.OFFLOADED, "re-pack")
+        self.inventory = inventory
+        self.host_master = host_master
+        self._host_ptrs = data_ptrs(host_master.views)
+        self._loaded_versions = versions(inventory.tensors)
+        self._device_ptrs = []
+        self._marked_dirty = False
+
+    def _write_back_replaced(self, indices: list[int]) -> int:
+        """Write back tensors given new storage, unless their bytes equal those loaded.
+
+        ``enable_layerwise_casting`` upcasts a module's weights before each forward and casts them
+        back after, into new storage with the same bytes: comparing on the device costs a read,
+        where writing back would cost a copy to the host on every swap.
+        """
+        if not indices:
+            return 0
+        views = self.device_storage.views_for(self, self.inventory)
+        tensors = self.inventory.tensors
+        same = _same_bytes([(tensors[i], views[i]) for i in indices])
+        return self._write_back([i for i, unchanged in zip(indices, same) if not unchanged])
 
     def _write_back_edits(self, now_versions: list[int], replaced: set[int]) -> int:
         """Copy to the master what was edited in place while resident; returns the bytes copied.
@@ -287,15 +331,6 @@ class Residency:
                 "the group stays offloaded"
             ) from error
 
-    def _check_structure(self) -> None:
-        change = self.inventory.changed_structure()
-        if change is not None:
-            raise ModuleChangedError(
-                f"group {self.name!r} changed after registration: {change}. Call "
-                f"scheduler.refresh({self.name!r}) after adding, replacing or re-typing "
-                "parameters so the scheduler can take the new tensors over"
-            )
-
     def _replaced(self) -> set[int]:
         """Tensors given new storage while resident (``.data = ...``, ``module.to(...)``)."""
         now_ptrs = data_ptrs(self.inventory.tensors)
@@ -320,21 +355,6 @@ class Residency:
                                    "shared storage with"))
         return misfits
 
-    def _misfits_left(self, indices: list[int], replaced: set[int], *, keep: bool) -> set[int]:
-        """The misfits among `indices`, to be left as the user made them; raises unless `keep`."""
-        misfits = self._misfits(indices, replaced)
-        if misfits and not keep:
-            raise self._misfit_error(*misfits[0])
-        return {i for i, _ in misfits}
-
-    def _misfit_error(self, index: int, why: str) -> ModuleChangedError:
-        slot = self.inventory.slots[index][0]
-        return ModuleChangedError(
-            f"the {slot.describe()} in group {self.name!r} no longer fits its place in the host "
-            f"master: {why}. Call scheduler.refresh({self.name!r}) after changing dtypes, "
-            "shapes, layouts or ties so the scheduler can re-pack the group"
-        )
-
     def _write_back(self, indices: list[int]) -> int:
         """Copy tensors `indices` into their places in the master; returns the bytes copied."""
         if not indices:
@@ -345,17 +365,15 @@ class Residency:
         self._transport.to_host(pairs).synchronize()
         return sum(homes[i].nbytes for i in indices)
 
-    def _adopt_replaced_offloaded(self, *, keep_misfits: bool = False) -> set[int]:
-        """Copy into the master any tensor given new storage while offloaded (``module.to(...)``).
-
-        Returns the indices adopted.  A tensor that no longer fits raises `ModuleChangedError`,
-        or with `keep_misfits` is left as the user made it.
-        """
+    def _adopt_replaced_offloaded(self) -> set[int]:
+        """Copy into the master any tensor given new storage while offloaded (``module.to(...)``)
+        that still fits its place; returns the indices adopted (misfits are left as they are:
+        `pending_change` reports them)."""
         now_ptrs = data_ptrs(self.inventory.tensors)
         if now_ptrs == self._host_ptrs:
             return set()
         replaced = [i for i, p in enumerate(now_ptrs) if p != self._host_ptrs[i]]
-        left = self._misfits_left(replaced, set(replaced), keep=keep_misfits)
+        left = {i for i, _ in self._misfits(replaced, set(replaced))}
         adopted = [i for i in replaced if i not in left]
         self._write_back(adopted)
         homes, tensors = self.host_master.views, self.inventory.tensors
@@ -365,3 +383,24 @@ class Residency:
 
 def _kind(tensor: torch.Tensor) -> str:
     return f"{tensor.dtype} {tuple(tensor.shape)} strides {tensor.stride()}"
+
+
+def _same_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """Whether each pair holds the same bytes (one host wait for all pairs on an accelerator)."""
+    flags = [
+        torch.equal(_as_bytes(a), _as_bytes(b)) if a.device.type == "cpu"
+        else (_as_bytes(a) == _as_bytes(b)).all()
+        for a, b in pairs
+    ]
+    if flags and isinstance(flags[0], torch.Tensor):
+        return torch.stack(flags).tolist()
+    return flags
+
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as integers of its element size (NaNs compare by their bits)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(_WORDS.get(flat.element_size(), torch.uint8))

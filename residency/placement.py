@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.profiler import record_function
@@ -37,6 +37,10 @@ from residency.records import TransitionLog, TransitionRecord
 from residency.transport import Transport
 
 __all__ = ["Placement"]
+
+
+def _adopt_nothing(group: Residency) -> None:
+    """The default for `Placement.switch_to`: groups are taken as they are."""
 
 
 class Placement:
@@ -138,7 +142,7 @@ class Placement:
             check_held(self._lock)
         self.cancel_prefetch()
         if evict and group.is_resident:
-            group._evict(keep_changed=True)
+            group._evict()
         if self.current is group:
             self.current = None
         for storage in {*self._exclusive_storages, group.device_storage} - {None}:
@@ -151,10 +155,14 @@ class Placement:
 
     # -- phase changes ---------------------------------------------------------------------------
 
-    def switch_to(self, group: Residency | None) -> None:
+    def switch_to(
+        self, group: Residency | None, adopt: Callable[[Residency], None] = _adopt_nothing
+    ) -> None:
         """Evict the current exclusive group and load `group` (None: leave the device empty).
 
-        Called with no holders.  On failure to load, the device holds no exclusive group.
+        `adopt(g)` re-packs a group whose modules changed (see `Residency.pending_change`); it is
+        called for the evicted group after its eviction and for `group` before its load.  Called
+        with no holders.  On failure, the device holds no exclusive group.
         """
         if CHECKING:
             check_held(self._lock)
@@ -163,12 +171,21 @@ class Placement:
             with record_function(f"residency::evict {previous.name}"):
                 written = previous._evict()
             self.current = None
+            adopt(previous)
         evicted, nbytes = time.perf_counter(), 0
         if group is not None:
+            adopt(group)
             with record_function(f"residency::load {group.name}"):
                 nbytes = self._load(group)
             self.current = group
         self._record(previous, group, nbytes, written, start, evicted)
+
+    def forget_views(self, group: Residency) -> None:
+        """Drop every storage's cached views of `group` (its layout is about to change)."""
+        if CHECKING:
+            check_held(self._lock)
+        for storage in {*self._exclusive_storages, group.device_storage} - {None}:
+            storage.forget(group)
 
     def prefetch(self, group: Residency) -> bool:
         """Start copying exclusive `group` beside the current one when there is room (see
@@ -176,6 +193,8 @@ class Placement:
         if CHECKING:
             check_held(self._lock)
         if not group.exclusive or group is self.current or group is self.prefetched:
+            return False
+        if group.pending_change() is not None:  # re-packed at its phase, not beside another
             return False
         if not self._room_for_prefetch(group):
             return False

@@ -29,15 +29,15 @@ from residency.arguments import parse_device, parse_policy
 from residency.component import Residency
 from residency.discovery import scheduler_from_pipeline
 from residency.enums import PhaseStatus, Policy
-from residency.errors import HostMemoryError, PhaseError, SchedulerClosedError
+from residency.errors import PhaseError, SchedulerClosedError
 from residency.holds import Holds, ThreadHolds
 from residency.locks import new_lock
-from residency.memory import HostMaster
 from residency.no_offload import NoOffload
+from residency.packing import Packer
 from residency.placement import Placement
 from residency.records import TransitionLog
 from residency.registry import Claim, Registry
-from residency.tensors import DEFAULT_CHUNK_NBYTES, Inventory, alignment_for, take_inventory
+from residency.tensors import DEFAULT_CHUNK_NBYTES, Inventory
 from residency.transport import Transport, transport_for
 
 __all__ = ["Phase", "Scheduler"]
@@ -117,10 +117,12 @@ class Scheduler:
         #: Where resident groups live.
         self.device = parse_device(device)
         self._transport = transport if transport is not None else transport_for(self.device)
-        #: Pin host masters (default: when the transport can use pinned memory).  Turned off, with
-        #: a warning, the first time pinning fails, so later groups do not try again.
-        self.pin_memory = self._transport.can_pin() if pin_memory is None else pin_memory
-        self.chunk_nbytes = chunk_nbytes
+        self._packer = Packer(
+            self._transport,
+            device=self.device,
+            chunk_nbytes=chunk_nbytes,
+            pin_memory=self._transport.can_pin() if pin_memory is None else pin_memory,
+        )
         self.wait_timeout = wait_timeout
         #: One record per phase change (the newest `record_limit`), with running totals.
         self.transitions = TransitionLog(record_limit)
@@ -137,6 +139,16 @@ class Scheduler:
         )
         if not self.pin_memory:
             _log.info("host masters on %s are pageable memory (pin_memory=False)", self.device)
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host masters are pinned (off after the first failure to pin: a warning says so)."""
+        return self._packer.pin_memory
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Host masters are built in chunks of at most this many bytes."""
+        return self._packer.chunk_nbytes
 
     @classmethod
     def from_pipeline(
@@ -189,7 +201,7 @@ class Scheduler:
         check_flag("detect_edits", detect_edits)
         roots = as_modules(name, modules)
         excluded = as_excluded(name, exclude, roots)
-        inventory = self._inventory(roots, excluded)
+        inventory = self._packer.inventory(roots, excluded)
         with self._lock:
             self._check_open()
             self._claim(Claim(name, policy, inventory))
@@ -215,7 +227,7 @@ class Scheduler:
         with self._lock:
             old = self._registry.lookup(name)
             self._check_not_in_a_phase(old, "refresh")
-            inventory = self._inventory(old.modules, old.excluded)
+            inventory = self._packer.inventory(old.modules, old.excluded)
             aliases = self._registry.aliases_of(old)
             self._claim(Claim(old.name, old.policy, inventory), replacing=old)
             self._placement.withdraw(old, evict=False)
@@ -401,7 +413,7 @@ class Scheduler:
                 )
                 self._registry.check_registered(group)
                 if self._placement.current is not group:
-                    self._placement.switch_to(group)
+                    self._placement.switch_to(group, self._adopt_changes)
             finally:
                 self._holds.dequeue(ticket)
         self._holds.take(entry, group)
@@ -421,12 +433,6 @@ class Scheduler:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _inventory(self, roots: tuple[nn.Module, ...], excluded: tuple[nn.Module, ...]) -> Inventory:
-        alignment = alignment_for(self.device)
-        return take_inventory(
-            roots, chunk_nbytes=self.chunk_nbytes, exclude=excluded, alignment=alignment
-        )
-
     def _claim(self, claim: Claim, *, replacing: Residency | None = None) -> None:
         """Check a new group against everything registered and reserve it (the lock held)."""
         self._registry.check_claimable(claim, self._placement.spans(), replacing=replacing)
@@ -442,7 +448,7 @@ class Scheduler:
         # other threads must not wait for it.  The claim keeps the name, modules and tensors
         # from being registered twice meanwhile.
         try:
-            master = self._pack(name, inventory)
+            master = self._packer.pack(name, inventory)
         except BaseException:
             with self._lock:
                 self._registry.release_claim(name)
@@ -466,20 +472,24 @@ class Scheduler:
                 raise
         return group
 
-    def _pack(self, name: str, inventory: Inventory) -> HostMaster:
-        try:
-            master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory)
-        except MemoryError as error:
-            nbytes = inventory.layout.nbytes
-            raise HostMemoryError(
-                f"cannot add group {name!r}: its host master needs {nbytes} bytes "
-                f"({nbytes / 2**20:.1f} MiB) of host memory and the allocation failed ({error}). "
-                "Free host memory or register fewer modules at once; the weights keep their values"
-            ) from error
-        if self.pin_memory and not master.pinned:  # pinning failed (and warned): stop trying
-            self.pin_memory = False
-            _log.warning("pinning failed; later host masters of this scheduler are pageable")
-        return master
+    def _adopt_changes(self, group: Residency) -> None:
+        """Re-pack offloaded `group` if its modules changed since it was packed (a new dtype, new
+        or replaced parameters): the change is adopted, not refused, and logged once.  Refused
+        only when the new tensors break an ownership rule (the error says which)."""
+        change = group.pending_change()
+        if change is None:
+            return
+        inventory = self._packer.inventory(group.modules, group.excluded)
+        claim = Claim(group.name, group.policy, inventory)
+        self._registry.check_claimable(claim, self._placement.spans(), replacing=group)
+        needs = self._registry.needs(group.name, group.policy, inventory, ignore=group)
+        self._placement.check_budget(group.name, needs)
+        master = self._packer.pack(group.name, inventory)
+        self._placement.forget_views(group)
+        self._registry.retake(group, inventory.modules)
+        group._adopt(inventory, master)
+        _log.info("group %r changed (%s); re-packed its %d tensors (%.1f MiB)", group.name,
+                  change, inventory.tensor_count, inventory.nbytes / 2**20)
 
     def _check_open(self) -> None:
         if self._closed:

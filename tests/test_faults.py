@@ -3,9 +3,9 @@
 Faults are injected through the `Transport` the scheduler is given (dependency injection, no
 patching): an allocation that runs out of memory, a `KeyboardInterrupt` after a copy and before the
 tensors are re-pointed, pinning that fails.  Module changes made behind the scheduler's back
-(`.to()`, `.half()`, LoRA injection, new parameters) must be handled correctly or refused with a
-`ModuleChangedError` that says to call ``scheduler.refresh(name)`` — never run silently with weights
-in the wrong place.  Misuse gets a `ResidencyError` whose message is tested.
+(`.to()`, `.half()`, LoRA injection, new parameters) are adopted at the next phase change (issue 12:
+the group is re-packed) - never run silently with weights in the wrong place.  Misuse gets a
+`ResidencyError` whose message is tested.
 """
 
 from __future__ import annotations
@@ -356,7 +356,7 @@ def two_groups(scheduler):
 
 @pytest.mark.parametrize("retype", [_to_half, _to_double], ids=["half", "to_float64"])
 @pytest.mark.parametrize("while_", ["offloaded", "resident"])
-def test_a_dtype_change_is_refused_until_refresh_then_runs_correctly(two_groups, retype, while_):
+def test_a_dtype_change_is_adopted_at_the_next_phase_change(two_groups, retype, while_, caplog):
     scheduler, modules, plain = two_groups
     x = torch.randn(3, 32)
     with scheduler.resident("a" if while_ == "resident" else "b"):
@@ -364,20 +364,19 @@ def test_a_dtype_change_is_refused_until_refresh_then_runs_correctly(two_groups,
     retype(modules["a"])
     retype(plain["a"])
     other = "b" if while_ == "resident" else "a"  # the next phase change touches 'a' either way
-    with pytest.raises(ModuleChangedError, match=rf"'a'.*{_REFRESH_HINT}"):
+    with caplog.at_level("INFO", logger="residency"):
         with scheduler.resident(other):
-            pytest.fail("a phase ran after its group changed dtype")
-    assert_placed(scheduler, changed="a")
-    if while_ == "offloaded":  # the other group is not held up by the refused one
-        assert_runs_correctly(scheduler, "b", modules["b"], plain["b"], x, changed="a")
-    scheduler.refresh("a")
-    assert_placed(scheduler)
+            assert_placed(scheduler)
+    assert_runs_correctly(scheduler, "b", modules["b"], plain["b"], x)
     xa = x.to(plain["a"][0].weight.dtype)
     assert_runs_correctly(scheduler, "a", modules["a"], plain["a"], xa)
     with scheduler.resident("a"):
         assert all(t.dtype == xa.dtype for t in scheduler["a"].tensors)
+        assert scheduler["a"].host_master.views[0].dtype == xa.dtype  # re-packed in the new dtype
     assert_runs_correctly(scheduler, "b", modules["b"], plain["b"], x)
     assert_same_weights(modules["a"], plain["a"])
+    adopted = [r.message for r in caplog.records if "re-packed" in r.message]
+    assert len(adopted) == 1 and "group 'a' changed (the " in adopted[0], adopted
 
 
 @pytest.mark.parametrize("while_", ["offloaded", "resident"])
@@ -453,7 +452,7 @@ def _load_with_assign(block):
     ids=["lora_injection", "new_parameter", "replaced_parameter", "load_state_dict_assign"],
 )
 @pytest.mark.parametrize("while_", ["offloaded", "resident", "inside_its_phase"])
-def test_new_or_replaced_parameters_are_refused_until_refresh(two_groups, change, while_):
+def test_new_or_replaced_parameters_are_adopted_at_the_next_phase_change(two_groups, change, while_):
     scheduler, modules, plain = two_groups
     x = torch.randn(3, 32)
     if while_ == "inside_its_phase":
@@ -467,23 +466,21 @@ def test_new_or_replaced_parameters_are_refused_until_refresh(two_groups, change
             pass
         change(modules["a"])
         change(plain["a"])
-    try:  # leaving 'a' may be refused or handled (its old tensors go home); never silently wrong
-        with scheduler.resident("b"):
-            assert torch.equal(run_block(modules["b"], x), run_block(plain["b"], x))
-    except ModuleChangedError as error:
-        assert "refresh('a')" in str(error)
-    changed = rf"group 'a' changed after registration.*{_REFRESH_HINT}"
-    with pytest.raises(ModuleChangedError, match=changed):
-        with scheduler.resident("a"):
-            pytest.fail("a phase ran with parameters the scheduler does not know")
-    scheduler.refresh("a")
-    assert_placed(scheduler)
+    with scheduler.resident("b"):
+        assert torch.equal(run_block(modules["b"], x), run_block(plain["b"], x))
+        assert_placed(scheduler)  # 'a', new parameters included, is in its (new) host master
     with scheduler.resident("a"):
         assert torch.equal(run_block(modules["a"], x), run_block(plain["a"], x))
         assert_placed(scheduler)  # the new parameters live in device storage too
+        assert scheduler["a"].tensors == tuple(dict.fromkeys(_tensors_of(modules["a"])))
     assert_runs_correctly(scheduler, "b", modules["b"], plain["b"], x)
     assert_placed(scheduler)  # ...and return to the host master
     assert_same_weights(modules["a"], plain["a"])
+
+
+def _tensors_of(module: nn.Module) -> list[torch.Tensor]:
+    return [t for m in module.modules() for t in [*m._parameters.values(), *m._buffers.values()]
+            if t is not None]
 
 
 def test_refresh_is_refused_inside_the_groups_own_phase(two_groups):
