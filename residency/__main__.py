@@ -266,7 +266,7 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
     A diffusers pipeline may carry state between calls, so each copy is loaded fresh and called
     once; the plain copy is dropped before the offloaded one is loaded (never both in memory).
     """
-    from residency.adapters.diffusers import disable_offload, enable_offload
+    from residency.adapters.diffusers import describe, disable_offload, enable_offload
 
     kwargs = {"prompt": args.prompt, "num_inference_steps": args.steps, "output_type": "pt"}
     for name in ("height", "width", "num_frames"):
@@ -290,6 +290,7 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
         _release_device_memory(device)
     report("loading, then the run with offloading")
     pipe = _load_pipeline(args.pipeline)
+    print(describe(pipe, config), flush=True)  # how each component is grouped, and why
     scheduler = enable_offload(pipe, config, device=device)
     _reset_allocator_peak(device)
     start = time.perf_counter()

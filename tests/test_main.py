@@ -111,6 +111,24 @@ def test_pipeline_flag_runs_a_saved_diffusers_pipeline(tmp_path: Path):
     timeline_row(done.stdout, "transformer -> transformer_2")
 
 
+def test_pipeline_flag_runs_a_saved_sdxl(tmp_path: Path):
+    pytest.importorskip("diffusers")
+    from _tiny_pipelines import tiny_sdxl
+
+    tiny_sdxl().save_pretrained(tmp_path / "sdxl")
+    done = run_main("--pipeline", str(tmp_path / "sdxl"), "--steps", "2", "--height", "8",
+                    "--width", "8")
+    assert done.returncode == 0, done.stderr
+    assert "output: bit-identical to the run without offloading (torch.equal on 1x3x8x8" \
+        in done.stdout
+    table = done.stdout[done.stdout.index("StableDiffusionXLPipeline, components"):].splitlines()
+    assert [row.split()[:4] for row in table[2:6]] == [
+        ["vae", "vae", "vae", "resident"], ["text_encoder", "encoder", "text_encoder", "exclusive"],
+        ["text_encoder_2", "encoder", "text_encoder", "exclusive"],
+        ["unet", "dit", "unet", "exclusive"]]
+    timeline_row(done.stdout, "text_encoder -> unet")
+
+
 def test_pipeline_flag_on_a_folder_without_a_model_exits_2(tmp_path: Path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--pipeline", str(tmp_path)])
