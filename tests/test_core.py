@@ -447,6 +447,30 @@ def test_unknown_group_lists_the_known_ones(scheduler):
         scheduler["nope"]
 
 
+def test_a_category_name_says_which_groups_were_made_for_it(scheduler):
+    """Groups made from a pipeline are named after components; asking for "dit" says which."""
+    scheduler.add("transformer", make_block(seed=1), category="dit")
+    scheduler.add("transformer_2", make_block(seed=2), category="dit")
+    scheduler.add("text_encoder", make_block(seed=3), category="text_encoder")
+    with pytest.raises(UnknownGroupError, match=r"no group named 'dit'; .* named after their "
+                       r"components, not by category; 'dit' components here: 'transformer', "
+                       r"'transformer_2'"):
+        scheduler.resident("dit")
+    with pytest.raises(UnknownGroupError, match=r"'vae' components here: none \(that category "
+                       r"was not registered\)"):
+        scheduler.resident("vae")
+
+
+def test_a_name_that_is_not_a_string_is_refused_without_suggesting_it(scheduler):
+    three_groups(scheduler)
+    with pytest.raises(UnknownGroupError, match=r"group names are strings, not NoneType \(None\); "
+                       r"known groups: 'dit', 'enc', 'vae'") as refused:
+        scheduler.resident(None)
+    assert "scheduler.add(None" not in str(refused.value)
+    with pytest.raises(UnknownGroupError, match="group names are strings, not list"):
+        scheduler.resident(["dit"])
+
+
 def test_duplicate_name_is_refused(scheduler):
     scheduler.add("a", make_block())
     with pytest.raises(RegistrationError, match="a group named 'a' is already registered; choose another name"):

@@ -17,7 +17,7 @@ from residency.discovery import (
     apply_plan,
     plan_components,
 )
-from residency.errors import ConfigError, RegistrationError
+from residency.errors import ConfigError, RegistrationError, UnknownGroupError
 
 from conftest import make_block, run_block
 
@@ -162,6 +162,19 @@ def test_groups_policies_and_names(pipe):
         "time_embed": "resident",
     }
     assert scheduler["text_encoder"].modules == (pipe.text_encoder, pipe.prompt_adapter.encoder)
+    scheduler.close()
+
+
+def test_groups_carry_their_category_and_a_category_name_says_which_groups_it_made(pipe):
+    scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]},
+                                        device="cpu")
+    assert {name: scheduler[name].category for name in scheduler} == {
+        "transformer": "dit", "transformer_2": "dit", "text_encoder": "text_encoder", "vae": "vae",
+        "time_embed": None,
+    }
+    with pytest.raises(UnknownGroupError, match=r"no group named 'dit'.*'dit' components here: "
+                                                r"'transformer', 'transformer_2'"):
+        scheduler.resident("dit")
     scheduler.close()
 
 
