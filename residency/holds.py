@@ -37,6 +37,7 @@ Fields (every one guarded by the scheduler lock; `Holds` is their one mutator):
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +51,7 @@ __all__ = ["Holds", "ThreadHolds", "Ticket"]
 
 #: How often a waiting thread looks for holders whose threads have ended (seconds).
 _DEAD_HOLDER_POLL = 0.05
+_log = logging.getLogger("residency")
 _current_thread = threading.current_thread
 _ACTIVE = PhaseStatus.ACTIVE
 
@@ -87,8 +89,16 @@ class Holds:
         holds.push(entry, phase, needs=group)    # a frame, after the hold was granted
     """
 
-    def __init__(self, lock: threading.RLock, *, wait_timeout: float | None) -> None:
+    def __init__(
+        self,
+        lock: threading.RLock,
+        *,
+        wait_timeout: float | None,
+        current_group: Callable[[], Residency | None],
+    ) -> None:
         self._lock = lock
+        #: Reads the placement's current group (the one a hold may join).
+        self._current_group = current_group
         #: Waiters sleep here; the same lock.
         self._wakeup = threading.Condition(lock)
         self.wait_timeout = wait_timeout
@@ -98,6 +108,8 @@ class Holds:
         #: How many entries hold a group (kept with ``held``, read on every exit).
         self._holder_count = 0  # guarded by the lock
         self._queue: collections.deque[Ticket] = collections.deque()  # guarded by the lock
+        #: Set by `close`: no more holds are granted, and waiters raise.
+        self._closed = False  # guarded by the lock
 
     # -- queries (the lock held) ---------------------------------------------------------------
 
@@ -139,7 +151,7 @@ class Holds:
         phase.status = PhaseStatus.ACTIVE
         self._threads[entry.thread] = entry
 
-    def try_join(self, phase, current: Residency | None) -> ThreadHolds | None:
+    def try_join(self, phase) -> ThreadHolds | None:
         """Open `phase` at once when that needs no swap and no wait; else return the calling
         thread's entry (for the facade's slow path), changing nothing.
 
@@ -155,7 +167,8 @@ class Holds:
             entry = self._local_entry()
         group, held = phase.group, entry.held
         if held is not group:  # (a held group is exclusive)
-            if held is not None or group is not current or self._queue or not group.exclusive:
+            if held is not None or self._queue or group is not self._current_group() \
+                    or not group.exclusive:
                 return entry
             self._holder_count += 1
             entry.held = group
@@ -275,31 +288,81 @@ class Holds:
         self._queue.remove(ticket)
         self._wakeup.notify_all()
 
-    def wait_for_turn(
-        self, ticket: Ticket, current: Callable[[], Residency | None], is_open: Callable[[], bool]
+    def move(
+        self,
+        entry: ThreadHolds,
+        needs: Residency | None,
+        make_current: Callable[[Residency], None],
+        *,
+        restore_on_failure: bool,
     ) -> None:
-        """Sleep until `ticket` may join the current group or swap it out (first come, first served).
+        """Give up `entry`'s hold and take `needs`: at once when it is current and nobody waits,
+        else after waiting for the turn and ``make_current(needs)`` (the facade's swap).
 
-        `current` reads the placement's current group; `is_open` whether the scheduler is open.
+        If that fails and `restore_on_failure`, the thread takes its previous group back (the
+        first error is the one raised; a failure to restore is noted on it).
         """
+        previous = entry.held
+        if previous is not None:
+            self.give_up(entry)
+        if needs is None:
+            return
+        try:
+            self._acquire(entry, needs, make_current)
+        except BaseException as error:
+            if restore_on_failure and previous is not None:
+                self._restore(entry, previous, make_current, error)
+            raise
+
+    def close(self) -> None:
+        """Grant no more holds; waiters wake up to `SchedulerClosedError`."""
+        if CHECKING:
+            check_held(self._lock)
+        self._closed = True
+        self._wakeup.notify_all()
+
+    def _acquire(
+        self, entry: ThreadHolds, group: Residency, make_current: Callable[[Residency], None]
+    ) -> None:
+        if not self.may_join(group, self._current_group()):
+            ticket = self.enqueue(group)
+            try:
+                self._wait_for_turn(ticket)
+                make_current(group)
+            finally:
+                self.dequeue(ticket)
+        self.take(entry, group)
+
+    def _restore(self, entry, previous, make_current, error: BaseException) -> None:
+        try:
+            self._acquire(entry, previous, make_current)
+        except BaseException as restore_error:  # the first error is the one to report
+            note = (
+                f"residency: group {previous.name!r} could not be made resident again "
+                f"({restore_error!r}); the enclosing phase runs without it"
+            )
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(note)
+            else:
+                _log.error(note)
+
+    def _wait_for_turn(self, ticket: Ticket) -> None:
+        """Sleep until `ticket` may join the current group or swap it out (first come, first served)."""
         deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
-        while not self._may_proceed(ticket, current()):
-            if not is_open():
+        while not self._may_proceed(ticket, self._current_group()):
+            if self._closed:
                 raise SchedulerClosedError(
                     "the scheduler was closed while this phase waited for its group; create a new "
                     "Scheduler and add the modules again to keep offloading"
                 )
-            self._release_dead_holders(ticket.group, current())
+            self._release_dead_holders(ticket.group, self._current_group())
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlockError(
                     f"waited {self.wait_timeout} s for group {ticket.group.name!r}: "
-                    f"{self.describe_holders(current())}. Leave phases promptly, or raise "
-                    "wait_timeout"
+                    f"{self.describe_holders(self._current_group())}. Leave phases promptly, or "
+                    "raise wait_timeout"
                 )
             self._wakeup.wait(_DEAD_HOLDER_POLL)
-
-    def wake_all(self) -> None:
-        self._wakeup.notify_all()
 
     def _may_proceed(self, ticket: Ticket, current: Residency | None) -> bool:
         for earlier in self._queue:

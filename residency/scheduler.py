@@ -30,7 +30,7 @@ from residency.component import Residency
 from residency.discovery import scheduler_from_pipeline
 from residency.enums import PhaseStatus, Policy
 from residency.errors import PhaseError, SchedulerClosedError
-from residency.holds import Holds, ThreadHolds
+from residency.holds import Holds
 from residency.locks import new_lock
 from residency.no_offload import NoOffload
 from residency.packing import Packer
@@ -128,7 +128,6 @@ class Scheduler:
         self.transitions = TransitionLog(record_limit)
         self._lock = new_lock()
         self._closed = False  # guarded by the lock
-        self._holds = Holds(self._lock, wait_timeout=wait_timeout)
         self._registry = Registry(self._lock, owner_label=f"<Scheduler on {self.device}>")
         self._placement = Placement(
             self._lock,
@@ -136,6 +135,9 @@ class Scheduler:
             device=self.device,
             device_memory_limit=device_memory_limit,
             transitions=self.transitions,
+        )
+        self._holds = Holds(
+            self._lock, wait_timeout=wait_timeout, current_group=lambda: self._placement.current
         )
         if not self.pin_memory:
             _log.info("host masters on %s are pageable memory (pin_memory=False)", self.device)
@@ -270,7 +272,7 @@ class Scheduler:
                 self._registry.unregister(group)
             self._placement.release_shared()
             self._registry.close()
-            self._holds.wake_all()  # waiters wake up to SchedulerClosedError
+            self._holds.close()  # waiters wake up to SchedulerClosedError
 
     def __enter__(self) -> Scheduler:
         return self
@@ -363,18 +365,18 @@ class Scheduler:
             return self._placement.prefetch(self._registry.lookup(name))
 
     def _enter(self, phase: Phase) -> None:
-        group = phase.group
         with self._lock:
             if self._closed:
                 self._check_open()
-            entry = self._holds.try_join(phase, self._placement.current)
-            if entry is None:
+            entry = self._holds.try_join(phase)
+            if entry is None:  # joined at once: no tensor work
                 return
+            group = phase.group
             needs = group if group.exclusive else entry.needs()
             if not group.exclusive:
                 self._registry.check_registered(group)
             if needs is not entry.held:
-                self._move_hold(entry, needs, restore_on_failure=True)
+                self._holds.move(entry, needs, self._make_current, restore_on_failure=True)
             self._holds.push(entry, phase, needs)
 
     def _exit(self, phase: Phase) -> None:
@@ -384,52 +386,15 @@ class Scheduler:
                 return
             entry, needs = move
             try:
-                self._move_hold(entry, needs, restore_on_failure=False)
+                self._holds.move(entry, needs, self._make_current, restore_on_failure=False)
             finally:
                 self._holds.forget_if_idle(entry)
 
-    def _move_hold(
-        self, entry: ThreadHolds, needs: Residency | None, *, restore_on_failure: bool
-    ) -> None:
-        """Give up `entry`'s hold and take `needs` (waiting and swapping as needed)."""
-        previous = entry.held
-        if previous is not None:
-            self._holds.give_up(entry)
-        if needs is None:
-            return
-        try:
-            self._acquire(entry, needs)
-        except BaseException as error:
-            if restore_on_failure and previous is not None:
-                self._restore_hold(entry, previous, error)
-            raise
-
-    def _acquire(self, entry: ThreadHolds, group: Residency) -> None:
-        if not self._holds.may_join(group, self._placement.current):
-            ticket = self._holds.enqueue(group)
-            try:
-                self._holds.wait_for_turn(
-                    ticket, lambda: self._placement.current, lambda: not self._closed
-                )
-                self._registry.check_registered(group)
-                if self._placement.current is not group:
-                    self._placement.switch_to(group, self._adopt_changes)
-            finally:
-                self._holds.dequeue(ticket)
-        self._holds.take(entry, group)
-
-    def _restore_hold(self, entry: ThreadHolds, previous: Residency, error: BaseException) -> None:
-        try:
-            self._acquire(entry, previous)
-        except BaseException as restore_error:  # the first error is the one to report
-            note = (
-                f"residency: group {previous.name!r} could not be made resident again "
-                f"({restore_error!r}); the enclosing phase runs without it"
-            )
-            if hasattr(error, "add_note"):  # Python 3.11+
-                error.add_note(note)
-            else:
-                _log.error(note)
+    def _make_current(self, group: Residency) -> None:
+        """Swap `group` in (the lock held, nobody holding the current group)."""
+        self._registry.check_registered(group)
+        if self._placement.current is not group:
+            self._placement.switch_to(group, self._adopt_changes)
 
     # -- helpers -------------------------------------------------------------------------------
 
