@@ -60,6 +60,8 @@ MODULES = _module_files()
 LAYERS: list[tuple[str, set[str]]] = [
     # The shared words and the lock: import nothing of ours.
     ("vocabulary", {"residency.enums", "residency.errors", "residency.locks"}),
+    # What a tensor subclass holds (quantized and wrapper weights): known to the inventory.
+    ("tensor kinds", {"residency.subclasses"}),
     # One job each: a tensor's place (tensors), moving bytes (transport), transition records,
     # configs, digests.
     (
@@ -99,6 +101,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "residency.timeline",
             "residency.adapters.cli",
             "residency.adapters.diffusers",
+            "residency.adapters.diffusers_table",
         },
     ),
     # The packages' public surfaces and the command line.
@@ -111,7 +114,7 @@ BELOW_THE_FACADE = [
     f"residency.{name}"
     for name in (
         "holds registry placement component memory tensors transport enums locks errors records "
-        "discovery config split no_offload arguments packing digests"
+        "discovery config split no_offload arguments packing digests subclasses"
     ).split()
 ]
 #: The three owners of a scheduler's state.

@@ -13,10 +13,16 @@ module, never offloaded, receives the same edits.  After every step the invarian
   tensor of a resident group into its device storage (a tensor the user gave new storage may sit
   in that storage until the group's next transition);
 * every parameter and buffer equals the reference bit for bit, and tied weights stay tied.
+
+The machine runs twice (conftest.py's ``switch_interval``): with the default GIL switch interval,
+and with 1 us while a second thread reads the scheduler's public view throughout (an `Observer`:
+never two exclusive groups in one snapshot) - the machine itself is one thread, so only a second
+one makes the short interval interleave anything.
 """
 
 from __future__ import annotations
 
+import threading
 
 import pytest
 import torch
@@ -27,6 +33,7 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 from torch import nn
 
@@ -91,10 +98,54 @@ class Boom(Exception):
     """Raised inside phases on purpose."""
 
 
+# Every test here runs twice: with the default GIL switch interval and with 1 us (conftest.py).
+pytestmark = pytest.mark.usefixtures("switch_interval")
+
+#: How long the observer thread may take to stop (never reached when green).
+JOIN_SECONDS = 30
+
+
+class Observer:
+    """A second thread that reads the public view of `scheduler` until stopped, holding no phase:
+    each `resident_groups()` snapshot has at most one exclusive group."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.problems: list[str] = []
+        self.reads = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="observer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        exclusive = set(EXCLUSIVE)
+        try:
+            while not self._stop.is_set():
+                resident = self.scheduler.resident_groups()
+                self.scheduler.device_nbytes
+                self.reads += 1
+                if len(exclusive.intersection(resident)) > 1:
+                    self.problems.append(f"observer saw two exclusive groups: {resident}")
+                    return
+        except BaseException as error:  # handed to the machine's teardown
+            self.problems.append(f"observer: {error!r}")
+
+    def stop(self) -> None:
+        """Stop the thread; raise if it is stuck or saw a problem."""
+        self._stop.set()
+        self._thread.join(JOIN_SECONDS)
+        assert not self._thread.is_alive(), "the observer thread is stuck"
+        assert not self.problems, self.problems
+
+
 class PhaseMachine(RuleBasedStateMachine):
+    #: Whether an `Observer` reads the scheduler from a second thread (the 1 us run).
+    observed = False
+
     def __init__(self) -> None:
         super().__init__()
         self.scheduler = Scheduler("cpu")
+        self.observer: Observer | None = None
         self.modules = {name: build(name) for name in GROUPS}
         self.plain = {name: twin(m) for name, m in self.modules.items()}
         generator = torch.Generator().manual_seed(0)  # failures replay exactly
@@ -102,6 +153,8 @@ class PhaseMachine(RuleBasedStateMachine):
         for name in EXCLUSIVE:
             self.scheduler.add(name, self.modules[name])
         self.scheduler.add(RESIDENT, self.modules[RESIDENT], policy="resident")
+        if self.observed:
+            self.observer = Observer(self.scheduler)
         #: Phases entered by `enter` and not yet left, outermost first.
         self.stack: list = []
         #: Per group: data_ptr of each tensor the test gave new storage (not yet taken over).
@@ -123,7 +176,11 @@ class PhaseMachine(RuleBasedStateMachine):
                     self.stack.pop().__exit__(None, None, None)
                 except Exception:
                     pass
-            self.scheduler.close()
+            try:
+                if self.observer is not None:
+                    self.observer.stop()
+            finally:
+                self.scheduler.close()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -358,7 +415,7 @@ class PhaseMachine(RuleBasedStateMachine):
 # [Note: no shrinking in CI]
 # Shrinking a failing 30-step run can take minutes, over the CI budget; the failing sequence is
 # printed unshrunk.  To get a minimal one, add Phase.shrink to `phases` and run this file alone.
-PhaseMachine.TestCase.settings = settings(
+MACHINE_SETTINGS = settings(
     max_examples=60,
     stateful_step_count=30,
     deadline=None,
@@ -366,7 +423,41 @@ PhaseMachine.TestCase.settings = settings(
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow],
 )
-test_random_phase_sequences_lose_and_mix_up_nothing = PhaseMachine.TestCase
+
+
+class ObservedPhaseMachine(PhaseMachine):
+    observed = True
+
+
+def test_random_phase_sequences_lose_and_mix_up_nothing(switch_interval):
+    if switch_interval >= 1e-3:
+        run_state_machine_as_test(PhaseMachine, settings=MACHINE_SETTINGS)
+    else:
+        # The observer contends for the lock on every step (~15k reads a second): fewer examples
+        # keep the run near the default one's time.
+        run_state_machine_as_test(
+            ObservedPhaseMachine, settings=settings(MACHINE_SETTINGS, max_examples=40)
+        )
+
+
+def test_the_observer_reads_and_reports(switch_interval):
+    """The observer itself: it reads while phases change, and a problem it saw fails `stop`."""
+    machine = ObservedPhaseMachine()
+    try:
+        for name in (*EXCLUSIVE, *EXCLUSIVE):
+            with machine.scheduler.resident(name):
+                pass
+        deadline = threading.Event()
+        while machine.observer.reads < 3 and not deadline.wait(0.001):
+            pass
+        assert machine.observer.reads >= 3
+        machine.observer.problems.append("planted")
+        with pytest.raises(AssertionError, match="planted"):
+            machine.observer.stop()
+        machine.observer.problems.clear()
+    finally:
+        machine.observer = None
+        machine.teardown()
 
 
 # -- cases the machine finds, kept as plain tests (each one step sequence, named) ------------------
