@@ -233,7 +233,7 @@ def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torc
     pipe = SyntheticWan22.build(args.size, seed=args.seed)
     expected, plain_seconds = None, None
     if args.check:
-        pipe.scheduler = Scheduler.from_pipeline(pipe, None, device=device)  # NoOffload
+        pipe.offload = Scheduler.from_pipeline(pipe, None, device=device)  # NoOffload
         pipe(args.prompt, steps=1, seed=args.seed,  # warm-up: one-time costs are not offloading's
              progress=_progress("warm-up"))
         start = time.perf_counter()
@@ -244,7 +244,7 @@ def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torc
         _release_device_memory(device)
     scheduler = Scheduler.from_pipeline(pipe, config, device=device)
     recorder = PhaseRecorder(scheduler, synchronize=device.type != "cpu")
-    pipe.scheduler = recorder
+    pipe.offload = recorder
     _reset_allocator_peak(device)
     start = time.perf_counter()
     output = pipe(args.prompt, steps=args.steps, seed=args.seed,

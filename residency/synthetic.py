@@ -1,7 +1,7 @@
 """A built-in synthetic pipeline shaped like Wan2.2-T2V-A14B, for the main job and for benchmarks.
 
     pipe = SyntheticWan22.build("small")    # text encoder, two experts, VAE (plain modules)
-    pipe.scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]})
+    pipe.offload = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]})
     video = pipe("a cat on the moon", steps=8, seed=0)
 
 The parts mirror Wan2.2 T2V A14B: a UMT5-style text encoder, a high-noise expert (`transformer`) and
@@ -11,7 +11,7 @@ VAE decoder.  Each DiT block has Wan's parameter layout (self-attention, cross-a
 
 Rules: weights come from a seeded generator, never from torch's global RNG, so two builds of a size
 are bit-identical; the model code wraps each component's work in
-``with self.scheduler.resident(path):`` (a `NoOffload` until a scheduler is attached), which is all
+``with self.offload.resident(path):`` (a `NoOffload` until a scheduler is attached), which is all
 offloading needs.
 """
 
@@ -226,12 +226,14 @@ class SyntheticWan22(SupportsComponentDiscovery, nn.Module):
     """Text encoder, high-noise expert, low-noise expert, VAE: Wan2.2 T2V's parts and phases.
 
         pipe = SyntheticWan22.build("tiny")
-        pipe.scheduler = Scheduler.from_pipeline(pipe, {"mode": "module"})  # dit + text_encoder
+        pipe.offload = Scheduler.from_pipeline(
+            pipe, {"mode": "module", "components": ["dit", "text_encoder"]}
+        )
         video = pipe("a red dog", steps=4, seed=0)
 
     Declares its components the vLLM-Omni way (`_dit_modules`, `_encoder_modules`, `_vae_modules`)
-    and enters ``self.scheduler.resident(path)`` around each component's work.  Latents start on
-    ``self.scheduler.device`` (the host for a `NoOffload` without a device).
+    and enters ``self.offload.resident(path)`` around each component's work.  Latents start on
+    ``self.offload.device`` (the host for a `NoOffload` without a device).
     """
 
     _dit_modules: ClassVar[tuple[str, ...]] = ("transformer", "transformer_2")
@@ -247,7 +249,9 @@ class SyntheticWan22(SupportsComponentDiscovery, nn.Module):
         self.transformer_2 = DiT(size)
         self.vae = VAEDecoder(size)
         #: Where the components' phases run: a Scheduler, or NoOffload (offloading off).
-        self.scheduler: object = NoOffload()
+        #: The phases' scheduler (named `offload`, not `scheduler`: in a diffusers pipeline that
+        #: name is the noise scheduler).
+        self.offload: object = NoOffload()
 
     @classmethod
     def build(cls, size: str | SyntheticSize = "small", *, seed: int = 0) -> SyntheticWan22:
@@ -262,7 +266,7 @@ class SyntheticWan22(SupportsComponentDiscovery, nn.Module):
     @property
     def device(self) -> torch.device:
         """The compute device: the scheduler's, else where the first expert's weights are."""
-        device = getattr(self.scheduler, "device", None)
+        device = getattr(self.offload, "device", None)
         return device if device is not None else next(self.transformer.parameters()).device
 
     def tokenize(self, prompt: str) -> torch.Tensor:
@@ -294,18 +298,18 @@ class SyntheticWan22(SupportsComponentDiscovery, nn.Module):
         device, size = self.device, self.size
         report = progress or _silent
         report("text_encoder")
-        with self.scheduler.resident("text_encoder"):
+        with self.offload.resident("text_encoder"):
             context = self.text_encoder(self.tokenize(prompt).to(device))
         shape = (1, size.latent_channels, size.latent_frames, size.latent_height, size.latent_width)
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
         latents = noise.to(device=device, dtype=size.dtype)
         for step, (path, sigma, following) in enumerate(self.timesteps(steps), start=1):
             report(f"step {step}/{steps}: {path}")
-            with self.scheduler.resident(path):
+            with self.offload.resident(path):
                 velocity = getattr(self, path)(latents, sigma, context)
             latents = latents + (following - sigma) * velocity
         report("vae")
-        with self.scheduler.resident("vae"):
+        with self.offload.resident("vae"):
             return self.vae(latents)
 
 

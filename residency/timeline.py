@@ -1,7 +1,7 @@
 """The phase timeline: what each phase change of a run moved and cost, against a copy floor.
 
     recorder = PhaseRecorder(scheduler)             # a drop-in `scheduler` that times each phase
-    pipe.scheduler = recorder
+    pipe.offload = recorder
     pipe(prompt)
     floor = measure_floor(scheduler)                 # same bytes, plain copies, this run
     print(format_timeline(timeline_rows(scheduler.transitions, floor, recorder), ...))

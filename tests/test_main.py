@@ -153,7 +153,7 @@ def test_the_console_script_runs_main(capsys):
 
 def test_transfers_are_named_ranges_in_a_profiler_trace(tmp_path: Path):
     pipe = SyntheticWan22.build("tiny")
-    pipe.scheduler = Scheduler.from_pipeline(pipe, MODULE_MODE, device="cpu")
+    pipe.offload = Scheduler.from_pipeline(pipe, MODULE_MODE, device="cpu")
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as profiler:
         pipe("a red dog", steps=4)
@@ -162,7 +162,7 @@ def test_transfers_are_named_ranges_in_a_profiler_trace(tmp_path: Path):
     assert {"residency::load text_encoder", "residency::evict text_encoder",
             "residency::load transformer", "residency::evict transformer",
             "residency::load transformer_2"} <= names
-    pipe.scheduler.close()
+    pipe.offload.close()
 
 
 # -- the synthetic pipeline -----------------------------------------------------------------------
@@ -183,7 +183,7 @@ def test_synthetic_offloaded_run_is_bit_identical_and_phases_are_exclusive():
     plain, pipe = SyntheticWan22.build("tiny"), SyntheticWan22.build("tiny")
     scheduler = Scheduler.from_pipeline(pipe, MODULE_MODE, device="cpu")
     recorder = PhaseRecorder(scheduler)
-    pipe.scheduler = recorder
+    pipe.offload = recorder
     assert torch.equal(pipe("a red dog", steps=4), plain("a red dog", steps=4))
     assert [s.name for s in recorder.spans] == (
         ["text_encoder"] + ["transformer"] * 2 + ["transformer_2"] * 2 + ["vae"])
