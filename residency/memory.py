@@ -86,6 +86,8 @@ class HostMaster:
             progress.advance(nbytes)
         progress.close()
         inventory.source_regions = None
+        if inventory.wrappers is not None:  # a wrapper registered on an accelerator gets a host twin
+            inventory.wrappers.follow(chunks[0].device)
         return cls(chunks, views, pinned=pin)  # type: ignore[arg-type]
 
     def chunk_copies(self, device_buffer: torch.Tensor, inventory: Inventory):

@@ -43,19 +43,33 @@ import torch
 from torch import nn
 
 from residency.errors import RegistrationError
+from residency.subclasses import (
+    WrapperSet,
+    attached_tensors,
+    check_rebuild_keeps_inner_tensors,
+    inner_tensors,
+    is_plain,
+    is_plain_storage_parameter,
+    is_wrapper,
+    unsupported_message,
+)
 
 __all__ = [
     "ACCELERATOR_ALIGNMENT",
     "CPU_ALIGNMENT",
     "Alignment",
+    "AttachedSlot",
     "DEFAULT_CHUNK_NBYTES",
+    "InnerSlot",
     "Inventory",
     "PackLayout",
     "Placement",
+    "Slot",
     "TensorSlot",
     "alignment_for",
     "make_views",
     "repoint",
+    "repoint_group",
     "take_inventory",
 ]
 
@@ -109,14 +123,71 @@ class TensorSlot:
     name: str
     is_buffer: bool
 
+    def table(self) -> dict:
+        """The module's ``_buffers`` or ``_parameters`` dict this slot is an entry of."""
+        return self.owner._buffers if self.is_buffer else self.owner._parameters
+
     def current(self) -> torch.Tensor | None:
         """The tensor the module holds in this slot now."""
-        table = self.owner._buffers if self.is_buffer else self.owner._parameters
-        return table.get(self.name)
+        return self.table().get(self.name)
 
     def describe(self) -> str:
         kind = "buffer" if self.is_buffer else "parameter"
         return f"{kind} {self.name!r} of {type(self.owner).__name__}"
+
+
+@attrs.frozen
+class InnerSlot:
+    """An inner tensor of the wrapper subclass in `base`: ``base.current()`` then attribute `path`.
+
+        InnerSlot(TensorSlot(linear, "weight", False), ("qdata",)).describe()
+        # "inner tensor 'qdata' of the Int8Tensor parameter 'weight' of Linear"
+    """
+
+    base: TensorSlot
+    path: tuple[str, ...]
+
+    def current(self) -> torch.Tensor | None:
+        """The tensor the wrapper in `base` holds at `path` now (None when the path is gone)."""
+        return _follow(self.base.current(), self.path)
+
+    def describe(self) -> str:
+        wrapper = type(self.base.current()).__name__
+        return f"inner tensor {'.'.join(self.path)!r} of the {wrapper} {self.base.describe()}"
+
+
+@attrs.frozen
+class AttachedSlot:
+    """A tensor kept with the Parameter subclass in `base`, found at attribute `path` of it (or,
+    with `on_module`, of its module): bitsandbytes' ``weight.quant_state.absmax``, ``state.SCB``.
+
+    It is moved by identity wherever it is referenced later (bitsandbytes hands ``CB`` from the
+    parameter to its module on the first forward), so the structure check does not watch it.
+    """
+
+    base: TensorSlot
+    path: tuple[str, ...]
+    on_module: bool
+
+    def current(self) -> torch.Tensor | None:
+        """The tensor at `path` now (None when the path is gone)."""
+        start = self.base.owner if self.on_module else self.base.current()
+        return _follow(start, self.path)
+
+    def describe(self) -> str:
+        if self.on_module:
+            return f"tensor {'.'.join(self.path)!r} of {type(self.base.owner).__name__}"
+        return f"tensor {'.'.join(self.path)!r} attached to the {self.base.describe()}"
+
+
+#: Every kind of place a packed tensor is reachable from.
+Slot = TensorSlot | InnerSlot | AttachedSlot
+
+
+def _follow(start: object, path: Sequence[str]) -> torch.Tensor | None:
+    for name in path:
+        start = getattr(start, name, None)
+    return start  # type: ignore[return-value]
 
 
 @attrs.frozen
@@ -171,14 +242,18 @@ class Inventory:
     """
 
     modules: tuple[nn.Module, ...]
+    #: The plain tensors to pack and re-point: parameters, buffers, wrappers' inner tensors,
+    #: Parameter subclasses and the tensors attached to them.
     tensors: tuple[torch.Tensor, ...]
-    slots: tuple[tuple[TensorSlot, ...], ...]
+    slots: tuple[tuple[Slot, ...], ...]
     placements: tuple[Placement, ...]
     layout: PackLayout
     #: Per region: (source storage, first byte in it) to copy from; dropped once packed.
     source_regions: list[tuple[torch.UntypedStorage, int]] | None
     #: A picture of the modules' structure, to notice tensors added or replaced after `add`.
     structure: Structure
+    #: The wrapper subclasses, rebuilt per device by `repoint_group`; None when there are none.
+    wrappers: WrapperSet | None = None
 
     @property
     def nbytes(self) -> int:
@@ -211,7 +286,7 @@ class Inventory:
             return None
         for tensor, slots in zip(self.tensors, self.slots):
             for slot in slots:
-                if slot.current() is not tensor:
+                if not isinstance(slot, AttachedSlot) and slot.current() is not tensor:
                     return f"the {slot.describe()} was replaced or removed"
         return "a submodule, parameter or buffer was added or replaced"
 
@@ -226,9 +301,14 @@ def take_inventory(
     """List the unique tensors of `modules`, group them by storage and lay out their pack.
 
     Submodules in `exclude` (and everything under them) are left out.  Regions are placed by
-    `alignment` (the device's: `alignment_for`).  Raises `RegistrationError`
-    (and touches nothing) for meta or lazy tensors, tensor subclasses, non-strided layouts, or a
-    module set without any tensor.
+    `alignment` (the device's: `alignment_for`).  Tensor subclasses are reached through
+    (`residency.subclasses`): a wrapper's inner tensors and a Parameter subclass's attached tensors
+    are listed with `InnerSlot`/`AttachedSlot`.  Raises `RegistrationError` (and touches nothing)
+    for meta or lazy tensors, other tensor subclasses, non-strided layouts, or a module set
+    without any tensor.
+
+        inventory = take_inventory([transformer], alignment=alignment_for(device))
+        inventory.tensors, inventory.slots[0][0].describe(), inventory.nbytes
     """
     submodules = unique_submodules(modules, exclude)
     owners = _collect_slots(submodules)
@@ -238,13 +318,17 @@ def take_inventory(
             f"the modules ({names}) hold no parameters or buffers, so there is nothing to offload; "
             "register only modules with weights"
         )
+    for tensor, tensor_slots in owners.values():
+        _check_supported(tensor, tensor_slots[0])
+    wrapped: list[tuple[torch.Tensor, list[TensorSlot]]] = []
+    if not all(is_plain(tensor) for tensor, _ in owners.values()):
+        owners, wrapped = _reach_through_subclasses(owners)
     tensors = tuple(tensor for tensor, _ in owners.values())
     slots = tuple(tuple(s) for _, s in owners.values())
-    for tensor, tensor_slots in zip(tensors, slots):
-        _check_supported(tensor, tensor_slots[0])
     placements, region_sources, region_nbytes = _place_in_regions(tensors)
     skews = [_skew(source, alignment) for source in region_sources]
     layout = _lay_out(region_nbytes, skews, chunk_nbytes, alignment.boundary)
+    structure = Structure(submodules)
     return Inventory(
         modules=tuple(submodules),
         tensors=tensors,
@@ -252,8 +336,37 @@ def take_inventory(
         placements=placements,
         layout=layout,
         source_regions=region_sources,
-        structure=Structure(submodules),
+        structure=structure,
+        wrappers=WrapperSet(wrapped, on_swap=structure.expect) if wrapped else None,
     )
+
+
+def _reach_through_subclasses(
+    owners: dict[int, tuple[torch.Tensor, list[Slot]]],
+) -> tuple[dict[int, tuple[torch.Tensor, list[Slot]]], list[tuple[torch.Tensor, list[Slot]]]]:
+    """Replace each wrapper by its inner tensors and add each Parameter subclass's attached ones.
+
+    Returns the plain tensors to pack (id -> tensor and slots, in order) and the wrappers with
+    their module slots.
+    """
+    reached: dict[int, tuple[torch.Tensor, list[Slot]]] = {}
+    wrapped = []
+    for tensor, slots in owners.values():
+        base = slots[0]
+        if is_wrapper(tensor):
+            check_rebuild_keeps_inner_tensors(tensor, base.describe())
+            wrapped.append((tensor, slots))
+            found = [(inner, InnerSlot(base, path)) for path, inner in inner_tensors(tensor)]
+        else:
+            reached.setdefault(id(tensor), (tensor, []))[1].extend(slots)
+            found = [] if is_plain(tensor) else [
+                (t, AttachedSlot(base, path, on_module))
+                for on_module, path, t in attached_tensors(tensor, base.owner)
+            ]
+        for inner, slot in found:
+            _check_reached(inner, slot)
+            reached.setdefault(id(inner), (inner, []))[1].append(slot)
+    return reached, wrapped
 
 
 class Structure:
@@ -261,7 +374,8 @@ class Structure:
     ``_modules`` tables, and each table's size, as seen at registration.
 
     `unchanged()` is one pass of C-level ``map`` calls (about 0.1 us per entry): a replaced or
-    removed entry fails the identity test, an added one changes a table's size.
+    removed entry fails the identity test, an added one changes a table's size.  The scheduler's
+    own stores into a slot (a wrapper's device twin, `WrapperSet`) are told with `expect`.
     """
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
@@ -283,6 +397,12 @@ class Structure:
             return False
         current = map(dict.get, self._entry_tables, self._keys)
         return all(map(operator.is_, current, self._values))
+
+    def expect(self, table: dict, key: str, value: object) -> None:
+        """Record that the scheduler itself stored `value` at ``table[key]``."""
+        for index, (entry_table, entry_key) in enumerate(zip(self._entry_tables, self._keys)):
+            if entry_table is table and entry_key == key:
+                self._values[index] = value
 
 
 def make_views(
@@ -307,6 +427,20 @@ def make_views(
 def repoint(tensors: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> None:
     """Make each tensor read its view's storage (object, grad flag and version counter stay)."""
     collections.deque(map(_set_data, tensors, views), maxlen=0)
+
+
+def repoint_group(inventory: Inventory, views: Sequence[torch.Tensor]) -> None:
+    """Re-point every tensor of `inventory` to `views`, then put each wrapper subclass's twin for
+    the views' device in its slots (see [Note: re-pointing wrapper subclasses]).
+
+        repoint_group(group.inventory, device_views)   # load
+        repoint_group(group.inventory, host_views)     # evict
+
+    A group without wrappers pays one attribute test over `repoint`.
+    """
+    collections.deque(map(_set_data, inventory.tensors, views), maxlen=0)
+    if inventory.wrappers is not None:
+        inventory.wrappers.follow(views[0].device)
 
 
 def versions(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -361,17 +495,25 @@ def _collect_slots(
     return owners
 
 
-def _check_supported(tensor: torch.Tensor, slot: TensorSlot) -> None:
+def _check_supported(tensor: torch.Tensor, slot: Slot) -> None:
     if isinstance(tensor, nn.parameter.UninitializedTensorMixin):
         raise RegistrationError(
             f"the {slot.describe()} is lazy (not yet initialised); run one forward or "
             "materialise the module before registering it"
         )
-    if type(tensor) not in (torch.Tensor, nn.Parameter):
-        raise RegistrationError(
-            f"the {slot.describe()} is a {type(tensor).__name__}, a tensor subclass the scheduler "
-            "cannot re-point; register modules holding plain tensors and Parameters only"
-        )
+    if not (is_plain(tensor) or is_wrapper(tensor) or is_plain_storage_parameter(tensor)):
+        raise RegistrationError(unsupported_message(tensor, slot.describe()))
+    _check_dense(tensor, slot)
+
+
+def _check_reached(tensor: torch.Tensor, slot: Slot) -> None:
+    """A wrapper's inner tensor or an attached tensor must be a plain dense tensor."""
+    if not is_plain(tensor):
+        raise RegistrationError(unsupported_message(tensor, slot.describe()))
+    _check_dense(tensor, slot)
+
+
+def _check_dense(tensor: torch.Tensor, slot: Slot) -> None:
     if tensor.is_meta:
         raise RegistrationError(
             f"the {slot.describe()} is on the meta device and holds no data; load real weights "
