@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -45,10 +45,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from residency.errors import RegistrationError
 
-if TYPE_CHECKING:
-    from residency.tensors import TensorSlot
-
 __all__ = [
+    "ModuleSlot",
     "WrapperSet",
     "attached_tensors",
     "check_rebuild_keeps_inner_tensors",
@@ -67,6 +65,14 @@ _OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, nn.Modu
            torch.device, torch.Size, str, bytes, int, float, bool)
 
 Path = tuple[str, ...]
+
+
+class ModuleSlot(Protocol):
+    """A module table entry holding a wrapper (`residency.tensors.TensorSlot` is one)."""
+
+    name: str
+
+    def table(self) -> dict: ...
 
 
 def is_plain(tensor: torch.Tensor) -> bool:
@@ -200,7 +206,7 @@ class WrapperSet:
 
     def __init__(
         self,
-        wrappers: list[tuple[torch.Tensor, list[TensorSlot]]],
+        wrappers: list[tuple[torch.Tensor, list[ModuleSlot]]],
         on_swap: Callable[[dict, str, object], None],
     ) -> None:
         self._slots = [slots for _, slots in wrappers]
