@@ -11,7 +11,12 @@ Measures, in one run, on one device:
 * ``eviction``      eviction of unchanged weights per 1,000 tensors; write-back of changed ones;
 * ``reentry``       re-entry of the resident group, beside accelerate's hook on the same model;
 * ``steady_state``  host syncs in a loop of phases (``torch.cuda.set_sync_debug_mode("error")`` and a
-                    profiler count of synchronize calls), ``memory_reserved`` over 1,000 transitions;
+                    profiler count of synchronize calls; groups with ``detect_edits=False``, and the
+                    syncs per transition with detection on), ``memory_reserved`` over 1,000
+                    transitions;
+* ``edits``         issue 12: eviction of an unchanged group (digests on the device) against the
+                    copy floor of its bytes; a swap with and without edit detection; bytes moved for
+                    an int8 (torchao) group against its bf16 twin;
 * ``pipeline``      the synthetic Wan2.2-shaped pipeline (`benchmarks.wan_shaped`, ~5.3 GiB) with no
                     offload, with ours, and under diffusers' ``enable_model_cpu_offload`` and group
                     offloading (skipped, with the reason, when diffusers is not importable).
@@ -274,9 +279,9 @@ def steady_state(check: _Check) -> dict:
     device, sizes = check.device, check.sizes
     scheduler = Scheduler(device)
     modules = {name: Stack(sizes.steady_nbytes, sizes.steady_tensors, dtype=sizes.dtype)
-               for name in ("a", "b")}
+               for name in ("a", "b", "c")}
     for name, module in modules.items():
-        scheduler.add(name, module)
+        scheduler.add(name, module, detect_edits=name == "c")
     x = torch.ones(1, dtype=sizes.dtype, device=device)
 
     def phases(count: int) -> None:
@@ -292,9 +297,86 @@ def steady_state(check: _Check) -> dict:
                                                                         device),
               "profiled_syncs": _profiled_syncs(phases, sizes.steady_phases, device),
               "memory_reserved": _reserved_over(phases, sizes.reserved_transitions, device)}
+
+    def detected(count: int) -> None:  # "c" detects edits: each eviction of it reads its flags
+        with torch.no_grad():
+            for i in range(count):
+                name = "ac"[i % 2]
+                with scheduler.resident(name):
+                    modules[name](x)
+
+    detected(4)
+    synchronize(device)
+    result["with_detection_profiled_syncs"] = _profiled_syncs(detected, sizes.steady_phases, device)
     synchronize(device)
     scheduler.close()
     return result
+
+
+def edits(check: _Check) -> dict:
+    """Issue 12: what finding edits costs on the device, and what quantized weights move."""
+    device, sizes = check.device, check.sizes
+    result = {"evict_unchanged": _evict_unchanged(check)}
+    for detect in (True, False):
+        scheduler = Scheduler(device)
+        for name in ("a", "b"):
+            scheduler.add(name, Stack(sizes.evict_nbytes, 64, dtype=sizes.dtype),
+                          detect_edits=detect)
+        for name in ("a", "b", "a", "b"):
+            _enter(scheduler, name, device)
+        swaps = []
+        for step in range(sizes.repeats):
+            _enter(scheduler, "ab"[step % 2], device)
+            swaps.append(scheduler.transitions[-1].seconds)
+        result[f"swap_detect_edits_{detect}_median_s"] = statistics.median(swaps)
+        scheduler.close()
+    result["quantized"] = _quantized_bytes(check)
+    return result
+
+
+def _evict_unchanged(check: _Check) -> dict:
+    device, sizes = check.device, check.sizes
+    scheduler = Scheduler(device)
+    group = scheduler.add("g", Stack(sizes.evict_nbytes, 64, dtype=sizes.dtype))
+    scheduler.add("small", Stack(4 * KiB, 1, dtype=sizes.dtype))
+    seconds = []
+    for _ in range(sizes.repeats + 1):
+        _enter(scheduler, "g", device)
+        _enter(scheduler, "small", device)
+        seconds.append(scheduler.transitions[-1].evict_seconds)
+    chunks = group.host_master.chunks
+    targets = [torch.empty(c.numel(), dtype=torch.uint8, device=device) for c in chunks]
+
+    def copy_all() -> None:
+        for target, chunk in zip(targets, chunks):
+            target.copy_(chunk, non_blocking=True)
+
+    floor = statistics.median(_seconds(copy_all, device, sizes.repeats))
+    evict = statistics.median(seconds[1:])
+    scheduler.close()
+    return {"nbytes": group.nbytes, "evict_median_s": evict, "copy_floor_s": floor,
+            "ratio": evict / floor, "goal": "<= 0.6x the copy floor (CPU goal; device: report)"}
+
+
+def _quantized_bytes(check: _Check) -> dict:
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as error:
+        return {"skipped": f"torchao is not importable here ({error})"}
+    device = check.device
+    bf16 = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).to(torch.bfloat16)
+    int8 = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).to(torch.bfloat16)
+    quantize_(int8, Int8WeightOnlyConfig())
+    moved = {}
+    for name, model in (("bf16", bf16), ("int8", int8)):
+        scheduler = Scheduler(device)
+        scheduler.add(name, model)
+        scheduler.add("other", Stack(4 * KiB, 1, dtype=torch.bfloat16))
+        _enter(scheduler, name, device)
+        moved[name] = scheduler.transitions[-1].nbytes
+        scheduler.close()
+    return {"bf16_nbytes": moved["bf16"], "int8_nbytes": moved["int8"],
+            "int8_over_bf16": moved["int8"] / moved["bf16"]}
 
 
 def _sync_debug(phases: Callable[[int], None], count: int, device: torch.device) -> dict:
@@ -414,7 +496,7 @@ def _pipeline_verdicts(modes: dict, moved: int, ceiling_bps: float | None) -> di
 
 SECTIONS: dict[str, Callable[[_Check], dict]] = {
     "ceiling": ceiling, "onload": onload, "eviction": eviction, "reentry": reentry,
-    "steady_state": steady_state, "pipeline": pipeline,
+    "steady_state": steady_state, "edits": edits, "pipeline": pipeline,
 }
 
 

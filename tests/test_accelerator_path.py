@@ -159,11 +159,11 @@ def _big_group(width: int = 1024, depth: int = 8) -> nn.Module:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
 
 
-def _two_big_groups(device: torch.device, depth: int):
+def _two_big_groups(device: torch.device, depth: int, *, detect_edits: bool = True):
     scheduler = Scheduler(device)
     a, b = _big_group(depth=depth), _big_group(depth=depth)
-    scheduler.add("a", a)
-    scheduler.add("b", b)
+    scheduler.add("a", a, detect_edits=detect_edits)
+    scheduler.add("b", b, detect_edits=detect_edits)
     return scheduler, a, b
 
 
@@ -200,8 +200,9 @@ def test_async_copies_into_poisoned_buffers_are_exact():
 
 @pytest.mark.gpu
 def test_steady_state_makes_no_host_synchronisation():
+    """Without edit detection no phase change synchronises the host; with it, see the next test."""
     device = _device()
-    scheduler, a, b = _two_big_groups(device, depth=4)
+    scheduler, a, b = _two_big_groups(device, depth=4, detect_edits=False)
     x = torch.randn(8, 1024, device=device)
     for name, module in [("a", a), ("b", b)]:  # warm-up: allocations and views
         with scheduler.resident(name):
@@ -214,6 +215,32 @@ def test_steady_state_makes_no_host_synchronisation():
                     module(x)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    torch.accelerator.synchronize()
+
+
+@pytest.mark.gpu
+def test_with_edit_detection_re_entry_never_syncs_and_a_transition_reads_one_flag_tensor():
+    """The denoising loop (re-entering the resident group) does no host sync; an eviction reads
+    the changed-chunk flags once ([Note: streams and the one host wait] in residency/digests.py)."""
+    device = _device()
+    scheduler, a, b = _two_big_groups(device, depth=4)
+    x = torch.randn(8, 1024, device=device)
+    for name, module in [("a", a), ("b", b), ("a", a)]:
+        with scheduler.resident(name):
+            module(x)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            with scheduler.resident("a"):
+                a(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for name in ["b", "a", "b", "a"]:
+            with scheduler.resident(name):
+                pass
+    syncs = [e for e in profile.events() if "synchronize" in e.name.lower()]
+    assert len(syncs) <= 4 * 2, [e.name for e in syncs]  # the flags read (and nothing per tensor)
     torch.accelerator.synchronize()
 
 
