@@ -391,6 +391,8 @@ class Structure:
                     self._keys.append(key)
                     self._values.append(value)
         self._sizes = list(map(len, self._tables))
+        #: (id(table), key) -> entry index, for `expect`.
+        self._index: dict[tuple[int, str], int] | None = None
 
     def unchanged(self) -> bool:
         if list(map(len, self._tables)) != self._sizes:
@@ -400,9 +402,11 @@ class Structure:
 
     def expect(self, table: dict, key: str, value: object) -> None:
         """Record that the scheduler itself stored `value` at ``table[key]``."""
-        for index, (entry_table, entry_key) in enumerate(zip(self._entry_tables, self._keys)):
-            if entry_table is table and entry_key == key:
-                self._values[index] = value
+        if self._index is None:  # built on the first swap: groups without wrappers never pay
+            self._index = {(id(t), k): i for i, (t, k) in enumerate(zip(self._entry_tables, self._keys))}
+        index = self._index.get((id(table), key))
+        if index is not None:
+            self._values[index] = value
 
 
 def make_views(
