@@ -30,6 +30,7 @@ import attrs
 import torch
 
 from residency.adapters.cli import add_offload_arguments, offload_config_from_args
+from residency.adapters.diffusers import describe, disable_offload, enable_offload
 from residency.config import OffloadConfig
 from residency.errors import ResidencyError
 from residency.scheduler import Scheduler
@@ -266,8 +267,6 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
     A diffusers pipeline may carry state between calls, so each copy is loaded fresh and called
     once; the plain copy is dropped before the offloaded one is loaded (never both in memory).
     """
-    from residency.adapters.diffusers import describe, disable_offload, enable_offload
-
     kwargs = {"prompt": args.prompt, "num_inference_steps": args.steps, "output_type": "pt"}
     for name in ("height", "width", "num_frames"):
         if getattr(args, name) is not None:

@@ -25,7 +25,7 @@ from residency.digests import ChangeDetector
 from residency.enums import Policy, ResidencyState
 from residency.errors import DeviceMemoryError, ModuleChangedError, PhaseError
 from residency.memory import DeviceStorage, HostMaster
-from residency.tensors import Inventory, data_ptrs, repoint, versions
+from residency.tensors import Inventory, data_ptrs, repoint, repoint_group, versions
 from residency.transport import Completion, Transport
 
 __all__ = ["Policy", "Residency", "ResidencyState"]
@@ -174,7 +174,7 @@ class Residency:
             if pending.watched_versions is not None:
                 completion = self._recopy_edited(pending.views, pending.watched_versions, completion)
             completion.wait()
-            repoint(self.inventory.tensors, pending.views)
+            repoint_group(self.inventory, pending.views)
         except BaseException:
             self._cancel_load()
             raise
@@ -229,7 +229,7 @@ class Residency:
         homes = list(self.host_master.views)
         for i in left:
             homes[i] = tensors[i].detach().to("cpu")
-        repoint(tensors, homes)
+        repoint_group(self.inventory, homes)
         self.device_storage.retire()
         if self._detector is not None:
             self._detector.forget()

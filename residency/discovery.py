@@ -45,7 +45,7 @@ from residency.config import OffloadConfig, resolve_config
 from residency.enums import Policy
 from residency.errors import ConfigError
 from residency.no_offload import NoOffload
-from residency.registry import check_tensors_disjoint
+from residency.registry import check_modules_unowned, check_tensors_disjoint
 from residency.split import split_parts
 from residency.tensors import unique_submodules
 
@@ -537,6 +537,7 @@ def apply_plan(scheduler: Registrar, plan: ComponentPlan) -> None:
     registration fails anyway, the groups added so far are removed before the error propagates.
     """
     if not isinstance(scheduler, NoOffload):
+        check_modules_unowned(plan.owner, _member_submodules(plan))
         check_tensors_disjoint(plan.owner, _member_tensors(plan))
         if plan.note is not None:
             _log.warning("%s", plan.note)
@@ -568,6 +569,12 @@ def build_scheduler(plan: ComponentPlan, make_scheduler: Callable[[], Registrar]
         scheduler.close()
         raise
     return scheduler
+
+
+def _member_submodules(plan: ComponentPlan) -> Iterator[tuple[str, nn.Module]]:
+    for group, path, module in plan.members():
+        for submodule in unique_submodules([module], plan.excluded.get(group, ())):
+            yield path, submodule
 
 
 def _member_tensors(plan: ComponentPlan) -> Iterator[tuple[str, str, Iterable[torch.Tensor]]]:

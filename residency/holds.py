@@ -198,6 +198,7 @@ class Holds:
             return None
         needs = self.pop(entry, phase)
         if needs is entry.held:
+            self.forget_if_idle(entry)
             return None
         if needs is None:
             self.give_up(entry)

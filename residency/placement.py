@@ -63,6 +63,7 @@ class Placement:
         self._transport = transport
         self.device = device
         self.device_memory_limit = device_memory_limit
+        #: The scheduler's log: appended to here (under the lock); it has its own lock for readers.
         self._transitions = transitions
         self._exclusive_storages = (DeviceStorage(transport), DeviceStorage(transport))
         self._planned: list[Residency] = []  # guarded by the lock

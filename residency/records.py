@@ -8,6 +8,7 @@ medians and GB/s; ``chrome_trace`` turns them into a trace that chrome://tracing
 from __future__ import annotations
 
 import collections
+import threading
 import json
 import statistics
 from collections.abc import Iterable, Iterator
@@ -53,32 +54,42 @@ class TransitionRecord:
 
 
 class TransitionLog:
-    """The newest `limit` records plus running totals over every transition ever made."""
+    """The newest `limit` records plus running totals over every transition ever made.
+
+    Appended to by the scheduler (under its lock) and read by anyone: its own small lock makes a
+    reader's iteration a snapshot, so a loop over ``scheduler.transitions`` while another thread
+    changes phases sees whole records, never a deque mutated under it.
+    """
 
     def __init__(self, limit: int = 10_000) -> None:
-        self._records: collections.deque[TransitionRecord] = collections.deque(maxlen=limit)
+        self._lock = threading.Lock()
+        self._records: collections.deque[TransitionRecord] = collections.deque(maxlen=limit)  # guarded by _lock
         #: Transitions made since the scheduler was created (not bounded by `limit`).
         self.count = 0
         #: Bytes loaded over all transitions.
         self.nbytes = 0
 
     def append(self, record: TransitionRecord) -> None:
-        self._records.append(record)
-        self.count += 1
-        self.nbytes += record.nbytes
+        with self._lock:
+            self._records.append(record)
+            self.count += 1
+            self.nbytes += record.nbytes
 
     def clear(self) -> None:
         """Forget the kept records (the totals stay)."""
-        self._records.clear()
+        with self._lock:
+            self._records.clear()
 
     def __iter__(self) -> Iterator[TransitionRecord]:
-        return iter(self._records)
+        with self._lock:
+            return iter(list(self._records))
 
     def __len__(self) -> int:
         return len(self._records)
 
     def __getitem__(self, index: int) -> TransitionRecord:
-        return self._records[index]
+        with self._lock:
+            return self._records[index]
 
     def __repr__(self) -> str:
         return f"<TransitionLog {len(self)} kept of {self.count}, {self.nbytes} bytes loaded>"

@@ -41,7 +41,14 @@ from residency.errors import ConfigError, RegistrationError, UnknownGroupError
 from residency.locks import CHECKING, check_held
 from residency.tensors import Inventory
 
-__all__ = ["CATEGORIES", "Claim", "Registry", "check_tensors_disjoint", "owner_of"]
+__all__ = [
+    "CATEGORIES",
+    "Claim",
+    "Registry",
+    "check_modules_unowned",
+    "check_tensors_disjoint",
+    "owner_of",
+]
 
 #: The component categories of a config; a lookup of one of them names the groups made for it.
 CATEGORIES = ("dit", "text_encoder", "vae")
@@ -63,11 +70,29 @@ class Claim:
 def owner_of(module: nn.Module) -> tuple[Registry, str] | None:
     """The registry and group that own `module` in this process, or None."""
     with _OWNERS_LOCK:
-        found = _OWNERS.get(module)
+        return _live_owner(module)
+
+
+def _live_owner(module: nn.Module) -> tuple[Registry, str] | None:
+    found = _OWNERS.get(module)
     if found is None:
         return None
     registry = found[0]()
     return None if registry is None or not registry.is_open else (registry, found[1])
+
+
+def check_modules_unowned(owner: str, modules: Iterable[tuple[str, nn.Module]]) -> None:
+    """Refuse a plan whose (path, module) pairs include a module another scheduler owns, before
+    anything is registered: a refused plan must move no tensor."""
+    for path, module in modules:
+        found = owner_of(module)
+        if found is not None:
+            registry, group = found
+            raise RegistrationError(
+                f"{owner}: the {type(module).__name__} at {path!r} already belongs to group "
+                f"{group!r} of another scheduler ({registry.owner_label}). A module belongs to "
+                "one scheduler; close that scheduler (or disable its offloading) first"
+            )
 
 
 class Registry:
@@ -158,11 +183,15 @@ class Registry:
     # -- mutators -------------------------------------------------------------------------------
 
     def claim(self, claim: Claim) -> None:
-        """Reserve a name, modules and tensors for a group being packed (`check_claimable` first)."""
+        """Reserve a name, modules and tensors for a group being packed (`check_claimable` first).
+
+        The modules are checked again and taken in one step under the process-wide map's lock:
+        another scheduler may have taken one since `check_claimable` (its own lock is not ours).
+        """
         if CHECKING:
             check_held(self._lock)
+        self._take_modules(claim.inventory.modules, claim.name, checking=True)
         self._claims[claim.name] = claim
-        self._take_modules(claim.inventory.modules, claim.name)
 
     def release_claim(self, name: str) -> None:
         """Give up a claim whose packing failed."""
@@ -219,8 +248,16 @@ class Registry:
             check_held(self._lock)
         self.is_open = False
 
-    def _take_modules(self, modules: Iterable[nn.Module], name: str) -> None:
+    def _take_modules(
+        self, modules: Iterable[nn.Module], name: str, *, checking: bool = False
+    ) -> None:
+        modules = list(modules)
         with _OWNERS_LOCK:
+            if checking:
+                for module in modules:
+                    owner = _live_owner(module)
+                    if owner is not None and owner[0] is not self:
+                        raise RegistrationError(_taken_message(name, module, owner, self))
             for module in modules:
                 _OWNERS[module] = (weakref.ref(self), name)
 

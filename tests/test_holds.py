@@ -320,11 +320,6 @@ def test_leaving_on_another_thread_that_has_phases_of_its_own_changes_neither(gr
 # -- the table forgets idle threads ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    reason="Holds.leave keeps the entry of a thread whose only phase was a resident-policy one "
-    "(no hold): its invariant says an entry with no frames and no hold is removed (reported)",
-    strict=False,
-)
 @pytest.mark.parametrize("where", ["this thread", "another thread"])
 def test_a_resident_policy_phase_outside_every_exclusive_one_leaves_no_entry(groups, where):
     """Threads that only ever enter the always-resident group (a VAE decode on a worker) must not

@@ -224,12 +224,6 @@ def test_the_map_keeps_no_module_alive(second):
 # -- two schedulers at once -------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    reason="Registry.check_claimable and Registry.claim run under each scheduler's own lock, "
-    "not together under the process-wide map's lock: two schedulers can both pass the check "
-    "for one module, and both take it (reported)",
-    strict=False,
-)
 def test_two_schedulers_adding_one_module_at_once_one_wins(monkeypatch):
     """Force the race: both schedulers' checks pass before either claims (a barrier after the
     check).  Exactly one may register the module."""
@@ -277,7 +271,10 @@ def test_from_pipeline_refuses_a_pipeline_whose_module_another_scheduler_owns(se
     pipe = SyntheticWan22.build("tiny")
     second.add("mine", pipe.transformer_2)
     before = [t.detach().clone() for t in tensors_of(pipe)]
-    with pytest.raises(RegistrationError, match=another("transformer_2", "mine", "DiT")):
+    refused = (r"SyntheticWan22: the DiT at 'transformer_2' already belongs to group 'mine' of "
+               r"another scheduler \(<Scheduler on cpu>\)\. A module belongs to one scheduler; "
+               r"close that scheduler \(or disable its offloading\) first")
+    with pytest.raises(RegistrationError, match=refused):
         Scheduler.from_pipeline(pipe, MODULE_MODE, device="cpu")
     assert all(torch.equal(a, b) for a, b in zip(tensors_of(pipe), before))
     # nothing of the refused plan stays owned: a group registered before the refusal was removed
@@ -325,12 +322,6 @@ def _refused_plan(how: str):
     return pipe, pipe.transformer_2, lambda: enable_offload(pipe, device="cpu")
 
 
-@pytest.mark.xfail(
-    reason="discovery and the adapter do not ask the registry about other schedulers' modules "
-    "before registering: the groups added before the refusal are packed (their tensors re-pointed "
-    "into a host master) and removed again (reported)",
-    strict=False,
-)
 @pytest.mark.parametrize("how", ["from_pipeline", "enable_offload"])
 def test_a_plan_refused_for_another_schedulers_module_moves_no_tensor(second, how):
     pipe, owned, call = _refused_plan(how)

@@ -359,11 +359,6 @@ def test_waiting_threads_are_served_and_none_starves(scheduler):
     assert not problems, problems[:5]
 
 
-@pytest.mark.xfail(
-    reason="TransitionLog is appended to under the scheduler lock but iterated by readers without "
-    "it: a reader's loop (or summarize) raises 'deque mutated during iteration' (reported)",
-    strict=False,
-)
 def test_reading_the_transition_log_while_another_thread_changes_phases(scheduler, switch_interval):
     """A monitor thread reads ``scheduler.transitions`` (and summarizes it) while phases change."""
     from residency import summarize
