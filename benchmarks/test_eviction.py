@@ -19,10 +19,23 @@ from benchmarks.models import Stack
 
 @pytest.mark.parametrize("weights", ["unchanged", "changed"])
 def test_eviction(benchmark, scheduler, scale, device, weights):
-    group = scheduler.add("weights", Stack(scale.evict_nbytes, scale.evict_tensors))
+    changed = weights == "changed"
+    _measure_eviction(benchmark, scheduler, scale, device, scale.evict_nbytes, scale.evict_tensors,
+                      changed=changed, case=f"evict_{weights}",
+                      goal=None if changed else EVICT_UNCHANGED)
+
+
+def test_eviction_of_an_unchanged_swap_sized_group(benchmark, scheduler, scale, device):
+    """Issue 12's cost goal: finding that nothing changed in a 400 MiB group (digests of the device
+    bytes against those taken at load) costs at most 0.6x copying the group."""
+    _measure_eviction(benchmark, scheduler, scale, device, scale.swap_nbytes, scale.swap_tensors,
+                      changed=False, case="evict_checked", goal=EVICT_CHECKED)
+
+
+def _measure_eviction(benchmark, scheduler, scale, device, nbytes, tensors, *, changed, case, goal):
+    group = scheduler.add("weights", Stack(nbytes, tensors))
     scheduler.add("other", Stack(4096, 1))
     floor = FloorSamples(CopyFloor(group.nbytes, device))
-    changed = weights == "changed"
 
     def load_group():
         floor.before_round()
@@ -46,34 +59,6 @@ def test_eviction(benchmark, scheduler, scale, device, weights):
     expected = group.host_master.nbytes if changed else 0
     assert all(r.written_back == expected for r in evictions), "write-back did not match the case"
     seconds = sorted(r.evict_seconds for r in evictions)
-    record(benchmark, case=f"evict_{weights}", nbytes=group.nbytes, tensors=len(group.tensors),
-           floor_s=floor.median(), measured_s=seconds[len(seconds) // 2],
-           goal=None if changed else EVICT_UNCHANGED, written_back=expected)
-
-
-def test_eviction_of_an_unchanged_swap_sized_group(benchmark, scheduler, scale, device):
-    """Issue 12's cost goal: finding that nothing changed in a 400 MiB group (digests of the device
-    bytes against those taken at load) costs at most 0.6x copying the group."""
-    group = scheduler.add("weights", Stack(scale.swap_nbytes, scale.swap_tensors))
-    scheduler.add("other", Stack(4096, 1))
-    floor = FloorSamples(CopyFloor(group.nbytes, device))
-
-    def load_group():
-        floor.before_round()
-        with scheduler.resident("weights"):
-            pass
-        synchronize(device)
-
-    def leave_group():
-        with scheduler.resident("other"):
-            pass
-        synchronize(device)
-
-    rounds = scale.rounds(group.nbytes)
-    benchmark.pedantic(leave_group, setup=load_group, rounds=rounds, warmup_rounds=1)
-    evictions = [r for r in scheduler.transitions if r.from_group == "weights"]
-    evictions = evictions[-(1 if benchmark.disabled else rounds):]
-    assert all(r.written_back == 0 for r in evictions), "unchanged weights were written back"
-    seconds = sorted(r.evict_seconds for r in evictions)
-    record(benchmark, case="evict_checked", nbytes=group.nbytes, tensors=len(group.tensors),
-           floor_s=floor.median(), measured_s=seconds[len(seconds) // 2], goal=EVICT_CHECKED)
+    record(benchmark, case=case, nbytes=group.nbytes, tensors=len(group.tensors),
+           floor_s=floor.median(), measured_s=seconds[len(seconds) // 2], goal=goal,
+           written_back=expected)

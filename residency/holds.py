@@ -161,10 +161,7 @@ class Holds:
         """
         if CHECKING:
             check_held(self._lock)
-        try:
-            entry = self._local.entry
-        except AttributeError:
-            entry = self._local_entry()
+        entry = getattr(self._local, "entry", None) or self._local_entry()
         group, held = phase.group, entry.held
         if held is not group:  # (a held group is exclusive)
             if held is not None or self._queue or group is not self._current_group() \
@@ -185,10 +182,7 @@ class Holds:
         """
         if CHECKING:
             check_held(self._lock)
-        try:
-            entry = self._local.entry
-        except AttributeError:
-            entry = self._local_entry()
+        entry = getattr(self._local, "entry", None) or self._local_entry()
         frames = entry.frames
         if frames and frames[-1][0] is phase and len(frames) == 1 and entry.held is not None:
             # The common exit: the thread's only phase; give up the hold, forget the entry.
