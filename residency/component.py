@@ -149,8 +149,8 @@ class Residency:
         change = self.pending_change()
         if change is not None:  # the scheduler adopts changes before a load; a direct call cannot
             raise ModuleChangedError(
-                f"group {self.name!r} changed after it was packed ({change}) and was not re-packed; "
-                f"call scheduler.refresh({self.name!r})"
+                f"group {self.name!r} changed after it was packed ({change}) and was not "
+                f"re-packed; call scheduler.refresh({self.name!r})"
             )
         self._adopt_replaced_offloaded()
         self.state = ResidencyState.LOADING
@@ -171,8 +171,9 @@ class Residency:
         pending = self._pending
         try:
             completion = pending.completion
-            if pending.watched_versions is not None:
-                completion = self._recopy_edited(pending.views, pending.watched_versions, completion)
+            watched = pending.watched_versions
+            if watched is not None:
+                completion = self._recopy_edited(pending.views, watched, completion)
             completion.wait()
             repoint_group(self.inventory, pending.views)
         except BaseException:
@@ -223,7 +224,8 @@ class Residency:
         tensors = self.inventory.tensors
         now_versions, replaced = versions(tensors), self._replaced()
         left = {i for i, _ in self._misfits(sorted(replaced), replaced)}
-        # Edits in place first, then tensors given new storage: the later copy wins where both touch.
+        # Edits in place first, then tensors given new storage: the later copy wins where both
+        # touch.
         written = self._write_back_edits(now_versions, replaced)
         written += self._write_back_replaced([i for i in sorted(replaced) if i not in left])
         homes = list(self.host_master.views)

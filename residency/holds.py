@@ -342,7 +342,8 @@ class Holds:
                 _log.error(note)
 
     def _wait_for_turn(self, ticket: Ticket) -> None:
-        """Sleep until `ticket` may join the current group or swap it out (first come, first served)."""
+        """Sleep until `ticket` may join the current group or swap it out (first come, first
+        served)."""
         deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
         while not self._may_proceed(ticket, self._current_group()):
             if self._closed:

@@ -1,6 +1,6 @@
 """Packing: building a group's inventory and host master, for registration and for re-packing.
 
-    packer = Packer(transport, device=torch.device("cpu"), chunk_nbytes=256 * 2**20, pin_memory=False)
+    packer = Packer(transport, device=torch.device("cpu"), chunk_nbytes=2**28, pin_memory=False)
     inventory = packer.inventory([model], excluded=())
     master = packer.pack("dit", inventory)          # re-points model's tensors to the master
 

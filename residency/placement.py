@@ -236,7 +236,8 @@ class Placement:
         return group._load(self._free_storage(group))
 
     def _free_storage(self, group: Residency) -> DeviceStorage:
-        """The shared buffer `group` should load into: its last one unless the current group uses it."""
+        """The shared buffer `group` should load into: its last one, unless the current group
+        uses it."""
         occupied = self.current.device_storage if self.current is not None else None
         first, second = self._exclusive_storages
         last = group.device_storage if group.device_storage in self._exclusive_storages else first

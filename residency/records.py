@@ -63,7 +63,8 @@ class TransitionLog:
 
     def __init__(self, limit: int = 10_000) -> None:
         self._lock = threading.Lock()
-        self._records: collections.deque[TransitionRecord] = collections.deque(maxlen=limit)  # guarded by _lock
+        #: The kept records, newest last.
+        self._records: collections.deque[TransitionRecord] = collections.deque(maxlen=limit)
         #: Transitions made since the scheduler was created (not bounded by `limit`).
         self.count = 0
         #: Bytes loaded over all transitions.

@@ -220,14 +220,16 @@ class Registry:
         self._give_up_modules(group.inventory.modules)
 
     def retake(self, group: Residency, modules: Iterable[nn.Module]) -> None:
-        """`group` was re-packed and now spans `modules` (new submodules taken, dropped ones freed)."""
+        """`group` was re-packed and now spans `modules` (new submodules taken, dropped ones
+        freed)."""
         if CHECKING:
             check_held(self._lock)
         self._give_up_modules(group.inventory.modules)
         self._take_modules(modules, group.name)
 
     def alias(self, path: object, group: Residency) -> None:
-        """Let `path` lead to `group`; refused (changing nothing) when it names or leads elsewhere."""
+        """Let `path` lead to `group`; refused (changing nothing) when it names or leads
+        elsewhere."""
         if CHECKING:
             check_held(self._lock)
         if not isinstance(path, str) or not path:

@@ -37,7 +37,7 @@ from residency.packing import Packer
 from residency.placement import Placement
 from residency.records import TransitionLog
 from residency.registry import Claim, Registry
-from residency.tensors import DEFAULT_CHUNK_NBYTES, Inventory
+from residency.tensors import DEFAULT_CHUNK_NBYTES
 from residency.transport import Transport, transport_for
 
 __all__ = ["Phase", "Scheduler"]
@@ -144,7 +144,8 @@ class Scheduler:
 
     @property
     def pin_memory(self) -> bool:
-        """Whether host masters are pinned (off after the first failure to pin: a warning says so)."""
+        """Whether host masters are pinned (off after the first failure to pin, with a
+        warning)."""
         return self._packer.pin_memory
 
     @property

@@ -19,7 +19,6 @@ from torch import nn
 
 from residency import (
     DeviceMemoryError,
-    ModuleChangedError,
     PhaseError,
     RegistrationError,
     ResidencyError,
