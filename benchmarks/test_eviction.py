@@ -19,10 +19,12 @@ from benchmarks.models import Stack
 
 @pytest.mark.parametrize("weights", ["unchanged", "changed"])
 def test_eviction(benchmark, scheduler, scale, device, weights):
+    """The per-tensor part of an eviction (re-pointing; ``detect_edits=False``, so no byte is
+    read for an unchanged group), and the write-back of a changed one (detected by digests)."""
     changed = weights == "changed"
     _measure_eviction(benchmark, scheduler, scale, device, scale.evict_nbytes, scale.evict_tensors,
                       changed=changed, case=f"evict_{weights}",
-                      goal=None if changed else EVICT_UNCHANGED)
+                      goal=None if changed else EVICT_UNCHANGED, detect_edits=changed)
 
 
 def test_eviction_of_an_unchanged_swap_sized_group(benchmark, scheduler, scale, device):
@@ -32,8 +34,9 @@ def test_eviction_of_an_unchanged_swap_sized_group(benchmark, scheduler, scale, 
                       changed=False, case="evict_checked", goal=EVICT_CHECKED)
 
 
-def _measure_eviction(benchmark, scheduler, scale, device, nbytes, tensors, *, changed, case, goal):
-    group = scheduler.add("weights", Stack(nbytes, tensors))
+def _measure_eviction(benchmark, scheduler, scale, device, nbytes, tensors, *, changed, case, goal,
+                      detect_edits=True):
+    group = scheduler.add("weights", Stack(nbytes, tensors), detect_edits=detect_edits)
     scheduler.add("other", Stack(4096, 1))
     floor = FloorSamples(CopyFloor(group.nbytes, device))
 
