@@ -1,0 +1,106 @@
+"""Run a function on every rank of a small gloo world of real processes, with every wait bounded.
+
+    results = run_world(_worker, 3, tmp_path, timeout=20, args={"nbytes": 4096})
+    # results[rank] is what _worker(rank, world_size, args) returned, an Outcome for a raise,
+    # or None for a rank that died (killed, crashed, or still running at the deadline).
+
+Workers are module-level functions of a test module (they are pickled by name).  Processes come
+from a forkserver that has imported torch once, so a world starts in well under a second instead
+of each rank importing torch again; each rank initialises the default group from a file store in
+`tmp_path` (no ports to find) and reports through a JSON file, then leaves with ``os._exit`` (no
+teardown that could wait on a dead peer).  The parent waits for each process until the deadline
+and kills whatever is left, so a test never hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+#: Every rank's default group gives up on a missing peer after this long.
+GROUP_TIMEOUT = timedelta(seconds=15)
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed"])
+    return context
+
+
+def run_world(
+    worker: Callable[[int, int, Any], Any],
+    world_size: int,
+    tmp_path: Path,
+    *,
+    timeout: float = 30.0,
+    args: Any = None,
+    env: Mapping[int, Mapping[str, str]] | None = None,
+) -> list[Any]:
+    """Each rank's JSON result (or {"raised": type, "message": ...}), None for a rank that died."""
+    results = tmp_path / "results"
+    results.mkdir(exist_ok=True)
+    store = tmp_path / "store"
+    context = _context()
+    processes = [
+        context.Process(
+            target=_rank_main,
+            args=(worker, rank, world_size, str(store), str(results), args,
+                  dict((env or {}).get(rank, {}))),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+    return [_read(results / f"{rank}.json") for rank in range(world_size)]
+
+
+def _read(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _rank_main(worker, rank, world_size, store, results, args, env) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    try:
+        try:
+            dist.init_process_group(
+                "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                timeout=GROUP_TIMEOUT,
+            )
+            started = time.monotonic()
+            result = worker(rank, world_size, args)
+        except Exception as error:  # reported to the test, which checks type and message
+            result = {
+                "raised": type(error).__name__,
+                "message": str(error),
+                "seconds": time.monotonic() - started,
+                "traceback": traceback.format_exc()[-3000:],
+            }
+        _write(Path(results) / f"{rank}.json", result)
+    finally:
+        os._exit(0)
+
+
+def _write(path: Path, result: Any) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(result))
+    partial.rename(path)
