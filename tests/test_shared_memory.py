@@ -181,7 +181,7 @@ def test_ranks_asking_for_different_sizes_are_refused_before_anything_is_created
 @pytest.mark.parametrize("tamper, why", [
     ("size", "{1: 'its size is 8192 bytes, not the 4096 agreed on; refusing to map it"),
     ("mode", "{1: 'its mode is 0o640, not 0o600; refusing to map it"),
-])
+], ids=["size", "mode"])
 def test_a_segment_changed_before_attach_is_refused_and_removed(tmp_path, tamper, why):
     results = run_world(_refusal_worker, 2, tmp_path, args={"nbytes": 4096, "tamper": tamper})
     _assert_all_refused(results, "attaching the node-shared segment", why, "was removed")
