@@ -63,7 +63,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # What a tensor subclass holds (quantized and wrapper weights): known to the inventory.
     ("tensor kinds", {"residency.subclasses"}),
     # One job each: a tensor's place (tensors), moving bytes (transport), transition records,
-    # configs, digests.
+    # configs, digests; the node-local view of a process group and node-shared segments.
     (
         "primitives",
         {
@@ -72,6 +72,8 @@ LAYERS: list[tuple[str, set[str]]] = [
             "residency.records",
             "residency.config",
             "residency.digests",
+            "residency.node",
+            "residency.shared_memory",
         },
     ),
     # Host masters and device storage; checks of user input (arguments).
@@ -114,7 +116,7 @@ BELOW_THE_FACADE = [
     f"residency.{name}"
     for name in (
         "holds registry placement component memory tensors transport enums locks errors records "
-        "discovery config split no_offload arguments packing digests subclasses"
+        "discovery config split no_offload arguments packing digests subclasses node shared_memory"
     ).split()
 ]
 #: The three owners of a scheduler's state.
