@@ -63,10 +63,12 @@ LAYERS: list[tuple[str, set[str]]] = [
     # What a tensor subclass holds (quantized and wrapper weights): known to the inventory.
     ("tensor kinds", {"residency.subclasses"}),
     # One job each: a tensor's place (tensors), moving bytes (transport), transition records,
-    # configs, digests; the node-local view of a process group and node-shared segments.
+    # configs, digests; the node-local view of a process group and node-shared segments; which
+    # blocks a model streams in layer mode (blocks).
     (
         "primitives",
         {
+            "residency.blocks",
             "residency.tensors",
             "residency.transport",
             "residency.records",
@@ -76,8 +78,9 @@ LAYERS: list[tuple[str, set[str]]] = [
             "residency.shared_memory",
         },
     ),
-    # Host masters and device storage; checks of user input (arguments).
-    ("bytes and input", {"residency.memory", "residency.arguments"}),
+    # Host masters and device storage; checks of user input (arguments); whether ranks hold the
+    # same weights, enter the same phases and made the same edits (agreement: uses digests).
+    ("bytes and input", {"residency.memory", "residency.arguments", "residency.agreement"}),
     # One group (Residency); building a group's host master (packing); NoOffload, the stand-in
     # scheduler for offloading switched off.
     ("one group", {"residency.component", "residency.packing", "residency.no_offload"}),
@@ -116,7 +119,9 @@ BELOW_THE_FACADE = [
     f"residency.{name}"
     for name in (
         "holds registry placement component memory tensors transport enums locks errors records "
-        "discovery config split no_offload arguments packing digests subclasses node shared_memory"
+        "discovery config split no_offload arguments packing digests subclasses node shared_memory "
+        "agreement "
+        "blocks"
     ).split()
 ]
 #: The three owners of a scheduler's state.
