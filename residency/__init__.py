@@ -21,6 +21,7 @@ from residency.discovery import (
     plan_components,
 )
 from residency.errors import (
+    CollectiveError,
     ConfigError,
     DeadlockError,
     DeviceMemoryError,
@@ -68,6 +69,7 @@ __all__ = [
     "chrome_trace",
     # errors
     "ResidencyError",
+    "CollectiveError",
     "ConfigError",
     "DeadlockError",
     "DeviceMemoryError",

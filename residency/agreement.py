@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 from residency.digests import DigestLayout, chunk_digests
-from residency.errors import ConfigError, PhaseError, RegistrationError
+from residency.errors import CollectiveError, ConfigError, RegistrationError
 
 __all__ = [
     "PhaseLedger",
@@ -478,7 +478,7 @@ class PhaseLedger:
     `enter(name)` agrees on the record ``(sequence, name)`` with the other ranks in one exchange
     (see [Note: one exchange per agreement]) and returns it.  When the ranks ask for different
     phases (rank 1 enters "text_encoder" while rank 0 enters "transformer"), every rank raises the
-    same `PhaseError` naming what each rank asked for.  A rank that skips a phase raises with the
+    same `CollectiveError` naming what each rank asked for.  A rank that skips a phase raises with the
     others at its next step; the others raise within the group's timeout if it never comes (see
     [Note: timeouts, and a rank that never arrives]).  After any failure the ledger is broken:
     every later call raises at once, without a collective.  One owner (not thread-safe).
@@ -523,8 +523,8 @@ class PhaseLedger:
     def _agree(self, record: PhaseRecord, problem: str | None) -> PhaseRecord:
         self._check_usable(record)
         try:
-            _exchange(self._group, record.point, None, problem, PhaseError)
-        except PhaseError as error:
+            _exchange(self._group, record.point, None, problem, CollectiveError)
+        except CollectiveError as error:
             self._failure = str(error)
             raise
         self._sequence += 1
@@ -533,13 +533,13 @@ class PhaseLedger:
 
     def _check_usable(self, record: PhaseRecord) -> None:
         if self._failure is not None:
-            raise PhaseError(
+            raise CollectiveError(
                 f"rank {dist.get_rank()}: the phase ledger is broken, refusing {record.point}: "
                 f"{self._failure}. The ranks can no longer agree through this ledger; tear the "
                 "process group down (torch.distributed.destroy_process_group) and restart"
             )
         if self._finished:
-            raise PhaseError(
+            raise CollectiveError(
                 f"rank {dist.get_rank()}: the phase ledger has finished, refusing {record.point}; "
                 "make a new PhaseLedger for more phases (on every rank)"
             )
@@ -555,7 +555,7 @@ class PhaseLedger:
             return
         try:  # tell the others why this rank leaves; the error in flight is the one that matters
             self.finish(left_after=kind.__name__)
-        except PhaseError:
+        except CollectiveError:
             pass
 
     def __repr__(self) -> str:
@@ -618,7 +618,7 @@ def agree_write_back(
     (`ChangeDetector.changed_chunks`), `digest` their `digest_ranges` (ignored when nothing
     changed).  Nobody changed anything: nothing to write.  Every rank changed the same ranges to
     the same bytes: the group's lowest rank writes (`WriteBack.writes`).  Otherwise every rank
-    raises the same `PhaseError`, naming each rank's ranges and the `tensors` (name, start, end)
+    raises the same `CollectiveError`, naming each rank's ranges and the `tensors` (name, start, end)
     they touch; nothing is written, and each rank keeps its device copy.  The writer's copy must
     be ordered before any rank reads the master again (the next agreement, or a barrier).
 
@@ -632,9 +632,9 @@ def agree_write_back(
     if ranges and not isinstance(digest, str):
         problem = problem or f"changed ranges need their digest_ranges(...) string, got {digest!r}"
     report = (ranges, digest if ranges else None)
-    gathered = _exchange(group, f"the write-back of {name!r}", report, problem, PhaseError)
+    gathered = _exchange(group, f"the write-back of {name!r}", report, problem, CollectiveError)
     if len(set(gathered.values())) > 1:
-        raise PhaseError(_disagreement(name, gathered, tensors))
+        raise CollectiveError(_disagreement(name, gathered, tensors))
     agreed = next(iter(gathered.values()))[0]
     return WriteBack(name=name, ranges=agreed, writer=min(gathered) if agreed else None,
                      rank=dist.get_rank())

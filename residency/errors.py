@@ -17,6 +17,7 @@ __all__ = [
     "HostMemoryError",
     "SchedulerClosedError",
     "ConfigError",
+    "CollectiveError",
 ]
 
 
@@ -64,3 +65,9 @@ class SchedulerClosedError(ResidencyError, RuntimeError):
 
 class ConfigError(ResidencyError, ValueError):
     """An offload configuration (dict, JSON, CLI flag or legacy switch) that cannot be honoured."""
+
+
+class CollectiveError(ResidencyError, RuntimeError):
+    """The ranks of a process group could not agree: they asked for different steps (phases,
+    write-backs), changed a shared master differently, or a rank died or did not arrive within the
+    group's timeout.  Raised on every rank that could be reached, with the same message."""

@@ -29,7 +29,7 @@ from residency.agreement import (
     digest_ranges,
 )
 from residency.digests import ChangeDetector, DigestLayout
-from residency.errors import ConfigError, PhaseError, RegistrationError
+from residency.errors import CollectiveError, ConfigError, RegistrationError
 
 from _dist import run_world
 
@@ -330,7 +330,7 @@ def test_ranks_entering_the_same_phases_agree(ledger_world):
         assert outcome["value"] == ["phase #0: enter 'text_encoder'", "phase #1: enter 'dit'",
                                     "phase #2: enter 'dit'", "phase #3: enter 'vae'"], outcome
         assert outcome["repr"].endswith(": finished after 5 steps>"), outcome
-        assert outcome["after"]["raised"] == "PhaseError"
+        assert outcome["after"]["raised"] == "CollectiveError"
         assert "the phase ledger has finished, refusing phase #5: enter 'dit'" in (
             outcome["after"]["message"])
         assert "make a new PhaseLedger" in outcome["after"]["message"]
@@ -339,7 +339,7 @@ def test_ranks_entering_the_same_phases_agree(ledger_world):
 def test_phase_divergence_raises_on_every_rank_naming_each_request(ledger_world):
     outcomes = _scenario(ledger_world, "diverged")
     _assert_same_error_everywhere(
-        outcomes, PhaseError,
+        outcomes, CollectiveError,
         "the ranks diverged: they asked for different collective steps (global rank: what it "
         "asked for) {0: \"phase #1: enter 'transformer'\", 1: \"phase #1: enter 'text_encoder'\", "
         "2: \"phase #1: enter 'transformer'\"}",
@@ -348,20 +348,20 @@ def test_phase_divergence_raises_on_every_rank_naming_each_request(ledger_world)
     for outcome in outcomes:
         assert outcome["broken"] and outcome["repr"].endswith("broken at #1>")
         after = outcome["after"]  # refused at once: no collective that could hang
-        assert after["raised"] == "PhaseError" and after["seconds"] < 0.5
+        assert after["raised"] == "CollectiveError" and after["seconds"] < 0.5
         assert "the phase ledger is broken, refusing phase #1: enter 'dit'" in after["message"]
         assert "destroy_process_group" in after["message"]
 
 
 def test_a_rank_skipping_a_block_raises_on_every_rank_at_its_next_step(ledger_world):
     _assert_same_error_everywhere(
-        _scenario(ledger_world, "skipped_block"), PhaseError,
+        _scenario(ledger_world, "skipped_block"), CollectiveError,
         "0: \"phase #1: enter 'block1'\"", "2: \"phase #1: enter 'block2'\"")
 
 
 def test_a_rank_skipping_the_last_phase_raises_on_every_rank_when_it_leaves(ledger_world):
     _assert_same_error_everywhere(
-        _scenario(ledger_world, "skipped_last"), PhaseError,
+        _scenario(ledger_world, "skipped_last"), CollectiveError,
         "1: 'phase #1: finish (no more phases)'", "0: \"phase #1: enter 'dit'\"")
 
 
@@ -369,12 +369,12 @@ def test_a_rank_failing_in_a_phase_makes_the_others_raise_at_their_next_step(led
     failed, *others = _scenario(ledger_world, "failed")
     assert failed["raised"] == "ValueError" and failed["message"] == "this rank gives up"
     _assert_same_error_everywhere(
-        others, PhaseError, "0: 'phase #1: finish (no more phases) after an error (ValueError)'")
+        others, CollectiveError, "0: 'phase #1: finish (no more phases) after an error (ValueError)'")
 
 
 def test_a_phase_without_a_name_is_refused_on_every_rank(ledger_world):
     _assert_same_error_everywhere(
-        _scenario(ledger_world, "unnamed"), PhaseError,
+        _scenario(ledger_world, "unnamed"), CollectiveError,
         "phase #0: enter '' was refused on some ranks (global rank: why) {0: \"a phase names a "
         "group by a non-empty string, got ''\", 1:")
 
@@ -383,13 +383,13 @@ def test_long_phase_names_are_compared_whole(ledger_world):
     for outcome in _scenario(ledger_world, "long_same"):
         assert outcome["value"] == ["phase #0: enter '" + "x" * 300 + "a'"], outcome
     message = _assert_same_error_everywhere(
-        _scenario(ledger_world, "long_different"), PhaseError, "the ranks diverged")
+        _scenario(ledger_world, "long_different"), CollectiveError, "the ranks diverged")
     assert message.count("xxxx#") == 3  # each point cut, followed by the hash of the whole
 
 
 def test_one_rank_with_a_problem_is_heard_by_the_ranks_without_one(ledger_world):
     _assert_same_error_everywhere(
-        _scenario(ledger_world, "one_problem"), PhaseError,
+        _scenario(ledger_world, "one_problem"), CollectiveError,
         "phase #0: enter 'None' was refused on some ranks (global rank: why) {1: 'a phase names "
         "a group by a non-empty string, got None'}")
 
@@ -404,7 +404,7 @@ def test_agreement_refuses_anything_but_a_gloo_group(ledger_world):
 
 def test_ranks_at_different_kinds_of_agreement_raise_on_every_rank(ledger_world):
     _assert_same_error_everywhere(
-        _scenario(ledger_world, "other_kind"), PhaseError,
+        _scenario(ledger_world, "other_kind"), CollectiveError,
         "0: \"the write-back of 'dit'\"", "1: \"phase #0: enter 'dit'\"")
 
 
@@ -436,15 +436,15 @@ def test_a_rank_that_skips_a_phase_and_stays_away_ends_in_an_error_on_every_rank
     args = {"away": 2.0, "linger": 1.5, "exit": False}
     waiting, away = run_world(_absent_worker, 2, tmp_path, timeout=20, args=args)
     enter = waiting["enter"]
-    assert enter["raised"] == "PhaseError", waiting
+    assert enter["raised"] == "CollectiveError", waiting
     assert 1.0 < enter["seconds"] < 2.5, enter
     assert "rank 0: phase #1: enter 'dit' failed: a rank of the process group died or did not " \
            "arrive within the group's timeout" in enter["message"]
     assert "a rank that skips a phase" in enter["message"]
-    assert waiting["after"]["raised"] == "PhaseError" and waiting["after"]["seconds"] < 0.5
+    assert waiting["after"]["raised"] == "CollectiveError" and waiting["after"]["seconds"] < 0.5
     assert "the phase ledger is broken" in waiting["after"]["message"]
     finish = away["finish"]
-    assert finish["raised"] == "PhaseError", away
+    assert finish["raised"] == "CollectiveError", away
     assert finish["seconds"] < SHORT.total_seconds() + 1, finish
     assert time.monotonic() - started < 15
 
@@ -453,7 +453,7 @@ def test_a_rank_that_skips_a_phase_and_exits_makes_the_others_raise_at_once(tmp_
     args = {"away": 0.0, "linger": 0.0, "exit": True}
     waiting, away = run_world(_absent_worker, 2, tmp_path, timeout=20, args=args)
     assert away == {"left": True}
-    assert waiting["enter"]["raised"] == "PhaseError", waiting
+    assert waiting["enter"]["raised"] == "CollectiveError", waiting
     assert waiting["enter"]["seconds"] < SHORT.total_seconds() + 0.5
     assert "died or did not arrive" in waiting["enter"]["message"]
 
@@ -517,7 +517,7 @@ def test_the_same_edit_on_every_rank_is_written_by_one_rank(write_back_world):
 
 def test_different_edits_of_the_same_bytes_raise_on_every_rank(write_back_world):
     _assert_same_error_everywhere(
-        _scenario(write_back_world, "different_bytes"), PhaseError,
+        _scenario(write_back_world, "different_bytes"), CollectiveError,
         "the ranks sharing the host master of 'dit' changed it differently while it was resident",
         "0: '[(20480, 24576)] digest ", "the tensors in those ranges: ['blocks.1.weight']",
         "Nothing was written back: every rank keeps its device copy",
@@ -526,19 +526,19 @@ def test_different_edits_of_the_same_bytes_raise_on_every_rank(write_back_world)
 
 def test_an_edit_on_one_rank_only_raises_on_every_rank(write_back_world):
     _assert_same_error_everywhere(
-        _scenario(write_back_world, "one_rank"), PhaseError,
+        _scenario(write_back_world, "one_rank"), CollectiveError,
         "{0: 'nothing', 1: '[(53248, 57344)] digest ", "2: 'nothing'}",
         "['blocks.3.weight']")
 
 
 def test_bad_ranges_on_one_rank_are_refused_on_every_rank(write_back_world):
     _assert_same_error_everywhere(
-        _scenario(write_back_world, "bad_ranges"), PhaseError,
+        _scenario(write_back_world, "bad_ranges"), CollectiveError,
         "the write-back of 'dit' was refused on some ranks (global rank: why) {1: 'ValueError: "
         "byte ranges must be non-empty, increasing and disjoint")
 
 
 def test_changed_ranges_without_their_digest_are_refused_on_every_rank(write_back_world):
     _assert_same_error_everywhere(
-        _scenario(write_back_world, "no_digest"), PhaseError,
+        _scenario(write_back_world, "no_digest"), CollectiveError,
         "{0: 'changed ranges need their digest_ranges(...) string, got None', 1: ")
