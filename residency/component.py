@@ -23,7 +23,7 @@ from torch import nn
 
 from residency.digests import ChangeDetector
 from residency.enums import Policy, ResidencyState
-from residency.errors import DeviceMemoryError, ModuleChangedError, PhaseError
+from residency.errors import DeviceMemoryError, PhaseError
 from residency.memory import DeviceStorage, HostMaster
 from residency.tensors import Inventory, data_ptrs, repoint, repoint_group, versions
 from residency.transport import Completion, Transport
@@ -146,12 +146,7 @@ class Residency:
         load finishes, and `_finish_load` then copies what changed again.
         """
         self._require(ResidencyState.OFFLOADED, "load")
-        change = self.pending_change()
-        if change is not None:  # the scheduler adopts changes before a load; a direct call cannot
-            raise ModuleChangedError(
-                f"group {self.name!r} changed after it was packed ({change}) and was not "
-                f"re-packed; call scheduler.refresh({self.name!r})"
-            )
+        # The placement adopted any change first (`pending_change` is None here): see `_adopt`.
         self._adopt_replaced_offloaded()
         self.state = ResidencyState.LOADING
         try:
@@ -299,6 +294,8 @@ class Residency:
             return self._write_ranges([(0, self.inventory.layout.contiguous_nbytes)])
         if self._detector is not None:
             return self._write_ranges(self._detector.changed_chunks(self._device_bytes()))
+        if now_versions == self._loaded_versions:
+            return 0
         moved = [i for i, (v, w) in enumerate(zip(now_versions, self._loaded_versions)) if v != w]
         return self._write_back([i for i in moved if i not in replaced])
 
