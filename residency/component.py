@@ -94,6 +94,8 @@ class Residency:
         #: costs a redundant write-back at the next eviction.
         self._loaded_versions = versions(inventory.tensors)
         self._marked_dirty = False
+        #: Whether the last eviction left tensors that no longer fit their place (to re-pack).
+        self.left_misfits = False
         #: Digests of the device bytes as loaded (see [Note: finding what changed]); None when the
         #: user promised not to edit (``detect_edits=False``): then only version counters and
         #: data pointers tell.
@@ -226,6 +228,7 @@ class Residency:
         homes = list(self.host_master.views)
         for i in left:
             homes[i] = tensors[i].detach().to("cpu")
+        self.left_misfits = bool(left)
         repoint_group(self.inventory, homes)
         self.device_storage.retire()
         if self._detector is not None:
@@ -263,6 +266,7 @@ class Residency:
         self._loaded_versions = versions(inventory.tensors)
         self._device_ptrs = []
         self._marked_dirty = False
+        self.left_misfits = False
 
     def _write_back_replaced(self, indices: list[int]) -> int:
         """Write back tensors given new storage, unless their bytes equal those loaded.

@@ -161,9 +161,12 @@ class Placement:
     ) -> None:
         """Evict the current exclusive group and load `group` (None: leave the device empty).
 
-        `adopt(g)` re-packs a group whose modules changed (see `Residency.pending_change`); it is
-        called for the evicted group after its eviction and for `group` before its load.  Called
-        with no holders.  On failure, the device holds no exclusive group.
+        `adopt(g)` re-packs a group whose modules changed (see `Residency.pending_change`) before
+        its load, and the evicted group right away when its eviction left re-typed tensors on the
+        host (so every tensor of an offloaded group stays in its master).  Other changes of the
+        evicted group (tensors added while it was resident) are adopted at its next load: a phase
+        change checks one group's structure, not two.  Called with no holders.  On failure, the
+        device holds no exclusive group.
         """
         if CHECKING:
             check_held(self._lock)
@@ -172,7 +175,8 @@ class Placement:
             with record_function(f"residency::evict {previous.name}"):
                 written = previous._evict()
             self.current = None
-            adopt(previous)
+            if previous.left_misfits:
+                adopt(previous)
         evicted, nbytes = time.perf_counter(), 0
         if group is not None:
             adopt(group)

@@ -467,7 +467,7 @@ def test_new_or_replaced_parameters_are_adopted_at_the_next_phase_change(two_gro
         change(plain["a"])
     with scheduler.resident("b"):
         assert torch.equal(run_block(modules["b"], x), run_block(plain["b"], x))
-        assert_placed(scheduler)  # 'a', new parameters included, is in its (new) host master
+        assert_placed(scheduler)  # 'a' is offloaded (new parameters join it at its next load)
     with scheduler.resident("a"):
         assert torch.equal(run_block(modules["a"], x), run_block(plain["a"], x))
         assert_placed(scheduler)  # the new parameters live in device storage too
