@@ -215,13 +215,14 @@ class Placement:
             self.prefetched._cancel_load()
             self.prefetched = None
 
-    def offload_all(self) -> None:
-        """Evict the current exclusive group and free the shared buffers."""
+    def offload_all(self, adopt: Callable[[Residency], None] = _adopt_nothing) -> None:
+        """Evict the current exclusive group and free the shared buffers (`adopt`: as in
+        `switch_to`)."""
         if CHECKING:
             check_held(self._lock)
         self.cancel_prefetch()
         if self.current is not None:
-            self.switch_to(None)
+            self.switch_to(None, adopt)
         self.release_shared()
 
     def release_shared(self) -> None:

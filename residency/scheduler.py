@@ -344,7 +344,7 @@ class Scheduler:
         self._check_open()
         with self._lock:
             self._check_no_holders("offload all groups")
-            self._placement.offload_all()
+            self._placement.offload_all(self._adopt_changes)
 
     def prefetch(self, name: str) -> bool:
         """Start copying group `name` to the device now, beside the resident group; opt-in.
