@@ -123,7 +123,6 @@ class Scheduler:
             chunk_nbytes=chunk_nbytes,
             pin_memory=self._transport.can_pin() if pin_memory is None else pin_memory,
         )
-        self.wait_timeout = wait_timeout
         #: One record per phase change (the newest `record_limit`), with running totals.
         self.transitions = TransitionLog(record_limit)
         self._lock = new_lock()
@@ -147,6 +146,11 @@ class Scheduler:
         """Whether host masters are pinned (off after the first failure to pin, with a
         warning)."""
         return self._packer.pin_memory
+
+    @property
+    def wait_timeout(self) -> float | None:
+        """Longest wait for a group, in seconds, before `DeadlockError` (None: no limit)."""
+        return self._holds.wait_timeout
 
     @property
     def chunk_nbytes(self) -> int:
