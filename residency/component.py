@@ -21,6 +21,9 @@ import attrs
 import torch
 from torch import nn
 
+import torch.distributed as dist
+
+from residency.agreement import agree_write_back, digest_ranges
 from residency.digests import ChangeDetector
 from residency.enums import Policy, ResidencyState
 from residency.errors import DeviceMemoryError, PhaseError
@@ -99,7 +102,8 @@ class Residency:
         #: Digests of the device bytes as loaded (see [Note: finding what changed]); None when the
         #: user promised not to edit (``detect_edits=False``): then only version counters and
         #: data pointers tell.
-        self._detector = ChangeDetector() if detect_edits else None
+        shared = host_master.shared_group is not None  # its ranks must agree on every write
+        self._detector = ChangeDetector() if detect_edits or shared else None
         #: Whether edits are found by digests of the bytes (False: the user promised not to edit).
         self.detect_edits = detect_edits
         #: While LOADING: the copy under way.
@@ -221,10 +225,12 @@ class Residency:
         tensors = self.inventory.tensors
         now_versions, replaced = versions(tensors), self._replaced()
         left = {i for i, _ in self._misfits(sorted(replaced), replaced)}
-        # Edits in place first, then tensors given new storage: the later copy wins where both
-        # touch.
-        written = self._write_back_edits(now_versions, replaced)
-        written += self._write_back_replaced([i for i in sorted(replaced) if i not in left])
+        fitting = [i for i in sorted(replaced) if i not in left]
+        if self.host_master.shared_group is not None:
+            written = self._write_back_agreed(fitting)
+        else:  # edits in place first, then new storage: the later copy wins where both touch
+            written = self._write_back_edits(now_versions, replaced)
+            written += self._write_back_replaced(fitting)
         homes = list(self.host_master.views)
         for i in left:
             homes[i] = tensors[i].detach().to("cpu")
@@ -302,6 +308,31 @@ class Residency:
             return 0
         moved = [i for i, (v, w) in enumerate(zip(now_versions, self._loaded_versions)) if v != w]
         return self._write_back([i for i in moved if i not in replaced])
+
+    def _write_back_agreed(self, fitting: list[int]) -> int:
+        """A shared master: the ranks agree on what changed and one of them writes it.
+
+        Tensors given new storage are first copied into their device bytes, so that one digest
+        check sees every change; then `agree_write_back` (collective over the node's ranks)
+        decides: nothing, one writer (the others wait at a barrier until the bytes are in the
+        shared pages), or a `CollectiveError` on every rank before anything is written or
+        re-pointed - the group stays resident, each rank keeping its device copy.
+        """
+        views = self.device_storage.views_for(self, self.inventory)
+        for i in fitting:
+            views[i].copy_(self.inventory.tensors[i].detach())
+        device_bytes = self._device_bytes()
+        if self._marked_dirty:
+            ranges = [(0, self.inventory.layout.contiguous_nbytes)]
+        else:
+            ranges = self._detector.changed_chunks(device_bytes)
+        digest = digest_ranges(device_bytes, ranges) if ranges else None
+        group = self.host_master.shared_group
+        decision = agree_write_back(self.name, ranges, digest, group)
+        written = self._write_ranges(list(decision.ranges)) if decision.writes else 0
+        if decision.writer is not None:
+            dist.barrier(group=group)
+        return written
 
     def _write_ranges(self, ranges: list[tuple[int, int]]) -> int:
         """Copy device byte ranges (offsets into the group's device bytes) into the master."""

@@ -56,14 +56,28 @@ class HostMaster:
         self.views = views
         #: Whether every chunk is page-locked.
         self.pinned = pinned
+        #: The node group whose ranks share these bytes (a node-shared segment), or None for a
+        #: master of this process alone.  Writes to a shared master are agreed by its ranks.
+        self.shared_group = None
 
     @property
     def nbytes(self) -> int:
         return sum(chunk.numel() for chunk in self.chunks)
 
     @classmethod
-    def pack(cls, inventory: Inventory, transport: Transport, *, pin: bool) -> HostMaster:
-        """Copy the inventory's tensors into a new master, chunk by chunk, re-pointing as it goes."""
+    def pack(
+        cls,
+        inventory: Inventory,
+        transport: Transport,
+        *,
+        pin: bool,
+        into: torch.Tensor | None = None,
+    ) -> HostMaster:
+        """Copy the inventory's tensors into a new master, chunk by chunk, re-pointing as it goes.
+
+        `into` (a uint8 host buffer of ``layout.contiguous_nbytes``: a node-shared segment) holds
+        the chunks, laid out as in device storage, instead of memory allocated per chunk.
+        """
         layout = inventory.layout
         sources = inventory.source_regions
         assert sources is not None, "an inventory is packed once"
@@ -71,24 +85,39 @@ class HostMaster:
         views: list[torch.Tensor | None] = [None] * inventory.tensor_count
         progress = _Progress(layout.nbytes, pinned=pin)
         for chunk_index, nbytes in enumerate(layout.chunk_nbytes):
-            chunk, pin = _allocate_host(transport, nbytes, pin)
+            if into is None:
+                chunk, pin = _allocate_host(transport, nbytes, pin)
+            else:
+                base = layout.chunk_base[chunk_index]
+                chunk = into[base : base + nbytes]
             chunks.append(chunk)
             regions = inventory.regions_in_chunk(chunk_index)
             for region in regions:
                 _copy_region_into(chunk, layout.region_offset[region], sources[region],
                                   layout.region_nbytes[region])
                 sources[region] = None  # type: ignore[call-overload]
-            members = inventory.tensors_in_regions(regions)
-            chunk_views = _views_into_chunk(inventory, members, chunk)
-            repoint([inventory.tensors[i] for i in members], chunk_views)
-            for i, view in zip(members, chunk_views):
-                views[i] = view
+            _repoint_chunk(inventory, regions, chunk, views)
             progress.advance(nbytes)
         progress.close()
         inventory.source_regions = None
         if inventory.wrappers is not None:  # a wrapper registered on an accelerator gets a host twin
             inventory.wrappers.follow(chunks[0].device)
         return cls(chunks, views, pinned=pin)  # type: ignore[arg-type]
+
+    @classmethod
+    def attach(cls, inventory: Inventory, shared: torch.Tensor, *, pinned: bool) -> HostMaster:
+        """A master over bytes another process packed into `shared` (a node-shared segment laid
+        out as `pack(..., into=shared)` lays it); re-points the inventory's tensors to it, which
+        drops their own storages.  The bytes must equal the tensors' (the ranks checked)."""
+        layout = inventory.layout
+        chunks = [shared[base : base + n] for base, n in zip(layout.chunk_base, layout.chunk_nbytes)]
+        views: list[torch.Tensor | None] = [None] * inventory.tensor_count
+        for chunk_index, chunk in enumerate(chunks):
+            _repoint_chunk(inventory, inventory.regions_in_chunk(chunk_index), chunk, views)
+        inventory.source_regions = None
+        if inventory.wrappers is not None:
+            inventory.wrappers.follow(shared.device)
+        return cls(chunks, views, pinned=pinned)  # type: ignore[arg-type]
 
     def chunk_copies(self, device_buffer: torch.Tensor, inventory: Inventory):
         """(device slice, host chunk) pairs: one bulk copy per chunk."""
@@ -259,6 +288,15 @@ def _copy_region_into(chunk: torch.Tensor, offset: int, source, nbytes: int) -> 
     source_bytes = torch.empty(0, dtype=torch.uint8, device=storage.device)
     source_bytes.set_(storage, first, (nbytes,))
     chunk[offset : offset + nbytes].copy_(source_bytes)
+
+
+def _repoint_chunk(inventory: Inventory, regions, chunk: torch.Tensor, views: list) -> None:
+    """Re-point the tensors of `regions` (all in `chunk`) to views of it; record the views."""
+    members = inventory.tensors_in_regions(regions)
+    chunk_views = _views_into_chunk(inventory, members, chunk)
+    repoint([inventory.tensors[i] for i in members], chunk_views)
+    for i, view in zip(members, chunk_views):
+        views[i] = view
 
 
 def _views_into_chunk(

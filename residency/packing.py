@@ -13,17 +13,32 @@ can be, and the typed error when host memory runs out.
 fails (a locked-memory limit), `HostMaster.pack` warns and falls back to pageable memory, and the
 packer turns ``pin_memory`` off so later groups do not try (and warn) again.  The flag is a single
 attribute written by whichever thread packs; a racing reader sees either value, and both are safe.
+
+[Note: one host copy per node]
+With a node view (``Scheduler(process_group=...)``, several ranks on one host), packing is
+collective over the node's ranks, in the same order on every rank: the ranks first compare their
+tensors (layout and a digest of the bytes, `residency.agreement.compare_weights`); if they hold the
+same weights, the node's leader packs them into one node-shared segment
+(`residency.shared_memory.share_segment`), and after a barrier every other rank re-points its
+tensors to views of the same pages, dropping its own copy: host memory per node is the weights
+once.  Weights that differ (tensor-parallel shards) are never shared: each rank keeps its own
+master, and the log says why.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from residency.agreement import compare_weights, describe_tensors
 from residency.errors import HostMemoryError
 from residency.memory import HostMaster
+from residency.node import NodeView
+from residency.shared_memory import share_segment
 from residency.tensors import Inventory, alignment_for, take_inventory
 from residency.transport import Transport
 
@@ -36,9 +51,18 @@ class Packer:
     """Builds inventories and host masters for one scheduler (see the module docstring)."""
 
     def __init__(
-        self, transport: Transport, *, device: torch.device, chunk_nbytes: int, pin_memory: bool
+        self,
+        transport: Transport,
+        *,
+        device: torch.device,
+        chunk_nbytes: int,
+        pin_memory: bool,
+        node: NodeView | None = None,
     ) -> None:
         self._transport = transport
+        #: The ranks of this host, when several share host masters (see [Note: one host copy per
+        #: node]); None for a single process.
+        self._node = node if node is not None and node.local_world_size > 1 else None
         self._alignment = alignment_for(device)
         self.chunk_nbytes = chunk_nbytes
         #: Pin host masters; see [Note: the pin fallback].
@@ -53,7 +77,15 @@ class Packer:
         )
 
     def pack(self, name: str, inventory: Inventory) -> HostMaster:
-        """A new host master for group `name`; its tensors are re-pointed to it as it fills."""
+        """A new host master for group `name`; its tensors are re-pointed to it as it fills.
+
+        Collective over the node's ranks when they share masters (see [Note: one host copy per
+        node]).
+        """
+        if self._node is not None:
+            shared = self._pack_shared(name, inventory)
+            if shared is not None:
+                return shared
         try:
             master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory)
         except MemoryError as error:
@@ -67,3 +99,37 @@ class Packer:
             self.pin_memory = False
             _log.warning("pinning failed; later host masters of this scheduler are pageable")
         return master
+
+    def _pack_shared(self, name: str, inventory: Inventory) -> HostMaster | None:
+        """The node-shared master of group `name`, or None when the ranks' weights differ."""
+        group = self._node.group
+        named = [(f"{i}: {slots[0].describe()}", tensor)
+                 for i, (tensor, slots) in enumerate(zip(inventory.tensors, inventory.slots))]
+        verdict = compare_weights(name, describe_tensors(named), inventory.tensors, group)
+        if not verdict.identical:
+            _log.info("group %r: %s; each rank keeps its own host master", name,
+                      verdict.describe())
+            return None
+        segment = share_segment(inventory.layout.contiguous_nbytes, group)
+        leader = segment.local_rank == 0
+        if leader:
+            master = HostMaster.pack(inventory, self._transport, pin=False, into=segment.tensor)
+        dist.barrier(group=group)  # the leader's bytes are in the pages before the others map them
+        if not leader:
+            master = HostMaster.attach(inventory, segment.tensor, pinned=False)
+        if self.pin_memory and self._transport.can_pin():
+            segment.page_lock()
+            master.pinned = True
+        master.shared_group = group
+        _return_freed_memory()
+        return master
+
+
+def _return_freed_memory() -> None:
+    """Hand the pages of the copies just dropped back to the kernel (glibc keeps freed heap
+    memory otherwise, and a rank would go on holding what the shared master replaced)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return
+    libc.malloc_trim(0)

@@ -32,6 +32,7 @@ from residency.enums import PhaseStatus, Policy
 from residency.errors import PhaseError, SchedulerClosedError
 from residency.holds import Holds
 from residency.locks import new_lock
+from residency.node import node_view
 from residency.no_offload import NoOffload
 from residency.packing import Packer
 from residency.placement import Placement
@@ -100,6 +101,13 @@ class Scheduler:
     exclusive groups are swapped by ``resident()``; resident-policy groups are placed on the device
     at ``add`` and never evicted; outputs are bit-identical to the same modules never offloaded.
     Threads: see [Note: holds, nesting and threads] in `residency.holds`.
+
+    With ``process_group`` (the default group of an initialised ``torch.distributed`` job), the
+    ranks on one host share one host master per group when they hold the same weights ([Note: one
+    host copy per node] in `residency.packing`): constructing the scheduler, ``add``, and every
+    eviction of a shared group (phase changes, ``close``) are then collective - call them in the
+    same order on every rank.  Writes to a shared master are agreed (`residency.agreement`); ranks
+    that changed it differently raise `CollectiveError` and keep their device copies.
     """
 
     def __init__(
@@ -112,6 +120,7 @@ class Scheduler:
         wait_timeout: float | None = None,
         record_limit: int = 10_000,
         transport: Transport | None = None,
+        process_group: object = None,
     ) -> None:
         check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory)
         #: Where resident groups live.
@@ -122,6 +131,7 @@ class Scheduler:
             device=self.device,
             chunk_nbytes=chunk_nbytes,
             pin_memory=self._transport.can_pin() if pin_memory is None else pin_memory,
+            node=None if process_group is None else node_view(process_group),
         )
         #: One record per phase change (the newest `record_limit`), with running totals.
         self.transitions = TransitionLog(record_limit)
