@@ -136,6 +136,7 @@ def enable_offload(
     config: OffloadConfig | Mapping | str | None = None,
     *,
     device: torch.device | str | None = None,
+    process_group: object = None,
 ) -> Scheduler:
     """Offload `pipe`'s components by phase: one exclusive group on `device` at a time.
 
@@ -145,7 +146,8 @@ def enable_offload(
 
     `config` is an `OffloadConfig`, a mapping, a JSON string, or None for the default
     (``{"mode": "module", "components": ["dit", "text_encoder"]}``).  `device` defaults to the
-    current accelerator, else the CPU.  Returns the pipeline's `Scheduler`.
+    current accelerator, else the CPU.  `process_group`: as for `Scheduler` (the ranks of a node
+    share host masters; enabling is then collective).  Returns the pipeline's `Scheduler`.
 
     Raises `RegistrationError` when the pipeline is already offloaded (by this function or another
     offloader's hooks) and `ConfigError` for a config or pipeline the grouping rules refuse, or one
@@ -165,7 +167,9 @@ def enable_offload(
     plan, roles = _plan(pipe, components, parsed)
     placements = tuple((name, module, _device_of(module)) for name, module in components.items())
     pin_memory = None if parsed.pin_memory else False
-    scheduler = build_scheduler(plan, lambda: Scheduler(device, pin_memory=pin_memory))
+    scheduler = build_scheduler(
+        plan, lambda: Scheduler(device, pin_memory=pin_memory, process_group=process_group)
+    )
     leftovers = _leftovers(owner, plan, roles)
     if leftovers is not None:
         _log.warning("%s", leftovers)

@@ -18,6 +18,7 @@ three owners (see [Note: one lock, checked where state changes] in `residency.lo
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Iterator
 
@@ -175,15 +176,19 @@ class Scheduler:
         *,
         enable_cpu_offload: bool = False,
         device: torch.device | str | None = None,
+        process_group: object = None,
     ) -> Scheduler | NoOffload:
         """Build a scheduler from a pipeline's declared components (see `residency.discovery`).
 
             scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]})
             with scheduler.resident("transformer"):
                 ...
+
+        `process_group`: as for `Scheduler` (host masters shared by the ranks of a node).
         """
+        make = functools.partial(cls, process_group=process_group)
         return scheduler_from_pipeline(
-            cls, pipeline, config, enable_cpu_offload=enable_cpu_offload, device=device
+            make, pipeline, config, enable_cpu_offload=enable_cpu_offload, device=device
         )
 
     # -- registration ----------------------------------------------------------------------------

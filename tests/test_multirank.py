@@ -178,3 +178,56 @@ def test_a_process_group_without_torch_distributed_is_refused_with_what_to_do():
 def _forkserver_ok():
     if not os.path.isdir("/dev/shm"):
         pytest.skip("node-shared segments live in /dev/shm")
+
+
+def _pipeline_worker(rank: int, world_size: int, args) -> dict:
+    import torch.distributed as dist
+
+    from residency import Scheduler
+    from residency.synthetic import SyntheticWan22
+
+    plain = SyntheticWan22.build("tiny")
+    pipe = SyntheticWan22.build("tiny")
+    config = {"mode": "module", "components": ["dit", "text_encoder"]}
+    pipe.offload = Scheduler.from_pipeline(pipe, config, device="cpu",
+                                           process_group=dist.group.WORLD)
+    same = torch.equal(pipe("a red dog", steps=4, seed=0), plain("a red dog", steps=4, seed=0))
+    scheduler = pipe.offload
+    shared = sorted(name for name in scheduler if scheduler[name].host_master.shared_group)
+    scheduler.close()
+    return {"same": same, "shared": shared}
+
+
+def test_from_pipeline_takes_the_process_group(tmp_path):
+    results = run_world(_pipeline_worker, 2, tmp_path, timeout=90)
+    for rank, result in enumerate(results):
+        assert result is not None and "raised" not in result, (rank, result)
+        assert result["same"]
+        assert result["shared"] == ["text_encoder", "transformer", "transformer_2", "vae"]
+
+
+def _adapter_worker(rank: int, world_size: int, args) -> dict:
+    import sys
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, args["tests"])
+    from _tiny_pipelines import tiny_wan22, wan22_call
+
+    from residency.adapters.diffusers import disable_offload, enable_offload
+
+    plain, pipe = tiny_wan22(), tiny_wan22()
+    scheduler = enable_offload(pipe, device="cpu", process_group=dist.group.WORLD)
+    same = torch.equal(pipe(**wan22_call(seed=0)).frames, plain(**wan22_call(seed=0)).frames)
+    shared = sorted(name for name in scheduler if scheduler[name].host_master.shared_group)
+    disable_offload(pipe)
+    return {"same": same, "shared": shared}
+
+
+def test_the_diffusers_adapter_takes_the_process_group(tmp_path):
+    pytest.importorskip("diffusers")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    results = run_world(_adapter_worker, 2, tmp_path, timeout=120, args={"tests": tests})
+    for rank, result in enumerate(results):
+        assert result is not None and "raised" not in result, (rank, result)
+        assert result["same"] and "transformer" in result["shared"], result
