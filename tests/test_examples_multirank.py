@@ -1,0 +1,19 @@
+"""The torchrun example runs: two real ranks share their host masters and stay bit-identical."""
+
+import pathlib
+import subprocess
+import sys
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "multirank_torchrun.py"
+
+
+def test_the_torchrun_example_runs_on_two_ranks():
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--standalone", str(EXAMPLE)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        assert (f"rank {rank}: bit-identical=True, groups sharing one host master: "
+                "['text_encoder', 'transformer', 'transformer_2', 'vae']") in done.stdout
