@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import subprocess
 import sys
 import time
 import traceback
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from residency.adapters.cli import add_offload_arguments, offload_config_from_args
 from residency.adapters.diffusers import describe, disable_offload, enable_offload
@@ -101,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "checked for writing before the run)")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip the run without offloading (for models that do not fit)")
+    parser.add_argument("--nproc", metavar="N", type=_positive, default=1,
+                        help="run the synthetic job on N ranks of this host (torch.distributed "
+                        "via torchrun, gloo): the ranks share one host master per group, each "
+                        "checks its own output, rank 0 prints the report (default: 1)")
     diffusers = parser.add_argument_group("a local diffusers model instead of the synthetic one")
     diffusers.add_argument("--pipeline", metavar="PATH", type=Path, default=None,
                            help="a diffusers model folder with a model_index.json "
@@ -123,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = offload_config_from_args(parser, args) or DEFAULT_CONFIG
     device = _check_arguments(parser, args)
+    if args.nproc > 1:
+        return _launch_ranks(args.nproc, sys.argv[1:] if argv is None else argv)
     try:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank that _launch_ranks started
+            _join_ranks()
         return _run_and_report(args, config, device)
     except ResidencyError as error:
         parser.exit(EXIT_USAGE, f"{parser.prog}: error: {error}\n")
@@ -137,7 +148,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_and_report(args: argparse.Namespace, config: OffloadConfig, device: torch.device) -> int:
     run = (_run_pipeline if args.pipeline else _run_synthetic)(args, config, device)
-    print(_report(run, config, device))
+    if _is_first_rank():
+        print(_report(run, config, device))
+        if dist.is_initialized():
+            shared = [n for n in run.scheduler if run.scheduler[n].host_master.shared_group]
+            print(f"ranks: {dist.get_world_size()}; groups whose host master they share: "
+                  f"{', '.join(shared) or 'none'}")
+    else:
+        same = run.expected is None or torch.equal(run.output, run.expected)
+        print(f"rank {dist.get_rank()}: output {'bit-identical' if same else 'DIFFERS'}")
     if args.trace is not None:
         spans = run.recorder.spans if run.recorder is not None else ()
         write_trace(args.trace, run.records, spans)
@@ -159,6 +178,45 @@ def _progress(stage: str) -> Callable[[str], None]:
     return report
 
 
+# -- several ranks (--nproc) ---------------------------------------------------------------------
+
+
+def _launch_ranks(nproc: int, argv: list[str]) -> int:
+    """Run this job on `nproc` ranks through torchrun; the worst rank's exit status.
+
+    The ranks get the same arguments less ``--nproc`` (torchrun's own parser would take it for
+    its ``--nproc-per-node``); torchrun's WORLD_SIZE tells them they are ranks of a job.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", "residency", *_without_nproc(argv)]
+    return subprocess.run(command, check=False).returncode
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    kept, skip = [], False
+    for argument in argv:
+        if skip:
+            skip = False
+        elif argument == "--nproc":
+            skip = True
+        elif not argument.startswith("--nproc="):
+            kept.append(argument)
+    return kept
+
+
+def _join_ranks() -> None:
+    """Join the job torchrun started (gloo: host-side collectives; every rank on its device)."""
+    dist.init_process_group("gloo")
+
+
+def _process_group() -> object:
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def _is_first_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 # -- checking the arguments before any work -------------------------------------------------------
 
 
@@ -169,6 +227,8 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         _check_writable(parser, args.trace)
     if args.pipeline is not None:
         _check_pipeline_folder(parser, args.pipeline)
+        if args.nproc > 1:
+            parser.error("--nproc runs the synthetic pipeline; leave it out with --pipeline")
     return device
 
 
@@ -243,7 +303,8 @@ def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torc
         plain_seconds = time.perf_counter() - start
         pipe.to("cpu")
         _release_device_memory(device)
-    scheduler = Scheduler.from_pipeline(pipe, config, device=device)
+    scheduler = Scheduler.from_pipeline(pipe, config, device=device,
+                                        process_group=_process_group())
     recorder = PhaseRecorder(scheduler, synchronize=device.type != "cpu")
     pipe.offload = recorder
     _reset_allocator_peak(device)

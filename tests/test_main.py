@@ -330,3 +330,21 @@ def test_progress_goes_to_stderr_phase_by_phase(capsys):
         steps = [f"{stage}: step {n}/3: {path}" for n, path in enumerate(experts, start=1)]
         assert lines == [f"{stage}: text_encoder", *steps, f"{stage}: vae"]
     assert "step 1/3" not in captured.out  # the report stays clean
+
+
+def test_nproc_runs_the_job_on_ranks_that_share_host_masters():
+    done = run_main("--nproc", "2", "--size", "tiny", "--steps", "2")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "rank 1: output bit-identical" in done.stdout
+    assert "ranks: 2; groups whose host master they share: transformer, transformer_2, " \
+        "text_encoder, vae" in done.stdout
+    assert "output: bit-identical to the run without offloading" in done.stdout
+
+
+def test_nproc_with_a_diffusers_folder_is_refused_before_any_work(tmp_path, capsys):
+    (tmp_path / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--pipeline", str(tmp_path), "--nproc", "2"])
+    assert exit_info.value.code == 2
+    assert "--nproc runs the synthetic pipeline; leave it out with --pipeline" in \
+        capsys.readouterr().err
