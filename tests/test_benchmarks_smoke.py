@@ -141,3 +141,15 @@ def test_gpu_check_without_cuda_refuses_and_says_how(tmp_path, capsys):
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
     assert "--dry-run" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_host_memory_report_measures_shared_and_private_masters(tmp_path):
+    """`python -m benchmarks.host_memory` at a small size: both cases per rank count, summed."""
+    from benchmarks import host_memory
+
+    assert host_memory.main(["--ranks", "2", "--nbytes-mib", "16", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "cpu-host-memory.json").read_text())["rows"]
+    assert [(r["ranks"], r["shared"]) for r in rows] == [(2, True), (2, False)]
+    shared, private = rows
+    assert shared["node_bytes"] < private["node_bytes"], "sharing must hold fewer host bytes"
+    assert all(len(r["per_rank_bytes"]) == 2 for r in rows)
