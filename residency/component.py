@@ -28,6 +28,7 @@ from residency.digests import ChangeDetector
 from residency.enums import Policy, ResidencyState
 from residency.errors import DeviceMemoryError, PhaseError
 from residency.memory import DeviceStorage, HostMaster
+from residency.sharded import ShardedLoad
 from residency.tensors import Inventory, data_ptrs, repoint, repoint_group, versions
 from residency.transport import Completion, Transport
 
@@ -46,6 +47,8 @@ class _PendingLoad:
     completion: Completion
     #: Version counters when the copy began (prefetch: edits after it are copied again), or None.
     watched_versions: list[int] | None
+    #: Bytes this process copies host to device for the load.
+    nbytes: int
 
 
 class Residency:
@@ -72,8 +75,12 @@ class Residency:
         excluded: tuple[nn.Module, ...] = (),
         category: str | None = None,
         detect_edits: bool = True,
+        sharded: ShardedLoad | None = None,
     ) -> None:
         self.name = name
+        #: How the group loads when its ranks share its master and split the copy
+        #: (``weight_transfer="allgather"``); None: this process copies every byte.
+        self.sharded = sharded
         #: The config component it was made for ("dit", "text_encoder", "vae"), or None.
         self.category = category
         self.modules = modules
@@ -156,12 +163,19 @@ class Residency:
         self._adopt_replaced_offloaded()
         self.state = ResidencyState.LOADING
         try:
-            self._prepare_storage(storage, self.inventory.layout.contiguous_nbytes)
+            nbytes = self.inventory.layout.contiguous_nbytes
+            sharded = self.sharded
+            self._prepare_storage(storage, sharded.buffer_nbytes(nbytes) if sharded else nbytes)
             views = storage.views_for(self, self.inventory)
             copies = self.host_master.chunk_copies(storage.buffer, self.inventory)
             watched = versions(self.inventory.tensors) if watch_edits else None
-            completion = self._transport.to_device(copies)
-            self._pending = _PendingLoad(storage, views, completion, watched)
+            if sharded is None:
+                completion, moved = self._transport.to_device(copies), self.inventory.layout.nbytes
+            else:
+                completion, moved = sharded.load(
+                    self.name, self._transport, copies, storage.buffer, nbytes
+                )
+            self._pending = _PendingLoad(storage, views, completion, watched, moved)
         except BaseException:
             self.state = ResidencyState.OFFLOADED
             raise
@@ -186,7 +200,7 @@ class Residency:
         if self._detector is not None:  # ordered after the copy by completion.wait()
             self._detector.remember(self._device_bytes())
         self.state = ResidencyState.RESIDENT
-        return self.inventory.layout.nbytes
+        return pending.nbytes
 
     def _cancel_load(self) -> None:
         """Abandon a load begun with `_begin_load`; the group ends offloaded, on host views.

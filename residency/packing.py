@@ -76,14 +76,20 @@ class Packer:
             roots, chunk_nbytes=self.chunk_nbytes, exclude=excluded, alignment=self._alignment
         )
 
-    def pack(self, name: str, inventory: Inventory) -> HostMaster:
+    @property
+    def node(self) -> NodeView | None:
+        """The ranks of this host sharing masters, or None (one process)."""
+        return self._node
+
+    def pack(self, name: str, inventory: Inventory, *, require_shared: str | None = None) -> HostMaster:
         """A new host master for group `name`; its tensors are re-pointed to it as it fills.
 
         Collective over the node's ranks when they share masters (see [Note: one host copy per
-        node]).
+        node]).  `require_shared` names why the master must be shared (``"weight_transfer=
+        'allgather'"``): weights that differ then raise `RegistrationError` on every rank.
         """
         if self._node is not None:
-            shared = self._pack_shared(name, inventory)
+            shared = self._pack_shared(name, inventory, require_shared)
             if shared is not None:
                 return shared
         try:
@@ -100,12 +106,15 @@ class Packer:
             _log.warning("pinning failed; later host masters of this scheduler are pageable")
         return master
 
-    def _pack_shared(self, name: str, inventory: Inventory) -> HostMaster | None:
+    def _pack_shared(
+        self, name: str, inventory: Inventory, require: str | None
+    ) -> HostMaster | None:
         """The node-shared master of group `name`, or None when the ranks' weights differ."""
         group = self._node.group
         named = [(f"{i}: {slots[0].describe()}", tensor)
                  for i, (tensor, slots) in enumerate(zip(inventory.tensors, inventory.slots))]
-        verdict = compare_weights(name, describe_tensors(named), inventory.tensors, group)
+        verdict = compare_weights(name, describe_tensors(named), inventory.tensors, group,
+                                  require=require)
         if not verdict.identical:
             _log.info("group %r: %s; each rank keeps its own host master", name,
                       verdict.describe())

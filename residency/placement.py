@@ -201,6 +201,8 @@ class Placement:
             return False
         if group.pending_change() is not None:  # re-packed at its phase, not beside another
             return False
+        if group.sharded is not None:  # its load is collective: at the phase, on every rank
+            return False
         if not self._room_for_prefetch(group):
             return False
         self.cancel_prefetch()

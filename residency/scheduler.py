@@ -30,10 +30,12 @@ from residency.arguments import parse_device, parse_policy
 from residency.component import Residency
 from residency.discovery import scheduler_from_pipeline
 from residency.enums import PhaseStatus, Policy
-from residency.errors import PhaseError, SchedulerClosedError
+from residency.errors import PhaseError, RegistrationError, SchedulerClosedError
 from residency.holds import Holds
+from residency.agreement import PhaseLedger
 from residency.locks import new_lock
 from residency.node import node_view
+from residency.sharded import ShardedLoad
 from residency.no_offload import NoOffload
 from residency.packing import Packer
 from residency.placement import Placement
@@ -127,12 +129,10 @@ class Scheduler:
         #: Where resident groups live.
         self.device = parse_device(device)
         self._transport = transport if transport is not None else transport_for(self.device)
+        pin = self._transport.can_pin() if pin_memory is None else pin_memory
+        node = None if process_group is None else node_view(process_group)
         self._packer = Packer(
-            self._transport,
-            device=self.device,
-            chunk_nbytes=chunk_nbytes,
-            pin_memory=self._transport.can_pin() if pin_memory is None else pin_memory,
-            node=None if process_group is None else node_view(process_group),
+            self._transport, device=self.device, chunk_nbytes=chunk_nbytes, pin_memory=pin, node=node
         )
         #: One record per phase change (the newest `record_limit`), with running totals.
         self.transitions = TransitionLog(record_limit)
@@ -149,6 +149,8 @@ class Scheduler:
         self._holds = Holds(
             self._lock, wait_timeout=wait_timeout, current_group=lambda: self._placement.current
         )
+        #: Agreement of the node's ranks on collective loads (``weight_transfer="allgather"``).
+        self._ledger = None if self._packer.node is None else PhaseLedger(self._packer.node.group)
         if not self.pin_memory:
             _log.info("host masters on %s are pageable memory (pin_memory=False)", self.device)
 
@@ -202,6 +204,7 @@ class Scheduler:
         exclude: nn.Module | Iterable[nn.Module] = (),
         category: str | None = None,
         detect_edits: bool = True,
+        weight_transfer: str = "rank-local",
     ) -> Residency:
         """Register `modules` as group `name` and pack their weights into a host master.
 
@@ -209,9 +212,10 @@ class Scheduler:
         are placed on the device now and never evicted.  Submodules in `exclude` (and all under
         them) are left out, so they can form groups of their own.  `category` says which config
         component the group is ("dit", "text_encoder", "vae"; for messages).  No edit made while
-        resident is lost, whatever path it takes; ``detect_edits=False`` is the opt-out for weights
-        you promise not to edit in place behind the version counter (eviction then skips reading
-        the bytes: see docs/guarantees.md).  A refused call changes nothing.
+        resident is lost; ``detect_edits=False`` is the opt-out for weights you promise not to edit
+        behind the version counter (docs/guarantees.md).  ``weight_transfer="allgather"``: the
+        ranks of a node split the copy, then all-gather (`residency.sharded`).  A refused call
+        changes nothing.
 
             scheduler.add("text_encoder", [clip, t5])
             scheduler.add("vae", pipe.vae, policy="resident")
@@ -221,14 +225,16 @@ class Scheduler:
         policy = parse_policy(policy)
         check_name(name, ())
         check_flag("detect_edits", detect_edits)
+        sharded = self._sharded_load(name, weight_transfer)
         roots = as_modules(name, modules)
         excluded = as_excluded(name, exclude, roots)
         inventory = self._packer.inventory(roots, excluded)
         with self._lock:
             self._check_open()
             self._claim(Claim(name, policy, inventory))
-        group = self._pack_claimed(name, roots, policy, inventory, excluded, category, detect_edits)
-        return self._enroll(group)
+        return self._enroll(self._pack_claimed(
+            name, roots, policy, inventory, excluded, category, detect_edits, sharded
+        ))
 
     def alias(self, path: str, name: str) -> None:
         """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline).
@@ -256,7 +262,7 @@ class Scheduler:
             self._registry.unregister(old)
         group = self._pack_claimed(
             old.name, old.modules, old.policy, inventory, old.excluded, old.category,
-            old.detect_edits,
+            old.detect_edits, old.sharded,
         )
         return self._enroll(group, aliases)
 
@@ -426,21 +432,21 @@ class Scheduler:
         self._registry.claim(claim)
 
     def _pack_claimed(
-        self, name, roots, policy, inventory, excluded, category, detect_edits
+        self, name, roots, policy, inventory, excluded, category, detect_edits, sharded
     ) -> Residency:
         """Pack a claimed group outside the lock (see [Note: packing outside the lock])."""
         # [Note: packing outside the lock] Building a master of many GiB takes seconds; phases of
         # other threads must not wait for it.  The claim keeps the name, modules and tensors
         # from being registered twice meanwhile.
         try:
-            master = self._packer.pack(name, inventory)
+            master = self._packer.pack(name, inventory, require_shared=_why_shared(sharded))
         except BaseException:
             with self._lock:
                 self._registry.release_claim(name)
             raise
         return Residency(
             name, roots, policy, inventory, master, self._transport,
-            excluded=excluded, category=category, detect_edits=detect_edits,
+            excluded=excluded, category=category, detect_edits=detect_edits, sharded=sharded,
         )
 
     def _enroll(self, group: Residency, aliases: Iterable[str] = ()) -> Residency:
@@ -469,12 +475,31 @@ class Scheduler:
         self._registry.check_claimable(claim, self._placement.spans(), replacing=group)
         needs = self._registry.needs(group.name, group.policy, inventory, ignore=group)
         self._placement.check_budget(group.name, needs)
-        master = self._packer.pack(group.name, inventory)
+        master = self._packer.pack(group.name, inventory, require_shared=_why_shared(group.sharded))
         self._placement.forget_views(group)
         self._registry.retake(group, inventory.modules)
         group._adopt(inventory, master)
         _log.info("group %r changed (%s); re-packed its %d tensors (%.1f MiB)", group.name,
                   change, inventory.tensor_count, inventory.nbytes / 2**20)
+
+    def _sharded_load(self, name: str, weight_transfer: object) -> ShardedLoad | None:
+        """How group `name` loads: None for ``"rank-local"``; refused without a node to share."""
+        if weight_transfer == "rank-local":
+            return None
+        if weight_transfer != "allgather":
+            raise RegistrationError(
+                f"group {name!r}: weight_transfer={weight_transfer!r}; give 'rank-local' (every "
+                "rank copies all bytes) or 'allgather' (the ranks of a node split the copy)"
+            )
+        node = self._packer.node
+        if node is None:
+            raise RegistrationError(
+                f"group {name!r}: weight_transfer='allgather' splits the copy among the ranks of "
+                "a node, and this scheduler has none; create it with "
+                "Scheduler(process_group=...) in a job with several ranks per host"
+            )
+        return ShardedLoad(group=node.group, local_rank=node.local_rank,
+                           local_world=node.local_world_size, ledger=self._ledger)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -496,3 +521,7 @@ class Scheduler:
                 f"cannot {action} while a phase is active; "
                 f"{self._holds.describe_holders(self._placement.current)}. Call it between phases"
             )
+
+
+def _why_shared(sharded: ShardedLoad | None) -> str | None:
+    return None if sharded is None else "weight_transfer='allgather'"

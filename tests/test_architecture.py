@@ -81,6 +81,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     # Host masters and device storage; checks of user input (arguments); whether ranks hold the
     # same weights, enter the same phases and made the same edits (agreement: uses digests).
     ("bytes and input", {"residency.memory", "residency.arguments", "residency.agreement"}),
+    # How a group shared by a node's ranks loads: a sharded copy and an all-gather.
+    ("transfers", {"residency.sharded"}),
     # One group (Residency); building a group's host master (packing); NoOffload, the stand-in
     # scheduler for offloading switched off.
     ("one group", {"residency.component", "residency.packing", "residency.no_offload"}),

@@ -231,3 +231,76 @@ def test_the_diffusers_adapter_takes_the_process_group(tmp_path):
     for rank, result in enumerate(results):
         assert result is not None and "raised" not in result, (rank, result)
         assert result["same"] and "transformer" in result["shared"], result
+
+
+def _allgather_worker(rank: int, world_size: int, args) -> dict:
+    import copy
+
+    import torch.distributed as dist
+
+    from residency import CollectiveError, RegistrationError, Scheduler
+
+    seed = 21 + (rank if args.get("differ") else 0)
+    models = {"a": _model(seed), "b": _model(seed + 1)}
+    plain = {name: copy.deepcopy(model) for name, model in models.items()}
+    scheduler = Scheduler("cpu", process_group=dist.group.WORLD)
+    try:
+        for name, model in models.items():
+            scheduler.add(name, model, weight_transfer="allgather")
+    except RegistrationError as error:
+        return {"raised": "RegistrationError", "message": str(error)}
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
+    if args.get("diverge"):
+        try:
+            with scheduler.resident("a" if rank == 0 else "b"):
+                pass
+        except CollectiveError as error:
+            return {"raised": "CollectiveError", "message": str(error)}
+        return {"raised": None}
+    same, moved = [], []
+    for name in ["a", "b", "a"]:
+        with scheduler.resident(name):
+            same.append(torch.equal(models[name](x), plain[name](x)))
+        moved.append(scheduler.transitions[-1].nbytes)
+    nbytes = scheduler["a"].inventory.layout.nbytes
+    scheduler.close()
+    return {"same": same, "moved": moved, "nbytes": nbytes}
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_allgather_splits_the_copy_and_stays_bit_identical(tmp_path, ranks):
+    results = run_world(_allgather_worker, ranks, tmp_path, timeout=90, args={})
+    for rank, result in enumerate(results):
+        assert result is not None and "raised" not in result, (rank, result)
+        assert all(result["same"]), result
+        # each rank copies its shard: about 1/k of the group's bytes, host to device
+        for moved in result["moved"]:
+            assert moved <= result["nbytes"] / ranks + 512, (moved, result["nbytes"])
+    assert sum(r["moved"][0] for r in results) >= results[0]["nbytes"]
+
+
+def test_allgather_with_weights_that_differ_is_refused_on_every_rank(tmp_path):
+    results = run_world(_allgather_worker, 2, tmp_path, timeout=60, args={"differ": True})
+    for rank, result in enumerate(results):
+        assert result is not None and result.get("raised") == "RegistrationError", (rank, result)
+        assert "weight_transfer='allgather'" in result["message"]
+
+
+def test_ranks_entering_different_groups_raise_on_every_rank(tmp_path):
+    results = run_world(_allgather_worker, 2, tmp_path, timeout=60, args={"diverge": True})
+    for rank, result in enumerate(results):
+        assert result is not None and result.get("raised") == "CollectiveError", (rank, result)
+        assert "'a'" in result["message"] and "'b'" in result["message"]
+
+
+def test_allgather_without_ranks_to_share_is_refused():
+    from residency import RegistrationError, Scheduler
+
+    scheduler = Scheduler("cpu")
+    with pytest.raises(RegistrationError, match=r"weight_transfer='allgather' splits the copy "
+                                                r"among the ranks of a node, and this scheduler "
+                                                r"has none; create it with Scheduler\(process"):
+        scheduler.add("a", _model(1), weight_transfer="allgather")
+    with pytest.raises(RegistrationError, match=r"weight_transfer='sync'; give 'rank-local'"):
+        scheduler.add("a", _model(1), weight_transfer="sync")
+    assert "a" not in scheduler
