@@ -39,7 +39,7 @@ from residency.component import Residency
 from residency.enums import Policy
 from residency.errors import ConfigError, RegistrationError, UnknownGroupError
 from residency.locks import CHECKING, check_held
-from residency.tensors import Inventory
+from residency.tensors import Inventory, storage_key
 
 __all__ = [
     "CATEGORIES",
@@ -374,7 +374,7 @@ def check_tensors_disjoint(
         for tensor in tensors:
             if tensor.untyped_storage().nbytes() == 0:
                 continue
-            other_group, other_path = owners.setdefault(_storage_key(tensor), (group, path))
+            other_group, other_path = owners.setdefault(storage_key(tensor), (group, path))
             if other_group != group:
                 raise ConfigError(
                     f"{owner}: {path!r} (group {group!r}) shares a tensor with {other_path!r} "
@@ -383,7 +383,3 @@ def check_tensors_disjoint(
                     "every part), or untie the weights"
                 )
 
-
-def _storage_key(tensor: torch.Tensor) -> tuple:
-    storage = tensor.untyped_storage()
-    return (storage.device, storage.data_ptr())

@@ -70,6 +70,7 @@ __all__ = [
     "make_views",
     "repoint",
     "repoint_group",
+    "storage_key",
     "take_inventory",
 ]
 
@@ -530,7 +531,8 @@ def _check_dense(tensor: torch.Tensor, slot: Slot) -> None:
         )
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple:
+def storage_key(tensor: torch.Tensor) -> tuple:
+    """What tells storages apart: (device, first byte's address); an empty storage is its own."""
     storage = tensor.untyped_storage()
     if storage.nbytes() == 0:
         return ("empty", id(tensor))
@@ -565,7 +567,7 @@ def _overlapping_clusters(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     """Indices of `tensors` in clusters whose byte spans overlap within one storage."""
     by_storage: dict[tuple, list[int]] = {}
     for index, tensor in enumerate(tensors):
-        by_storage.setdefault(_storage_key(tensor), []).append(index)
+        by_storage.setdefault(storage_key(tensor), []).append(index)
     clusters: list[list[int]] = []
     for members in by_storage.values():
         members = sorted(members, key=lambda i: _byte_span(tensors[i]))
