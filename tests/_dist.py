@@ -104,3 +104,12 @@ def _write(path: Path, result: Any) -> None:
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(result))
     partial.rename(path)
+
+
+def pss_kib() -> int:
+    """This process's proportional set size, in KiB (shared pages count once over their users)."""
+    with open("/proc/self/smaps_rollup") as rollup:
+        for line in rollup:
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from _dist import run_world
+from _dist import pss_kib, run_world
 
 _MiB = 2**20
 
@@ -29,14 +29,6 @@ def _model(seed: int, width: int = 256, depth: int = 4) -> nn.Sequential:
             layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) * 0.05)
             layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator) * 0.05)
     return nn.Sequential(*layers)
-
-
-def _pss_kib() -> int:
-    with open("/proc/self/smaps_rollup") as rollup:
-        for line in rollup:
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
 
 
 def _phases_worker(rank: int, world_size: int, args) -> dict:
@@ -94,14 +86,14 @@ def _pss_worker(rank: int, world_size: int, args) -> dict:
     from residency import Scheduler
 
     gc.collect()
-    before = _pss_kib()
+    before = pss_kib()
     scheduler = Scheduler("cpu", process_group=dist.group.WORLD)
     model = _model(5, width=2048, depth=16)  # 16 x (2048 x 2048 + 2048) float32: ~256 MiB
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     scheduler.add("big", model)
     gc.collect()
     dist.barrier()
-    grown = _pss_kib() - before
+    grown = pss_kib() - before
     dist.barrier()  # measure while every rank still maps the segment
     return {"grown_kib": grown, "nbytes": nbytes}
 

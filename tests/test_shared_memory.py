@@ -26,7 +26,7 @@ from residency.errors import RegistrationError
 from residency.node import node_view
 from residency.shared_memory import SHM_DIRECTORY, SegmentStage, share_segment
 
-from _dist import run_world
+from _dist import pss_kib, run_world
 
 #: The node groups' timeout in these tests: how long survivors may wait for a missing rank.
 TIMEOUT = timedelta(seconds=8)
@@ -289,22 +289,17 @@ def _hang_worker(rank: int, world_size: int, args) -> dict:
 SEGMENT_BYTES = 256 << 20
 
 
-def _pss_kib() -> int:
-    with open("/proc/self/smaps_rollup") as rollup:
-        return next(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
-
-
 def _pss_worker(rank: int, world_size: int, args) -> dict:
     view = node_view(timeout=timedelta(seconds=30))
     dist.barrier(group=view.group)
-    before = _pss_kib()
+    before = pss_kib()
     segment = share_segment(SEGMENT_BYTES, view.group)
     if view.is_leader:
         segment.tensor.fill_(7)  # writes every page
     dist.barrier(group=view.group)
     touched = int(segment.tensor.view(-1, 4096)[:, 0].sum(dtype=torch.int64))  # maps every page
     dist.barrier(group=view.group)
-    after = _pss_kib()
+    after = pss_kib()
     dist.barrier(group=view.group)
     return {"growth_kib": after - before, "touched": touched,
             "path": f"{SHM_DIRECTORY}/{segment.name}"}
