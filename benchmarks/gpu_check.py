@@ -284,13 +284,17 @@ def steady_state(check: _Check) -> dict:
         scheduler.add(name, module, detect_edits=name == "c")
     x = torch.ones(1, dtype=sizes.dtype, device=device)
 
-    def phases(count: int) -> None:
-        with torch.no_grad():
-            for i in range(count):
-                name = "ab"[i % 2]
-                with scheduler.resident(name):
-                    modules[name](x)
+    def alternating(names: str) -> Callable[[int], None]:
+        def phases(count: int) -> None:
+            with torch.no_grad():
+                for i in range(count):
+                    name = names[i % 2]
+                    with scheduler.resident(name):
+                        modules[name](x)
 
+        return phases
+
+    phases = alternating("ab")
     phases(4)
     synchronize(device)
     result = {"phases": sizes.steady_phases, "sync_debug": _sync_debug(phases, sizes.steady_phases,
@@ -298,13 +302,7 @@ def steady_state(check: _Check) -> dict:
               "profiled_syncs": _profiled_syncs(phases, sizes.steady_phases, device),
               "memory_reserved": _reserved_over(phases, sizes.reserved_transitions, device)}
 
-    def detected(count: int) -> None:  # "c" detects edits: each eviction of it reads its flags
-        with torch.no_grad():
-            for i in range(count):
-                name = "ac"[i % 2]
-                with scheduler.resident(name):
-                    modules[name](x)
-
+    detected = alternating("ac")  # "c" detects edits: each eviction of it reads its flags
     detected(4)
     synchronize(device)
     result["with_detection_profiled_syncs"] = _profiled_syncs(detected, sizes.steady_phases, device)

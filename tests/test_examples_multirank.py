@@ -1,4 +1,7 @@
-"""The torchrun example runs: two real ranks share their host masters and stay bit-identical."""
+"""The torchrun example runs: two real ranks share their host masters and stay bit-identical.
+
+It is also the test of `Scheduler.from_pipeline(..., process_group=...)` on the synthetic pipeline.
+"""
 
 import pathlib
 import subprocess

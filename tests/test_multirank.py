@@ -172,32 +172,6 @@ def _forkserver_ok():
         pytest.skip("node-shared segments live in /dev/shm")
 
 
-def _pipeline_worker(rank: int, world_size: int, args) -> dict:
-    import torch.distributed as dist
-
-    from residency import Scheduler
-    from residency.synthetic import SyntheticWan22
-
-    plain = SyntheticWan22.build("tiny")
-    pipe = SyntheticWan22.build("tiny")
-    config = {"mode": "module", "components": ["dit", "text_encoder"]}
-    pipe.offload = Scheduler.from_pipeline(pipe, config, device="cpu",
-                                           process_group=dist.group.WORLD)
-    same = torch.equal(pipe("a red dog", steps=4, seed=0), plain("a red dog", steps=4, seed=0))
-    scheduler = pipe.offload
-    shared = sorted(name for name in scheduler if scheduler[name].host_master.shared_group)
-    scheduler.close()
-    return {"same": same, "shared": shared}
-
-
-def test_from_pipeline_takes_the_process_group(tmp_path):
-    results = run_world(_pipeline_worker, 2, tmp_path, timeout=90)
-    for rank, result in enumerate(results):
-        assert result is not None and "raised" not in result, (rank, result)
-        assert result["same"]
-        assert result["shared"] == ["text_encoder", "transformer", "transformer_2", "vae"]
-
-
 def _adapter_worker(rank: int, world_size: int, args) -> dict:
     import sys
 
