@@ -106,13 +106,13 @@ class Residency:
         self._marked_dirty = False
         #: Whether the last eviction left tensors that no longer fit their place (to re-pack).
         self.left_misfits = False
-        #: Digests of the device bytes as loaded (see [Note: finding what changed]); None when the
-        #: user promised not to edit (``detect_edits=False``): then only version counters and
-        #: data pointers tell.
-        shared = host_master.shared_group is not None  # its ranks must agree on every write
-        self._detector = ChangeDetector() if detect_edits or shared else None
         #: Whether edits are found by digests of the bytes (False: the user promised not to edit).
         self.detect_edits = detect_edits
+        #: Digests of the device bytes as loaded (see [Note: finding what changed]); None when the
+        #: user promised not to edit (``detect_edits=False``) and the master is not shared: then
+        #: only version counters and data pointers tell.
+        self._detector: ChangeDetector | None = None
+        self._detect_for(host_master)
         #: While LOADING: the copy under way.
         self._pending: _PendingLoad | None = None
 
@@ -282,11 +282,18 @@ class Residency:
         self._require(ResidencyState.OFFLOADED, "re-pack")
         self.inventory = inventory
         self.host_master = host_master
+        self._detect_for(host_master)
         self._host_ptrs = data_ptrs(host_master.views)
         self._loaded_versions = versions(inventory.tensors)
         self._device_ptrs = []
         self._marked_dirty = False
         self.left_misfits = False
+
+    def _detect_for(self, host_master: HostMaster) -> None:
+        """Keep digests when the user did not opt out, or when the master is shared (its ranks
+        must agree on every write: `_write_back_agreed`)."""
+        if self._detector is None and (self.detect_edits or host_master.shared_group is not None):
+            self._detector = ChangeDetector()
 
     def _write_back_replaced(self, indices: list[int]) -> int:
         """Write back tensors given new storage, unless their bytes equal those loaded.
