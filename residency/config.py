@@ -8,9 +8,9 @@
 The same schema arrives as a dict, a JSON string (``--diffusion-offload-config``) or the legacy
 ``enable_cpu_offload=True`` switch; `resolve_config` turns any of them into one `OffloadConfig` (or
 None: offloading off).  It accepts exactly what vLLM-Omni 0.30's ``parse_diffusion_offload_config``
-accepts, with the same meaning, plus the extensions listed in docs/surface.md ("vae");
-``tests/test_config_parity.py`` checks that against vLLM-Omni's own parser.  Every refusal is a
-`ConfigError` naming the field, the value given and what is accepted.
+accepts, with the same meaning, plus the extensions listed in docs/surface.md ("vae",
+``module_options``); ``tests/test_config_parity.py`` checks that against vLLM-Omni's own parser.
+Every refusal is a `ConfigError` naming the field, the value given and what is accepted.
 """
 
 from __future__ import annotations
@@ -28,15 +28,17 @@ from residency.errors import ConfigError
 __all__ = [
     "COMPONENTS",
     "EXTENSION_COMPONENTS",
+    "EXTENSION_FIELDS",
     "LEGACY_COMPONENTS",
     "MODES",
     "WEIGHT_TRANSFERS",
     "LayerOptions",
+    "ModuleOptions",
     "OffloadConfig",
     "resolve_config",
 ]
 
-#: Offload modes known to the schema.  Only "module" runs today; "layer" parses.
+#: Offload modes: "module" swaps whole components, "layer" streams a component's blocks.
 MODES = ("module", "layer")
 #: Component categories a config may select (in this order in `OffloadConfig.components`).
 COMPONENTS = ("dit", "text_encoder", "vae")
@@ -46,19 +48,28 @@ EXTENSION_COMPONENTS = ("vae",)
 #: the legacy switch, swaps every DiT against every encoder (``components=None``: "the legacy
 #: topology").
 LEGACY_COMPONENTS = ("dit", "text_encoder")
-#: Accepted ``layer_options[...]["weight_transfer"]`` values: each rank copies its own weights
-#: ("rank-local", the default) or ranks all-gather shards ("allgather").
+#: Accepted ``weight_transfer`` values (in ``layer_options`` and ``module_options``): each rank
+#: copies its own weights ("rank-local", the default) or ranks all-gather shards ("allgather").
 WEIGHT_TRANSFERS = ("rank-local", "allgather")
+#: Config fields accepted here that vLLM-Omni 0.30 refuses (documented extensions).
+EXTENSION_FIELDS = ("module_options",)
 #: The only component whose layer options may keep blocks resident.
 _RESIDENT_LAYERS_COMPONENT = "dit"
 
-_FIELDS = ("mode", "components", "layer_options", "pin_memory")
+_FIELDS = ("mode", "components", "layer_options", "module_options", "pin_memory")
 _LAYER_FIELDS = ("weight_transfer", "resident_layers")
+_MODULE_FIELDS = ("weight_transfer",)
 _EXAMPLE = '{"mode": "module", "components": ["dit", "text_encoder"]}'
 
 
 def _accepted(values: Sequence[str]) -> str:
     return ", ".join(repr(v) for v in values)
+
+
+def _did_you_mean(value: object, accepted: Sequence[str]) -> str:
+    """" Did you mean 'x'?" for the accepted value closest to `value`, else ""."""
+    close = difflib.get_close_matches(str(value), accepted, n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def _canonical(value: object, accepted: Sequence[str]) -> object:
@@ -128,7 +139,7 @@ def _to_weight_transfer(value: object) -> object:
 
 @attrs.frozen(kw_only=True)
 class LayerOptions:
-    """Layer-mode options for one component (schema only: layer mode is not available yet).
+    """Layer-mode options for one component: how its blocks reach the device.
 
         options = LayerOptions(weight_transfer="rank-local", resident_layers=2)
         OffloadConfig(mode="layer", components=("dit",), layer_options={"dit": options})
@@ -181,7 +192,7 @@ class LayerOptions:
             if key not in _LAYER_FIELDS:
                 raise ConfigError(
                     f"offload config field {field!r} has unknown key {key!r}; accepted keys "
-                    f"are {_accepted(_LAYER_FIELDS)}"
+                    f"are {_accepted(_LAYER_FIELDS)}.{_did_you_mean(key, _LAYER_FIELDS)}"
                 )
         return cls(**options)
 
@@ -201,7 +212,7 @@ def _to_layer_options(options: object) -> Mapping[str, LayerOptions]:
         if not isinstance(component, str) or component not in COMPONENTS:
             raise ConfigError(
                 f"offload config field 'layer_options' names component {component!r}; accepted "
-                f"components are {_accepted(COMPONENTS)}"
+                f"components are {_accepted(COMPONENTS)}.{_did_you_mean(component, COMPONENTS)}"
             )
         if not isinstance(value, LayerOptions):
             value = LayerOptions.from_dict(component, value)
@@ -211,6 +222,79 @@ def _to_layer_options(options: object) -> Mapping[str, LayerOptions]:
                 f"{value.resident_layers}; resident layers are for the "
                 f"{_RESIDENT_LAYERS_COMPONENT!r} component only: remove it or set it to 0"
             )
+        parsed[component] = value
+    return MappingProxyType(parsed)
+
+
+@attrs.frozen(kw_only=True)
+class ModuleOptions:
+    """Module-mode options for one component: how its whole weights reach the device.
+
+        OffloadConfig(mode="module", components=("dit",),
+                      module_options={"dit": ModuleOptions(weight_transfer="allgather")})
+
+    An extension (docs/surface.md): vLLM-Omni 0.30 has no all-gather in module mode and refuses
+    options there.  ``"allgather"``: the ranks of a node share the component's host master, each
+    copies 1/k of it host to device and one all-gather assembles it (`residency.sharded`); it needs
+    ``process_group=`` with several ranks per host.  ``"rank-local"`` (the default): each rank
+    copies all of it.
+    """
+
+    #: "rank-local" (each rank copies the whole component) or "allgather" (each copies 1/k).
+    weight_transfer: str = attrs.field(default="rank-local", converter=_to_weight_transfer)
+
+    @weight_transfer.validator
+    def _check_weight_transfer(self, _attribute: object, value: object) -> None:
+        if not isinstance(value, str) or value not in WEIGHT_TRANSFERS:
+            raise ConfigError(
+                f"offload config field 'module_options.*.weight_transfer' is {value!r}; accepted "
+                f"values are {_accepted(WEIGHT_TRANSFERS)}"
+            )
+
+    @classmethod
+    def from_dict(cls, component: str, options: object) -> ModuleOptions:
+        """Parse ``module_options[component]``: a mapping with at most `weight_transfer`."""
+        field = f"module_options.{component}"
+        if not isinstance(options, Mapping):
+            raise ConfigError(
+                f"offload config field {field!r} is {options!r}, not an object; accepted keys "
+                f"are {_accepted(_MODULE_FIELDS)}, for example {{\"weight_transfer\": "
+                "\"allgather\"}"
+            )
+        for key in options:
+            if key in _LAYER_FIELDS and key not in _MODULE_FIELDS:
+                raise ConfigError(
+                    f"offload config field {field!r} has key {key!r}, a layer-mode option; module "
+                    f"mode accepts only {_accepted(_MODULE_FIELDS)}: remove it, or give it in "
+                    "'layer_options' with \"mode\": \"layer\""
+                )
+            if key not in _MODULE_FIELDS:
+                raise ConfigError(
+                    f"offload config field {field!r} has unknown key {key!r}; accepted keys "
+                    f"are {_accepted(_MODULE_FIELDS)}.{_did_you_mean(key, _MODULE_FIELDS)}"
+                )
+        return cls(**options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weight_transfer": self.weight_transfer}
+
+
+def _to_module_options(options: object) -> Mapping[str, ModuleOptions]:
+    if not isinstance(options, Mapping):
+        raise ConfigError(
+            f"offload config field 'module_options' is {options!r}, not an object; map a "
+            f"component ({_accepted(COMPONENTS)}) to its options, for example "
+            '{"dit": {"weight_transfer": "allgather"}}'
+        )
+    parsed = {}
+    for component, value in options.items():
+        if not isinstance(component, str) or component not in COMPONENTS:
+            raise ConfigError(
+                f"offload config field 'module_options' names component {component!r}; accepted "
+                f"components are {_accepted(COMPONENTS)}.{_did_you_mean(component, COMPONENTS)}"
+            )
+        if not isinstance(value, ModuleOptions):
+            value = ModuleOptions.from_dict(component, value)
         parsed[component] = value
     return MappingProxyType(parsed)
 
@@ -227,10 +311,13 @@ class OffloadConfig:
     Rules (vLLM-Omni 0.30's): `mode` and `components` are required; `components` is a non-empty
     collection drawn from `COMPONENTS` (repeats count once; "vae" is this library's extension);
     `layer_options` only with ``mode="layer"``, keyed by selected components; `pin_memory` is a
-    bool, or None for the default (true).  `from_dict` / `to_dict` and `from_json` round-trip.
+    bool, or None for the default (true).  This library's extension: `module_options` only with
+    ``mode="module"``, keyed by selected components (``{"dit": {"weight_transfer":
+    "allgather"}}``).  `weight_transfer_for` says how a component's weights reach the device in
+    either mode.  `from_dict` / `to_dict` and `from_json` round-trip.
     """
 
-    #: "module" swaps whole components; "layer" (not available yet) would swap blocks.
+    #: "module" swaps whole components; "layer" streams a component's blocks.
     mode: str = attrs.field(converter=_to_mode, validator=_check_mode)
     #: Categories whose modules are offloaded, in `COMPONENTS` order; the modules of unselected
     #: categories stay resident.
@@ -239,21 +326,30 @@ class OffloadConfig:
     layer_options: Mapping[str, LayerOptions] = attrs.field(
         factory=dict, converter=_to_layer_options, hash=False
     )
+    #: Module-mode options per component, as given (empty in layer mode; an extension of
+    #: vLLM-Omni's schema); see `weight_transfer_for`.
+    module_options: Mapping[str, ModuleOptions] = attrs.field(
+        factory=dict, converter=_to_module_options, hash=False
+    )
     #: Pin host masters where the device can use pinned memory (faster, page-locked copies).
     pin_memory: bool = attrs.field(
         default=True, converter=_to_pin_memory, validator=_check_pin_memory
     )
 
     def __attrs_post_init__(self) -> None:
-        for component in self.layer_options:
-            if component not in self.components:
-                raise ConfigError(
-                    f"offload config field 'layer_options' names {component!r}, which is not in "
-                    f"components {list(self.components)!r}; add it to 'components' or remove "
-                    "its options"
-                )
+        for field, options in (("layer_options", self.layer_options),
+                               ("module_options", self.module_options)):
+            for component in options:
+                if component not in self.components:
+                    raise ConfigError(
+                        f"offload config field {field!r} names {component!r}, which is not in "
+                        f"components {list(self.components)!r}; add it to 'components' or "
+                        "remove its options"
+                    )
         if self.layer_options and self.mode != "layer":
             raise ConfigError(self._module_mode_options_message())
+        if self.module_options and self.mode != "module":
+            raise ConfigError(self._layer_mode_options_message())
 
     def _module_mode_options_message(self) -> str:
         message = (
@@ -261,12 +357,24 @@ class OffloadConfig:
             f"mode {self.mode!r} rejects layer options ('weight_transfer', 'resident_layers'); "
             "remove 'layer_options', or set \"mode\": \"layer\""
         )
-        if any(o.weight_transfer == "allgather" for o in self.layer_options.values()):
+        gathered = {component: {"weight_transfer": "allgather"}
+                    for component, options in self.layer_options.items()
+                    if options.weight_transfer == "allgather"}
+        if gathered:
             message += (
-                ". (weight_transfer 'allgather' for whole components in module mode is a "
-                "planned extension, not available yet)"
+                ". To all-gather whole components in module mode, give \"module_options\": "
+                f"{json.dumps(gathered)} instead (an extension of vLLM-Omni's schema, see "
+                "docs/surface.md)"
             )
         return message
+
+    def _layer_mode_options_message(self) -> str:
+        options = self._module_options_dict()
+        return (
+            f"offload config field 'module_options' is {options!r}, but mode {self.mode!r} takes "
+            f"its options in 'layer_options'; give \"layer_options\": {json.dumps(options)} "
+            "instead, or set \"mode\": \"module\""
+        )
 
     # -- parsing -------------------------------------------------------------------------------
 
@@ -280,11 +388,9 @@ class OffloadConfig:
             )
         for key in data:
             if key not in _FIELDS:
-                close = difflib.get_close_matches(str(key), _FIELDS, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(
                     f"offload config has unknown field {key!r}; accepted fields are "
-                    f"{_accepted(_FIELDS)}.{hint}"
+                    f"{_accepted(_FIELDS)}.{_did_you_mean(key, _FIELDS)}"
                 )
         for key, accepted in (("mode", f"accepted modes are {_accepted(MODES)}"),
                               ("components", f"list some of {_accepted(COMPONENTS)}")):
@@ -305,6 +411,8 @@ class OffloadConfig:
         data: dict[str, Any] = {"mode": self.mode, "components": list(self.components)}
         if self.layer_options:
             data["layer_options"] = self._layer_options_dict()
+        if self.module_options:
+            data["module_options"] = self._module_options_dict()
         data["pin_memory"] = self.pin_memory
         return data
 
@@ -317,23 +425,47 @@ class OffloadConfig:
             OffloadConfig(mode="layer", components=["dit"]).options_for("dit")
             # LayerOptions(weight_transfer='rank-local', resident_layers=0)
         """
+        self._check_selected(component)
+        return self.layer_options.get(component, _DEFAULT_LAYER_OPTIONS)
+
+    def weight_transfer_for(self, component: str) -> str:
+        """How a selected component's weights reach the device: "rank-local" or "allgather".
+
+            config = OffloadConfig.from_dict({
+                "mode": "module", "components": ["dit", "text_encoder"],
+                "module_options": {"dit": {"weight_transfer": "allgather"}}})
+            config.weight_transfer_for("dit")            # 'allgather'
+            config.weight_transfer_for("text_encoder")   # 'rank-local' (no options: the default)
+
+        Module mode reads `module_options`, layer mode `layer_options`; a component given no
+        options is "rank-local".  Raises `ConfigError` for a component that is not selected.
+        """
+        self._check_selected(component)
+        table = self.module_options if self.mode == "module" else self.layer_options
+        options = table.get(component)
+        return "rank-local" if options is None else options.weight_transfer
+
+    def require_runnable(self) -> None:
+        """Every valid config runs, in either mode: a check that raises nothing.
+
+            config.require_runnable()    # kept for callers that check before building a plan
+
+        It refused layer mode while layer mode was not built; a config that cannot run is now
+        refused when it is made.
+        """
+
+    def _check_selected(self, component: str) -> None:
         if component not in self.components:
             raise ConfigError(
                 f"component {component!r} is not selected (components "
                 f"{list(self.components)!r}); ask for one of them"
             )
-        return self.layer_options.get(component, _DEFAULT_LAYER_OPTIONS)
-
-    def require_runnable(self) -> None:
-        """Raise `ConfigError` when this config cannot run yet (layer mode)."""
-        if self.mode == "layer":
-            raise ConfigError(
-                "offload config field 'mode' is 'layer': layer mode parses but is not available "
-                "yet; use \"mode\": \"module\" (whole components swap between host and device)"
-            )
 
     def _layer_options_dict(self) -> dict[str, dict[str, Any]]:
         return {name: options.to_dict() for name, options in self.layer_options.items()}
+
+    def _module_options_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: options.to_dict() for name, options in self.module_options.items()}
 
 
 _DEFAULT_LAYER_OPTIONS = LayerOptions()

@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from residency.config import COMPONENTS, LayerOptions, OffloadConfig, resolve_config
+from residency.config import (
+    COMPONENTS,
+    WEIGHT_TRANSFERS,
+    LayerOptions,
+    ModuleOptions,
+    OffloadConfig,
+    resolve_config,
+)
 from residency.errors import ConfigError, ResidencyError
 
 
@@ -69,12 +76,70 @@ def test_layer_options_default_to_rank_local_with_no_resident_layers():
         config.options_for("vae")
 
 
-def test_running_layer_mode_is_refused_clearly():
-    config = OffloadConfig(mode="layer", components=("dit",))
-    with pytest.raises(ConfigError, match=r"'mode' is 'layer': layer mode parses but is not "
-                                          r"available yet; use \"mode\": \"module\""):
-        config.require_runnable()
-    OffloadConfig(mode="module", components=["dit"]).require_runnable()  # module mode runs
+def test_layer_mode_is_runnable():
+    for mode in ("layer", "module"):
+        config = OffloadConfig(mode=mode, components=("dit",))
+        assert config.require_runnable() is None  # refuses nothing: both modes run
+    config = OffloadConfig.from_dict(
+        {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": 2}}})
+    config.require_runnable()
+    assert config.options_for("dit").resident_layers == 2
+
+
+# -- module_options (an extension: all-gather of whole components in module mode) --------------
+
+
+def test_module_options_parse_and_say_each_components_transfer():
+    config = OffloadConfig.from_json(
+        '{"mode": "module", "components": ["dit", "text_encoder", "vae"],'
+        ' "module_options": {"dit": {"weight_transfer": "allgather"}, "vae": {}}}'
+    )
+    assert dict(config.module_options) == {"dit": ModuleOptions(weight_transfer="allgather"),
+                                           "vae": ModuleOptions(weight_transfer="rank-local")}
+    assert [config.weight_transfer_for(c) for c in ("dit", "text_encoder", "vae")] == [
+        "allgather", "rank-local", "rank-local"]
+    assert config.options_for("dit") == LayerOptions()  # layer options: none in module mode
+    assert config == OffloadConfig(mode="module", components=["vae", "text_encoder", "dit"],
+                                   module_options={"dit": {"weight_transfer": "allgather"},
+                                                   "vae": ModuleOptions()})
+
+
+def test_empty_module_options_are_the_default():
+    config = OffloadConfig.from_dict({"mode": "module", "components": ["dit"],
+                                      "module_options": {}})
+    assert config == OffloadConfig(mode="module", components=["dit"])
+    assert "module_options" not in config.to_dict()
+    assert config.weight_transfer_for("dit") == "rank-local"
+    # empty, it is accepted in layer mode too (as vLLM-Omni takes empty layer_options in module mode)
+    assert OffloadConfig.from_dict({"mode": "layer", "components": ["dit"],
+                                    "module_options": {}}) == OffloadConfig(mode="layer",
+                                                                            components=["dit"])
+
+
+def test_weight_transfer_for_reads_layer_options_in_layer_mode():
+    config = OffloadConfig.from_dict({
+        "mode": "layer", "components": ["dit", "text_encoder"],
+        "layer_options": {"text_encoder": {"weight_transfer": "allgather"}}})
+    assert config.weight_transfer_for("text_encoder") == "allgather"
+    assert config.weight_transfer_for("dit") == "rank-local"
+    assert dict(config.module_options) == {}
+
+
+def test_weight_transfer_for_refuses_a_component_not_selected():
+    config = OffloadConfig(mode="module", components=["dit"],
+                           module_options={"dit": {"weight_transfer": "allgather"}})
+    with pytest.raises(ConfigError, match=r"component 'text_encoder' is not selected \(components "
+                                          r"\['dit'\]\); ask for one of them"):
+        config.weight_transfer_for("text_encoder")
+
+
+def test_module_options_are_frozen():
+    config = OffloadConfig(mode="module", components=["dit"],
+                           module_options={"dit": {"weight_transfer": "allgather"}})
+    with pytest.raises(TypeError):
+        config.module_options["dit"] = ModuleOptions()
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        config.module_options["dit"].weight_transfer = "rank-local"
 
 
 def test_config_is_frozen():
@@ -98,17 +163,23 @@ _layer_options = st.fixed_dictionaries(
 )
 
 
+_module_options = st.dictionaries(
+    st.sampled_from(COMPONENTS),
+    st.sampled_from(WEIGHT_TRANSFERS).map(lambda w: {"weight_transfer": w}),
+)
+
+
 @st.composite
 def _config_dicts(draw):
     chosen = set(draw(st.lists(st.sampled_from(COMPONENTS), min_size=1, unique=True)))
     components = [c for c in COMPONENTS if c in chosen]  # as to_dict writes them
-    data = {"mode": draw(st.sampled_from(["module", "layer"])), "components": components,
-            "pin_memory": draw(st.booleans())}
-    if data["mode"] == "layer":
-        options = draw(_layer_options)
-        data["layer_options"] = {k: v for k, v in options.items() if k in components}
-        if not data["layer_options"]:
-            del data["layer_options"]
+    data = {"mode": draw(st.sampled_from(["module", "layer"])), "components": components}
+    field, strategy = (("layer_options", _layer_options) if data["mode"] == "layer"
+                       else ("module_options", _module_options))
+    options = {k: v for k, v in draw(strategy).items() if k in components}
+    if options:
+        data[field] = options
+    data["pin_memory"] = draw(st.booleans())
     return data
 
 
@@ -140,7 +211,10 @@ def test_to_dict_from_dict_and_json_round_trip(data):
          r"field 'mode' is None; accepted modes are 'module', 'layer'"),
         ({"mode": "module", "compnents": ["dit"]},
          r"unknown field 'compnents'; accepted fields are 'mode', 'components', "
-         r"'layer_options', 'pin_memory'\. Did you mean 'components'\?"),
+         r"'layer_options', 'module_options', 'pin_memory'\. Did you mean 'components'\?"),
+        ({"mode": "module", "components": ["dit"], "module_option": {}},
+         r"unknown field 'module_option'; accepted fields are .*\. Did you mean "
+         r"'module_options'\?"),
         ({"mode": "module", "components": "dit"},
          r"field 'components' is 'dit', not a list; give a list drawn from 'dit', "
          r"'text_encoder', 'vae'"),
@@ -159,11 +233,49 @@ def test_to_dict_from_dict_and_json_round_trip(data):
          r"field 'layer_options' is \{'dit': .*\}, but mode 'module' rejects layer options "
          r"\('weight_transfer', 'resident_layers'\); remove 'layer_options', or set "
          r"\"mode\": \"layer\""),
-        ({"mode": "module", "components": ["dit"],
-          "layer_options": {"dit": {"weight_transfer": "allgather"}}},
+        ({"mode": "module", "components": ["dit", "text_encoder"],
+          "layer_options": {"dit": {"weight_transfer": "allgather"}, "text_encoder": {}}},
          r"mode 'module' rejects layer options .*; remove 'layer_options', or set \"mode\": "
-         r"\"layer\"\. \(weight_transfer 'allgather' for whole components in module mode is a "
-         r"planned extension, not available yet\)"),
+         r"\"layer\"\. To all-gather whole components in module mode, give \"module_options\": "
+         r"\{\"dit\": \{\"weight_transfer\": \"allgather\"\}\} instead \(an extension of "
+         r"vLLM-Omni's schema, see docs/surface\.md\)$"),
+        ({"mode": "layer", "components": ["dit"],
+          "module_options": {"dit": {"weight_transfer": "allgather"}}},
+         r"field 'module_options' is \{'dit': \{'weight_transfer': 'allgather'\}\}, but mode "
+         r"'layer' takes its options in 'layer_options'; give \"layer_options\": \{\"dit\": "
+         r"\{\"weight_transfer\": \"allgather\"\}\} instead, or set \"mode\": \"module\""),
+        ({"mode": "module", "components": ["dit"], "module_options": ["dit"]},
+         r"field 'module_options' is \['dit'\], not an object; map a component \('dit', "
+         r"'text_encoder', 'vae'\) to its options, for example \{\"dit\": "
+         r"\{\"weight_transfer\": \"allgather\"\}\}"),
+        ({"mode": "module", "components": ["dit"], "module_options": None},
+         r"field 'module_options' is None, not an object"),
+        ({"mode": "module", "components": ["dit"], "module_options": {"dti": {}}},
+         r"field 'module_options' names component 'dti'; accepted components are 'dit', "
+         r"'text_encoder', 'vae'\. Did you mean 'dit'\?"),
+        ({"mode": "module", "components": ["dit"], "module_options": {"vae": {}}},
+         r"field 'module_options' names 'vae', which is not in components \['dit'\]; add it to "
+         r"'components' or remove its options"),
+        ({"mode": "module", "components": ["dit"], "module_options": {"dit": "allgather"}},
+         r"field 'module_options.dit' is 'allgather', not an object; accepted keys are "
+         r"'weight_transfer', for example \{\"weight_transfer\": \"allgather\"\}"),
+        ({"mode": "module", "components": ["dit"],
+          "module_options": {"dit": {"weight_tranfser": "allgather"}}},
+         r"field 'module_options.dit' has unknown key 'weight_tranfser'; accepted keys are "
+         r"'weight_transfer'\. Did you mean 'weight_transfer'\?"),
+        ({"mode": "module", "components": ["dit"],
+          "module_options": {"dit": {"resident_layers": 2}}},
+         r"field 'module_options.dit' has key 'resident_layers', a layer-mode option; module "
+         r"mode accepts only 'weight_transfer': remove it, or give it in 'layer_options' with "
+         r"\"mode\": \"layer\""),
+        ({"mode": "module", "components": ["dit"],
+          "module_options": {"dit": {"weight_transfer": "all-gather"}}},
+         r"'module_options.\*.weight_transfer' is 'all-gather'; accepted values are "
+         r"'rank-local', 'allgather'"),
+        ({"mode": "module", "components": ["dit"],
+          "module_options": {"dit": {"weight_transfer": None}}},
+         r"'module_options.\*.weight_transfer' is None; accepted values are 'rank-local', "
+         r"'allgather'"),
         ({"mode": "module", "components": ["dit"], "pin_memory": "yes"},
          r"field 'pin_memory' is 'yes' \(str\); accepted values are true, false and null "
          r"\(null or absent: true\)"),
@@ -173,7 +285,10 @@ def test_to_dict_from_dict_and_json_round_trip(data):
          r"field 'layer_options' is \['dit'\], not an object; map a component"),
         ({"mode": "layer", "components": ["dit"], "layer_options": {"unet": {}}},
          r"field 'layer_options' names component 'unet'; accepted components are 'dit', "
-         r"'text_encoder', 'vae'"),
+         r"'text_encoder', 'vae'\.$"),  # no close match, no hint
+        ({"mode": "layer", "components": ["dit"], "layer_options": {"text_encodr": {}}},
+         r"field 'layer_options' names component 'text_encodr'; .*\. Did you mean "
+         r"'text_encoder'\?"),
         ({"mode": "layer", "components": ["dit"], "layer_options": {"vae": {}}},
          r"field 'layer_options' names 'vae', which is not in components \['dit'\]; add it to "
          r"'components' or remove its options"),
@@ -183,6 +298,10 @@ def test_to_dict_from_dict_and_json_round_trip(data):
         ({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"layers": 2}}},
          r"field 'layer_options.dit' has unknown key 'layers'; accepted keys are "
          r"'weight_transfer', 'resident_layers'"),
+        ({"mode": "layer", "components": ["dit"],
+          "layer_options": {"dit": {"resident_layer": 2}}},
+         r"field 'layer_options.dit' has unknown key 'resident_layer'; accepted keys are "
+         r"'weight_transfer', 'resident_layers'\. Did you mean 'resident_layers'\?"),
         ({"mode": "layer", "components": ["dit"],
           "layer_options": {"dit": {"weight_transfer": "eager"}}},
          r"'layer_options.\*.weight_transfer' is 'eager'; accepted values are 'rank-local', "
@@ -242,6 +361,11 @@ def test_constructor_validates_like_from_dict():
         OffloadConfig(mode="module", components=["unet"])
     with pytest.raises(ConfigError, match=r"field 'pin_memory' is 'no'"):
         OffloadConfig(mode="module", components=["dit"], pin_memory="no")
+    with pytest.raises(ConfigError, match=r"'module_options.\*.weight_transfer' is 'x'"):
+        ModuleOptions(weight_transfer="x")
+    with pytest.raises(ConfigError, match=r"field 'module_options' is \{'dit': .*\}, but mode "
+                                          r"'layer' takes its options in 'layer_options'"):
+        OffloadConfig(mode="layer", components=["dit"], module_options={"dit": ModuleOptions()})
 
 
 # -- the legacy switch --------------------------------------------------------------------------
@@ -264,6 +388,8 @@ def test_legacy_switch_means_module_mode_with_dit_and_text_encoder():
     "config",
     [
         {"mode": "module", "components": ["text_encoder", "dit"]},
+        {"mode": "module", "components": ["dit"],
+         "module_options": {"dit": {"weight_transfer": "allgather"}}},
         '{"mode": "module", "components": ["dit", "text_encoder", "vae"]}',
         {"mode": "module", "components": ["dit"]},
         {"mode": "module", "components": ["vae"], "pin_memory": False},

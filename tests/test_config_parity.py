@@ -4,11 +4,15 @@ A differential test: Hypothesis generates offload configs, valid and not (missin
 wrong types, None, repeats, junk), and each one goes through `resolve_config` here and through
 vLLM-Omni 0.30.0's own ``parse_diffusion_offload_config`` / ``resolve_offload``, loaded from the
 pinned wheel (tests/_vllm_omni.py).  Both must accept or both refuse; when both accept, the meaning
-must match: mode, the components offloaded, each selected component's layer options, pin_memory.
+must match: mode, the components offloaded, each selected component's layer options and weight
+transfer, pin_memory.
 
 The documented extensions (docs/surface.md) are the only expected differences, each named here:
 
 * "vae": a third component, with text_encoder's rules (no resident layers); vLLM-Omni refuses it.
+* "module_options": module mode's per-component weight transfer (``{"dit": {"weight_transfer":
+  "allgather"}}``); vLLM-Omni refuses the field.  A config with it means what the config without
+  it means, with those transfers, when the options are well formed (see `with_module_options`).
 * JSON text: ``resolve_config`` also takes the ``--diffusion-offload-config`` string itself.
 """
 
@@ -23,7 +27,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from residency.config import LEGACY_COMPONENTS, resolve_config
+from residency.config import (
+    EXTENSION_FIELDS,
+    LEGACY_COMPONENTS,
+    WEIGHT_TRANSFERS,
+    resolve_config,
+)
 from residency.errors import ConfigError
 
 from _vllm_omni import vllm_omni_config, wheel_source
@@ -43,6 +52,8 @@ class Meaning:
     #: component -> (weight_transfer, resident_layers), for every selected component.
     layer_options: tuple
     pin_memory: bool
+    #: component -> the weight transfer it runs with, for every selected component.
+    transfers: tuple
 
 
 def _options(table: Mapping) -> tuple:
@@ -62,7 +73,9 @@ def ours(value, enable_cpu_offload=False):
         return OFF
     options = {c: (config.options_for(c).weight_transfer, config.options_for(c).resident_layers)
                for c in config.components}
-    return Meaning(config.mode, frozenset(config.components), _options(options), config.pin_memory)
+    transfers = {c: config.weight_transfer_for(c) for c in config.components}
+    return Meaning(config.mode, frozenset(config.components), _options(options), config.pin_memory,
+                   _options(transfers))
 
 
 def theirs(value, enable_cpu_offload=False):
@@ -77,10 +90,19 @@ def theirs(value, enable_cpu_offload=False):
     public = resolved.public
     if public is None:  # the legacy switch alone: see test_the_legacy_switch_alone_...
         defaults = {c: ("rank-local", 0) for c in LEGACY_TOPOLOGY}
-        return Meaning("module", LEGACY_TOPOLOGY, _options(defaults), resolved.pin_memory)
+        return Meaning("module", LEGACY_TOPOLOGY, _options(defaults), resolved.pin_memory,
+                       _options(_module_mode_transfers(LEGACY_TOPOLOGY)))
     options = {c: ((o.weight_transfer or VO.DLOTransfer.RANK_LOCAL).value, o.resident_layers)
                for c, o in public.layer_options.items()}
-    return Meaning(public.mode.value, public.components, _options(options), resolved.pin_memory)
+    transfers = (_module_mode_transfers(public.components) if public.mode.value == "module"
+                 else {c: transfer for c, (transfer, _) in options.items()})
+    return Meaning(public.mode.value, public.components, _options(options), resolved.pin_memory,
+                   _options(transfers))
+
+
+def _module_mode_transfers(components) -> dict:
+    """vLLM-Omni 0.30's module mode copies every component rank-local (it has no all-gather)."""
+    return {c: "rank-local" for c in components}
 
 
 #: What 0.30's model-level backend offloads for the legacy switch alone (components=None).
@@ -122,6 +144,16 @@ def _rewrite(value, rename: dict, drop: str):
 
 
 def expected(value, enable_cpu_offload=False):
+    """vLLM-Omni's verdict, extended by "module_options" and "vae" (see the module docstring)."""
+    if isinstance(value, Mapping) and "module_options" in value:
+        assert theirs(value, enable_cpu_offload) == REJECT  # vLLM-Omni does refuse the field
+        rest = {key: item for key, item in value.items() if key != "module_options"}
+        return with_module_options(expected_with_vae(rest, enable_cpu_offload),
+                                   value["module_options"])
+    return expected_with_vae(value, enable_cpu_offload)
+
+
+def expected_with_vae(value, enable_cpu_offload=False):
     """vLLM-Omni's verdict, extended by "vae": a second non-DiT component with text_encoder's rules.
 
     A config naming "vae" is judged twice by vLLM-Omni: once with "vae" in text_encoder's place
@@ -138,11 +170,42 @@ def expected(value, enable_cpu_offload=False):
     if REJECT in (as_encoder, without):
         return REJECT
     vae_options = dict(as_encoder.layer_options)["text_encoder"]
+    vae_transfer = dict(as_encoder.transfers)["text_encoder"]
     rest = without or attrs.evolve(
         as_encoder, components=as_encoder.components - {"text_encoder"},
-        layer_options=tuple(o for o in as_encoder.layer_options if o[0] != "text_encoder"))
+        layer_options=tuple(o for o in as_encoder.layer_options if o[0] != "text_encoder"),
+        transfers=tuple(t for t in as_encoder.transfers if t[0] != "text_encoder"))
     return attrs.evolve(rest, components=rest.components | {"vae"},
-                        layer_options=_options({**dict(rest.layer_options), "vae": vae_options}))
+                        layer_options=_options({**dict(rest.layer_options), "vae": vae_options}),
+                        transfers=_options({**dict(rest.transfers), "vae": vae_transfer}))
+
+
+# -- the "module_options" extension --------------------------------------------------------------
+
+
+def with_module_options(meaning, options):
+    """The meaning of a config accepted without its `options`, once they are added (or REJECT).
+
+    The extension's rules, written out: a mapping, empty unless in module mode (as vLLM-Omni
+    takes an empty ``layer_options`` in module mode), keyed by selected components (strings);
+    each value a mapping with at most the key "weight_transfer", one of `WEIGHT_TRANSFERS`; a
+    component given none is "rank-local".
+    """
+    if meaning == REJECT or not isinstance(options, Mapping):
+        return REJECT
+    if options and meaning.mode != "module":
+        return REJECT
+    transfers = dict(meaning.transfers)
+    for component, table in options.items():
+        if not isinstance(component, str) or component not in meaning.components:
+            return REJECT
+        if not isinstance(table, Mapping) or set(table) - {"weight_transfer"}:
+            return REJECT
+        transfer = table.get("weight_transfer", "rank-local")
+        if not isinstance(transfer, str) or transfer not in WEIGHT_TRANSFERS:
+            return REJECT
+        transfers[component] = transfer
+    return attrs.evolve(meaning, transfers=_options(transfers))
 
 
 # -- the configs --------------------------------------------------------------------------------
@@ -175,10 +238,21 @@ _layer_options = st.one_of(
     st.dictionaries(st.one_of(_names, st.integers(0, 1)), _one_layer_options, max_size=2),
     _junk,
 )
+_one_module_options = st.one_of(
+    st.fixed_dictionaries({}, optional={"weight_transfer": _transfers}),
+    st.fixed_dictionaries({"resident_layers": st.integers(0, 2)}),
+    _junk,
+)
+_module_options = st.one_of(
+    st.dictionaries(_names, _one_module_options, max_size=3),
+    st.dictionaries(st.one_of(_names, st.integers(0, 1)), _one_module_options, max_size=2),
+    _junk,
+)
 _pin_memory = st.one_of(st.none(), st.booleans(), _junk)
 configs = st.fixed_dictionaries({}, optional={
     "mode": _modes, "components": _components, "layer_options": _layer_options,
-    "pin_memory": _pin_memory, "resident_layers": st.integers(0, 1),
+    "module_options": _module_options, "pin_memory": _pin_memory,
+    "resident_layers": st.integers(0, 1),
 })
 values = st.one_of(configs, st.none(), st.integers(), st.lists(_names, max_size=2))
 
@@ -200,6 +274,14 @@ KNOWN = [
     {"mode": "layer", "components": ["vae", "text_encoder"],
      "layer_options": {"vae": {"weight_transfer": "allgather"}, "text_encoder": {}}},
     {"mode": "layer", "components": ["vae"], "layer_options": {"vae": {"resident_layers": 1}}},
+    {"mode": "module", "components": ["dit", "text_encoder"],
+     "module_options": {"dit": {"weight_transfer": "allgather"}}},
+    {"mode": "module", "components": ["vae", "dit"],
+     "module_options": {"vae": {"weight_transfer": "allgather"}, "dit": {}}},
+    {"mode": "layer", "components": ["dit"],
+     "module_options": {"dit": {"weight_transfer": "allgather"}}},
+    {"mode": "module", "components": ["dit"],
+     "module_options": {"dit": {"resident_layers": 1}}},
 ]
 
 
@@ -235,6 +317,9 @@ def _json_configs():
         "layer_options": st.dictionaries(_names, st.fixed_dictionaries({}, optional={
             "weight_transfer": st.sampled_from(["rank-local", "allgather", "sync"]),
             "resident_layers": st.integers(-1, 3)}), max_size=2),
+        "module_options": st.dictionaries(_names, st.fixed_dictionaries({}, optional={
+            "weight_transfer": st.sampled_from(["rank-local", "allgather", "sync"])}),
+            max_size=2),
         "pin_memory": st.one_of(st.none(), st.booleans()),
     })
     return st.one_of(plain, st.none())
@@ -258,6 +343,11 @@ def test_the_known_differences_are_settled():
     assert dict(verdicts[10].layer_options) == {"text_encoder": ("rank-local", 0),
                                                 "vae": ("allgather", 0)}
     assert verdicts[11] == REJECT
+    assert dict(verdicts[12].transfers) == {"dit": "allgather", "text_encoder": "rank-local"}
+    assert dict(verdicts[13].transfers) == {"dit": "rank-local", "vae": "allgather"}
+    assert verdicts[14:16] == [REJECT, REJECT]  # module options need module mode, and no layers
+    assert [theirs(value) for value in KNOWN[12:14]] == [REJECT, REJECT]  # the extension
+    assert EXTENSION_FIELDS == ("module_options",)
 
 
 def test_the_legacy_switch_alone_offloads_dits_and_encoders_in_vllm_omni():

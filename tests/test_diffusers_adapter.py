@@ -302,8 +302,11 @@ def test_a_component_shared_with_an_offloaded_pipeline_is_refused():
 
 def test_a_refused_config_changes_nothing():
     pipe = tiny_flux()
-    with pytest.raises(ConfigError, match="layer mode parses but is not available yet"):
-        enable_offload(pipe, {"mode": "layer", "components": ["dit"]}, device="cpu")
+    with pytest.raises(ConfigError, match="'module_options' names 'vae', which is not in "
+                                          "components"):
+        enable_offload(pipe, {"mode": "module", "components": ["dit"],
+                              "module_options": {"vae": {"weight_transfer": "allgather"}}},
+                       device="cpu")
     with pytest.raises(ConfigError, match="unknown field 'component'"):
         enable_offload(pipe, '{"mode": "module", "component": ["dit"]}', device="cpu")
     assert offload_scheduler(pipe) is None
