@@ -115,6 +115,9 @@ class Residency:
         self._detect_for(host_master)
         #: While LOADING: the copy under way.
         self._pending: _PendingLoad | None = None
+        #: Layer mode: the streamed blocks (`residency.layers.BlockStream`), outside this
+        #: Residency's own inventory; None in module mode.  Set once, by the scheduler's add.
+        self.blocks = None
 
     def __repr__(self) -> str:
         return (
@@ -130,8 +133,39 @@ class Residency:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the unique tensors (tied weights count once)."""
-        return self.inventory.nbytes
+        """Bytes of the unique tensors (tied weights count once), streamed blocks included."""
+        return sum(inventory.nbytes for inventory in self.inventories)
+
+    @property
+    def inventories(self) -> tuple[Inventory, ...]:
+        """The group's own inventory, then each streamed block's (layer mode): everything it
+        owns, for the ownership checks."""
+        if self.blocks is None:
+            return (self.inventory,)
+        return (self.inventory, *(block.inventory for block in self.blocks.blocks))
+
+    @property
+    def device_need(self) -> int:
+        """Device bytes the group needs while current: its own part, plus two block slots in
+        layer mode."""
+        slots = 0 if self.blocks is None else 2 * self.blocks.slot_nbytes
+        return self.inventory.layout.contiguous_nbytes + slots
+
+    def layers(self) -> tuple[nn.Module, ...]:
+        """The blocks of a layer-mode group, in the order the model runs them; calling one
+        streams it (its forward loads it and prefetches the next).
+
+            with scheduler.resident("transformer") as dit:
+                for block in dit.layers():
+                    hidden = block(hidden, temb)
+        """
+        if self.blocks is None:
+            raise PhaseError(
+                f"group {self.name!r} is in module mode: it has no streamed layers. Register it "
+                f"with scheduler.add({self.name!r}, model, layers=True) (or an offload config "
+                "with \"mode\": \"layer\") to stream its blocks"
+            )
+        return self.blocks.layers()
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:

@@ -14,6 +14,9 @@ Fields (every one guarded by the scheduler lock; `Placement` is their one mutato
   RESIDENT, its tensors view ``current.device_storage``, and no other exclusive group is RESIDENT.
 * ``prefetched``: an exclusive group whose copy `prefetch` started, or None.  Invariant: it is
   LOADING into the exclusive storage that ``current`` does not use.
+* ``block_slots``: the two device buffers layer-mode groups stream their blocks through (lent to
+  each group's `residency.layers.BlockStream`).  Invariant: only the current group's stream has
+  blocks in them; they are released when a group without blocks becomes current.
 
 Which storage a group's tensors view is the group's own fact (`Residency.device_storage`, written
 when a load finishes); placement reads it to choose a buffer.
@@ -66,6 +69,7 @@ class Placement:
         #: The scheduler's log: appended to here (under the lock); it has its own lock for readers.
         self._transitions = transitions
         self._exclusive_storages = (DeviceStorage(transport), DeviceStorage(transport))
+        self.block_slots = (DeviceStorage(transport), DeviceStorage(transport))
         self._planned: list[Residency] = []  # guarded by the lock
         self.current: Residency | None = None  # guarded by the lock
         self.prefetched: Residency | None = None  # guarded by the lock
@@ -75,7 +79,7 @@ class Placement:
     @property
     def device_nbytes(self) -> int:
         """Bytes of every device storage that exists now (the shared buffers included)."""
-        storages = {id(s): s for s in self._exclusive_storages}
+        storages = {id(s): s for s in (*self._exclusive_storages, *self.block_slots)}
         for group in self._planned:
             if not group.exclusive and group.device_storage is not None:
                 storages[id(group.device_storage)] = group.device_storage
@@ -89,7 +93,10 @@ class Placement:
         """[start, end) host and device addresses of every planned group's bytes."""
         spans = []
         for group in self._planned:
-            for chunk in group.host_master.chunks:
+            masters = [group.host_master]
+            if group.blocks is not None:
+                masters += [block.host_master for block in group.blocks.blocks]
+            for chunk in (chunk for master in masters for chunk in master.chunks):
                 spans.append((chunk.data_ptr(), chunk.data_ptr() + chunk.numel(), group))
             storage = group.device_storage
             if group.is_resident and storage is not None and storage.buffer is not None:
@@ -143,7 +150,9 @@ class Placement:
             check_held(self._lock)
         self.cancel_prefetch()
         if evict and group.is_resident:
-            group._evict()
+            self._evict(group)
+        if group.blocks is not None:
+            group.blocks.close()
         if self.current is group:
             self.current = None
         for storage in {*self._exclusive_storages, group.device_storage} - {None}:
@@ -173,15 +182,18 @@ class Placement:
         previous, start, written = self.current, time.perf_counter(), 0
         if previous is not None:
             with record_function(f"residency::evict {previous.name}"):
-                written = previous._evict()
+                written = self._evict(previous)
             self.current = None
             if previous.left_misfits:
                 adopt(previous)
+        if group is None or group.blocks is None:
+            self._release_block_slots()
         evicted, nbytes = time.perf_counter(), 0
         if group is not None:
             adopt(group)
             with record_function(f"residency::load {group.name}"):
                 nbytes = self._load(group)
+                self._start_streaming(group)
             self.current = group
         self._record(previous, group, nbytes, written, start, evicted)
 
@@ -189,7 +201,7 @@ class Placement:
         """Drop every storage's cached views of `group` (its layout is about to change)."""
         if CHECKING:
             check_held(self._lock)
-        for storage in {*self._exclusive_storages, group.device_storage} - {None}:
+        for storage in {*self._exclusive_storages, *self.block_slots, group.device_storage} - {None}:
             storage.forget(group)
 
     def prefetch(self, group: Residency) -> bool:
@@ -232,6 +244,29 @@ class Placement:
             check_held(self._lock)
         for storage in self._exclusive_storages:
             storage.release()
+        self._release_block_slots()
+
+    # -- layer mode ------------------------------------------------------------------------------
+
+    def _start_streaming(self, group: Residency) -> None:
+        """A layer-mode group was loaded: its blocks start streaming.  If that fails (no device
+        memory for a slot), the group is evicted again and the error propagates."""
+        if group.blocks is None:
+            return
+        try:
+            group.blocks.start()
+        except BaseException:
+            self._evict(group)
+            raise
+
+    def _evict(self, group: Residency) -> int:
+        """Evict a resident group, its streamed blocks first; returns bytes written back."""
+        written = group.blocks.stop() if group.blocks is not None else 0
+        return written + group._evict()
+
+    def _release_block_slots(self) -> None:
+        for slot in self.block_slots:
+            slot.release()
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -270,6 +305,9 @@ class Placement:
         sizes = [g.inventory.layout.contiguous_nbytes for g in self._planned if g.exclusive]
         for storage in self._exclusive_storages:
             storage.size_hint = max(sizes, default=0)
+        slots = [g.blocks.slot_nbytes for g in self._planned if g.blocks is not None]
+        for slot in self.block_slots:
+            slot.size_hint = max(slots, default=0)
 
     def _record(
         self,

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["TransitionLog", "TransitionRecord", "chrome_trace", "summarize"]
+__all__ = [
+    "BlockLog",
+    "BlockRecord",
+    "TransitionLog",
+    "TransitionRecord",
+    "chrome_trace",
+    "summarize",
+]
 
 
 @attrs.frozen
@@ -96,6 +103,68 @@ class TransitionLog:
         return f"<TransitionLog {len(self)} kept of {self.count}, {self.nbytes} bytes loaded>"
 
 
+#: What a `BlockRecord` says happened to a streamed block.
+BLOCK_EVENTS = ("prefetch", "load", "compute", "evict")
+
+
+@attrs.frozen(slots=True)
+class BlockRecord:
+    """One move of a layer-mode block, or the start of its compute (`residency.layers`).
+
+    ``kind``: "prefetch" (its copy issued ahead, into `slot`), "load" (copied on demand: it was
+    not the next block), "compute" (its forward starts, the copy waited for), "evict" (it left
+    its slot; `nbytes` written back).  `time` is ``time.perf_counter()`` when it was issued: on an
+    accelerator the copy itself runs later, on the copy stream.
+    """
+
+    group: str
+    #: The block's name: "<model>.<list>.<i>", e.g. "transformer.blocks.3".
+    block: str
+    #: Its position in the streaming order.
+    index: int
+    kind: str
+    slot: int | None
+    #: Bytes copied host to device ("prefetch", "load") or written back ("evict").
+    nbytes: int
+    time: float
+
+
+class BlockLog:
+    """The newest `limit` block records, with running totals (shared by a scheduler's groups).
+
+    Appended to under the scheduler lock; its own lock makes a reader's iteration a snapshot.
+    """
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self._lock = threading.Lock()
+        self._records: collections.deque[BlockRecord] = collections.deque(maxlen=limit)
+        #: Block copies host to device since the scheduler was created, and their bytes.
+        self.copies = 0
+        self.nbytes = 0
+
+    def append(self, record: BlockRecord) -> None:
+        with self._lock:
+            self._records.append(record)
+            if record.kind in ("prefetch", "load"):
+                self.copies += 1
+                self.nbytes += record.nbytes
+
+    def clear(self) -> None:
+        """Forget the kept records (the totals stay)."""
+        with self._lock:
+            self._records.clear()
+
+    def __iter__(self) -> Iterator[BlockRecord]:
+        with self._lock:
+            return iter(list(self._records))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __repr__(self) -> str:
+        return f"<BlockLog {len(self)} kept, {self.copies} block copies, {self.nbytes} bytes>"
+
+
 def summarize(records: Iterable[TransitionRecord]) -> dict:
     """Per (from, to) pair: count, median seconds, median GB/s, bytes; and overall totals."""
     by_pair: dict[tuple, list[TransitionRecord]] = collections.defaultdict(list)
@@ -128,11 +197,13 @@ def chrome_trace(
     records: Iterable[TransitionRecord],
     phases: Iterable[tuple[str, float, float]] = (),
     path: str | Path | None = None,
+    blocks: Iterable[BlockRecord] = (),
 ) -> dict:
     """A Chrome/Perfetto trace of transfers, of when each group was resident, and of phases.
 
     One slice per eviction and load (on the thread that made it), a "resident <group>" slice from
-    each load until that group's eviction, and one slice per (name, start, end) phase given.
+    each load until that group's eviction, one slice per (name, start, end) phase given, and an
+    instant per layer-mode block record (`blocks`, e.g. ``scheduler.block_records``).
     Thread ids are integers with names, as Perfetto's JSON importer wants.  Written to `path` as
     JSON when given; returned as a dict either way.
     """
@@ -152,6 +223,10 @@ def chrome_trace(
     events += _resident_slices(records, end)
     for name, start, stop in phases:
         events.append(_slice(name, "phase", start, stop - start, "phases", {}))
+    for block in blocks:
+        events.append({"name": f"{block.kind} {block.block}", "cat": "block", "ph": "i",
+                       "s": "t", "ts": block.time * 1e6, "pid": 0, "tid": f"blocks {block.group}",
+                       "args": {"slot": block.slot, "nbytes": block.nbytes}})
     trace = {"traceEvents": _with_thread_ids(events), "displayTimeUnit": "ms"}
     if path is not None:
         Path(path).write_text(json.dumps(trace))

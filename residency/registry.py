@@ -65,6 +65,24 @@ class Claim:
     name: str
     policy: Policy
     inventory: Inventory
+    #: Layer mode: each streamed block's inventory (outside `inventory`).
+    blocks: tuple[Inventory, ...] = ()
+
+    @property
+    def inventories(self) -> tuple[Inventory, ...]:
+        """Everything the group will own (as `Residency.inventories`)."""
+        return (self.inventory, *self.blocks)
+
+    @property
+    def device_need(self) -> int:
+        """Device bytes the group will need while current (as `Residency.device_need`)."""
+        slot = max((block.layout.contiguous_nbytes for block in self.blocks), default=0)
+        return self.inventory.layout.contiguous_nbytes + 2 * slot
+
+
+def _modules(owner: Residency | Claim) -> list[nn.Module]:
+    """Every module a group or claim owns (its streamed blocks' included)."""
+    return [module for inventory in owner.inventories for module in inventory.modules]
 
 
 def owner_of(module: nn.Module) -> tuple[Registry, str] | None:
@@ -153,13 +171,14 @@ class Registry:
             )
 
     def needs(
-        self, name: str, policy: Policy, inventory: Inventory, ignore: Residency | None = None
+        self, name: str, policy: Policy, need: int, ignore: Residency | None = None
     ) -> list[tuple[Policy, int]]:
-        """(policy, device bytes) of every group and claim but `ignore`, then of the new one."""
+        """(policy, device bytes) of every group and claim but `ignore`, then of the new one
+        (`need` bytes: its ``device_need``)."""
         others = [*self._groups.values(), *self._claims.values()]
         return [
-            *((o.policy, o.inventory.layout.contiguous_nbytes) for o in others if o is not ignore),
-            (policy, inventory.layout.contiguous_nbytes),
+            *((o.policy, o.device_need) for o in others if o is not ignore),
+            (policy, need),
         ]
 
     def check_claimable(
@@ -177,8 +196,9 @@ class Registry:
         """
         if replacing is None:
             self._check_name_free(claim.name)
-        self._check_modules_free(claim.name, claim.inventory.modules, replacing)
-        self._check_tensors_free(claim.name, claim.inventory, spans, replacing)
+        self._check_modules_free(claim.name, _modules(claim), replacing)
+        for inventory in claim.inventories:
+            self._check_tensors_free(claim.name, inventory, spans, replacing)
 
     # -- mutators -------------------------------------------------------------------------------
 
@@ -190,7 +210,7 @@ class Registry:
         """
         if CHECKING:
             check_held(self._lock)
-        self._take_modules(claim.inventory.modules, claim.name, checking=True)
+        self._take_modules(_modules(claim), claim.name, checking=True)
         self._claims[claim.name] = claim
 
     def release_claim(self, name: str) -> None:
@@ -199,7 +219,7 @@ class Registry:
             check_held(self._lock)
         claim = self._claims.pop(name, None)
         if claim is not None:
-            self._give_up_modules(claim.inventory.modules)
+            self._give_up_modules(_modules(claim))
 
     def enroll(self, group: Residency, aliases: Iterable[str] = ()) -> None:
         """Register a packed group under its claimed name (and `aliases`); takes its modules."""
@@ -208,7 +228,7 @@ class Registry:
         self._claims.pop(group.name, None)
         self._groups[group.name] = group
         self._aliases.update(dict.fromkeys(aliases, group.name))
-        self._take_modules(group.inventory.modules, group.name)
+        self._take_modules(_modules(group), group.name)
 
     def unregister(self, group: Residency) -> None:
         """Forget `group`, its aliases and its modules' ownership."""
@@ -217,15 +237,15 @@ class Registry:
         del self._groups[group.name]
         for path in self.aliases_of(group):
             del self._aliases[path]
-        self._give_up_modules(group.inventory.modules)
+        self._give_up_modules(_modules(group))
 
-    def retake(self, group: Residency, modules: Iterable[nn.Module]) -> None:
-        """`group` was re-packed and now spans `modules` (new submodules taken, dropped ones
-        freed)."""
+    def retake(self, group: Residency, before: Iterable[nn.Module]) -> None:
+        """`group` (or one of its blocks) was re-packed: it owned `before`, and now owns what
+        its inventories list (new submodules taken, dropped ones freed)."""
         if CHECKING:
             check_held(self._lock)
-        self._give_up_modules(group.inventory.modules)
-        self._take_modules(modules, group.name)
+        self._give_up_modules(before)
+        self._take_modules(_modules(group), group.name)
 
     def alias(self, path: object, group: Residency) -> None:
         """Let `path` lead to `group`; refused (changing nothing) when it names or leads
@@ -284,7 +304,8 @@ class Registry:
             id(t): other
             for other in [*self._groups.values(), *self._claims.values()]
             if other is not ignore and other.name != name
-            for t in other.inventory.tensors
+            for inventory in other.inventories
+            for t in inventory.tensors
         }
         spans = [span for span in spans if span[2] is not ignore]
         for tensor, slots in zip(inventory.tensors, inventory.slots):

@@ -39,7 +39,9 @@ from residency.sharded import ShardedLoad
 from residency.no_offload import NoOffload
 from residency.packing import Packer
 from residency.placement import Placement
-from residency.records import TransitionLog
+from residency.blocks import BlockPlan
+from residency.layers import as_block_plans, build_stream, streamed_modules
+from residency.records import BlockLog, TransitionLog
 from residency.registry import Claim, Registry
 from residency.tensors import DEFAULT_CHUNK_NBYTES
 from residency.transport import Transport, transport_for
@@ -134,8 +136,8 @@ class Scheduler:
         self._packer = Packer(
             self._transport, device=self.device, chunk_nbytes=chunk_nbytes, pin_memory=pin, node=node
         )
-        #: One record per phase change (the newest `record_limit`), with running totals.
-        self.transitions = TransitionLog(record_limit)
+        #: Records of phase changes and (layer mode) of block moves: the newest `record_limit`.
+        self.transitions, self.block_records = TransitionLog(record_limit), BlockLog(record_limit)
         self._lock = new_lock()
         self._closed = False  # guarded by the lock
         self._registry = Registry(self._lock, owner_label=f"<Scheduler on {self.device}>")
@@ -205,21 +207,23 @@ class Scheduler:
         category: str | None = None,
         detect_edits: bool = True,
         weight_transfer: str = "rank-local",
+        layers: bool | BlockPlan | Iterable[BlockPlan] = False,
     ) -> Residency:
         """Register `modules` as group `name` and pack their weights into a host master.
 
-        ``policy="exclusive"`` groups are swapped by ``resident()``; ``policy="resident"`` groups
-        are placed on the device now and never evicted.  Submodules in `exclude` (and all under
-        them) are left out, so they can form groups of their own.  `category` says which config
-        component the group is ("dit", "text_encoder", "vae"; for messages).  No edit made while
+        ``policy="exclusive"`` groups are swapped by ``resident()``, ``policy="resident"`` ones
+        placed on the device now.  Submodules in `exclude` (and all under them) are left out, to
+        form groups of their own.  `category`: the config component ("dit", ...).  No edit made while
         resident is lost; ``detect_edits=False`` is the opt-out for weights you promise not to edit
         behind the version counter (docs/guarantees.md).  ``weight_transfer="allgather"``: the
-        ranks of a node split the copy, then all-gather (`residency.sharded`).  A refused call
-        changes nothing.
+        ranks of a node split the copy, then all-gather (`residency.sharded`).  ``layers=True``
+        (or `BlockPlan`s from `plan_blocks`) streams the blocks of an exclusive group through two
+        device slots while its phase runs (`residency.layers`).  A refused call changes nothing.
 
             scheduler.add("text_encoder", [clip, t5])
             scheduler.add("vae", pipe.vae, policy="resident")
             scheduler.add("shared", model, policy="resident", exclude=[model.reasoner, model.generator])
+            scheduler.add("transformer", dit, layers=plan_blocks(dit, resident_layers=2))
         """
         self._check_open()
         policy = parse_policy(policy)
@@ -227,13 +231,11 @@ class Scheduler:
         check_flag("detect_edits", detect_edits)
         sharded = self._sharded_load(name, weight_transfer)
         roots = as_modules(name, modules)
-        excluded = as_excluded(name, exclude, roots)
-        inventory = self._packer.inventory(roots, excluded)
-        with self._lock:
-            self._check_open()
-            self._claim(Claim(name, policy, inventory))
+        plans = as_block_plans(name, roots, layers, policy)
+        excluded = as_excluded(name, exclude, roots) + streamed_modules(plans)
+        claim = self._claim_for(name, policy, roots, excluded, plans)
         return self._enroll(self._pack_claimed(
-            name, roots, policy, inventory, excluded, category, detect_edits, sharded
+            claim, roots, excluded, category, detect_edits, sharded, plans
         ))
 
     def alias(self, path: str, name: str) -> None:
@@ -255,14 +257,13 @@ class Scheduler:
         with self._lock:
             old = self._registry.lookup(name)
             self._check_not_in_a_phase(old, "refresh")
-            inventory = self._packer.inventory(old.modules, old.excluded)
+            plans = () if old.blocks is None else old.blocks.plans
             aliases = self._registry.aliases_of(old)
-            self._claim(Claim(old.name, old.policy, inventory), replacing=old)
+            claim = self._claim_for(old.name, old.policy, old.modules, old.excluded, plans, old)
             self._placement.withdraw(old, evict=False)
             self._registry.unregister(old)
         group = self._pack_claimed(
-            old.name, old.modules, old.policy, inventory, old.excluded, old.category,
-            old.detect_edits, old.sharded,
+            claim, old.modules, old.excluded, old.category, old.detect_edits, old.sharded, plans
         )
         return self._enroll(group, aliases)
 
@@ -424,30 +425,45 @@ class Scheduler:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _claim(self, claim: Claim, *, replacing: Residency | None = None) -> None:
-        """Check a new group against everything registered and reserve it (the lock held)."""
-        self._registry.check_claimable(claim, self._placement.spans(), replacing=replacing)
-        needs = self._registry.needs(claim.name, claim.policy, claim.inventory, ignore=replacing)
-        self._placement.check_budget(claim.name, needs)
-        self._registry.claim(claim)
+    def _claim_for(self, name, policy, roots, excluded, plans, replacing=None) -> Claim:
+        """Inventory a group (its own part, then each streamed block), check it against
+        everything registered and reserve it."""
+        inventory = self._packer.inventory(roots, excluded)
+        blocks = tuple(self._packer.inventory((m,), ()) for m in streamed_modules(plans))
+        claim = Claim(name, policy, inventory, blocks)
+        with self._lock:
+            self._check_open()
+            self._registry.check_claimable(claim, self._placement.spans(), replacing=replacing)
+            needs = self._registry.needs(name, policy, claim.device_need, ignore=replacing)
+            self._placement.check_budget(name, needs)
+            self._registry.claim(claim)
+        return claim
 
     def _pack_claimed(
-        self, name, roots, policy, inventory, excluded, category, detect_edits, sharded
+        self, claim, roots, excluded, category, detect_edits, sharded, plans
     ) -> Residency:
         """Pack a claimed group outside the lock (see [Note: packing outside the lock])."""
         # [Note: packing outside the lock] Building a master of many GiB takes seconds; phases of
         # other threads must not wait for it.  The claim keeps the name, modules and tensors
         # from being registered twice meanwhile.
+        pack = functools.partial(self._packer.pack, require_shared=_why_shared(sharded))
         try:
-            master = self._packer.pack(name, inventory, require_shared=_why_shared(sharded))
+            group = Residency(
+                claim.name, roots, claim.policy, claim.inventory, pack(claim.name, claim.inventory),
+                self._transport, excluded=excluded, category=category, detect_edits=detect_edits,
+                sharded=sharded,
+            )
+            if plans:
+                group.blocks = build_stream(
+                    group, plans, claim.blocks, pack=pack, slots=self._placement.block_slots,
+                    lock=self._lock, log=self.block_records,
+                    adopt=functools.partial(self._adopt_changes, group),
+                )
         except BaseException:
             with self._lock:
-                self._registry.release_claim(name)
+                self._registry.release_claim(claim.name)
             raise
-        return Residency(
-            name, roots, policy, inventory, master, self._transport,
-            excluded=excluded, category=category, detect_edits=detect_edits, sharded=sharded,
-        )
+        return group
 
     def _enroll(self, group: Residency, aliases: Iterable[str] = ()) -> Residency:
         """Register a packed group and give it its place (an always-resident one loads now)."""
@@ -463,24 +479,28 @@ class Scheduler:
                 raise
         return group
 
-    def _adopt_changes(self, group: Residency) -> None:
-        """Re-pack offloaded `group` if its modules changed since it was packed (a new dtype, new
-        or replaced parameters): the change is adopted, not refused, and logged once.  Refused
-        only when the new tensors break an ownership rule (the error says which)."""
-        change = group.pending_change()
+    def _adopt_changes(self, group: Residency, part: Residency | None = None) -> None:
+        """Re-pack offloaded `group` (or `part`, one of its streamed blocks) if its modules
+        changed since it was packed (a new dtype, new or replaced parameters): the change is
+        adopted, not refused, and logged once.  Refused only when the new tensors break an
+        ownership rule or the device budget (the error says which)."""
+        part = group if part is None else part
+        change = part.pending_change()
         if change is None:
             return
-        inventory = self._packer.inventory(group.modules, group.excluded)
+        inventory = self._packer.inventory(part.modules, part.excluded)
         claim = Claim(group.name, group.policy, inventory)
         self._registry.check_claimable(claim, self._placement.spans(), replacing=group)
-        needs = self._registry.needs(group.name, group.policy, inventory, ignore=group)
-        self._placement.check_budget(group.name, needs)
-        master = self._packer.pack(group.name, inventory, require_shared=_why_shared(group.sharded))
-        self._placement.forget_views(group)
-        self._registry.retake(group, inventory.modules)
-        group._adopt(inventory, master)
-        _log.info("group %r changed (%s); re-packed its %d tensors (%.1f MiB)", group.name,
-                  change, inventory.tensor_count, inventory.nbytes / 2**20)
+        if part is group:
+            needs = self._registry.needs(group.name, group.policy, claim.device_need, ignore=group)
+            self._placement.check_budget(group.name, needs)
+        master = self._packer.pack(part.name, inventory, require_shared=_why_shared(part.sharded))
+        self._placement.forget_views(part)
+        owned = [m for inv in group.inventories for m in inv.modules]
+        part._adopt(inventory, master)
+        self._registry.retake(group, owned)
+        _log.info("group %r changed (%s); re-packed %d tensors of %s (%.1f MiB)", group.name,
+                  change, inventory.tensor_count, part.name, inventory.nbytes / 2**20)
 
     def _sharded_load(self, name: str, weight_transfer: object) -> ShardedLoad | None:
         """How group `name` loads: None for ``"rank-local"``; refused without a node to share."""

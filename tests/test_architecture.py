@@ -86,10 +86,17 @@ LAYERS: list[tuple[str, set[str]]] = [
     # One group (Residency); building a group's host master (packing); NoOffload, the stand-in
     # scheduler for offloading switched off.
     ("one group", {"residency.component", "residency.packing", "residency.no_offload"}),
-    # The owners of a scheduler's state; split models (which know only NoOffload).
+    # The owners of a scheduler's state (layers: a layer-mode group's streamed blocks); split
+    # models (which know only NoOffload).
     (
         "owners",
-        {"residency.holds", "residency.registry", "residency.placement", "residency.split"},
+        {
+            "residency.holds",
+            "residency.registry",
+            "residency.placement",
+            "residency.layers",
+            "residency.split",
+        },
     ),
     # Plans from a pipeline's declarations (asks the registry's ownership rules; is handed a
     # scheduler factory, never imports the facade).
@@ -123,7 +130,7 @@ BELOW_THE_FACADE = [
         "holds registry placement component memory tensors transport enums locks errors records "
         "discovery config split no_offload arguments packing digests subclasses node shared_memory "
         "agreement "
-        "blocks"
+        "blocks layers"
     ).split()
 ]
 #: The three owners of a scheduler's state.

@@ -1,0 +1,400 @@
+"""Layer mode: a group's blocks stream through two reused device slots while its phase runs.
+
+    scheduler.add("transformer", dit, layers=True)          # or layers=plan_blocks(dit, ...)
+    with scheduler.resident("transformer") as group:
+        latents = dit(latents, context)                      # each block streams in turn
+        for block in group.layers():                         # the explicit form, same streaming
+            hidden = block(hidden)
+
+Which blocks stream is `residency.blocks`'s answer (a `BlockPlan`); this file is *how*.  A
+layer-mode group is one `Residency` for everything outside the streamed blocks (the kept blocks
+included: loaded at the phase's start, evicted at its end, as in module mode) and one small
+`Residency` per streamed block with its own host master.  `BlockStream` owns the block
+residencies and moves them through the two slots the placement lends it.
+
+[Note: what is on the device in layer mode]
+While the group is current: the outside part, then at most two streamed blocks, one per slot
+(`Placement.block_slots`, each sized for the largest block and allocated once per run of layer
+phases).  Entering block i's forward waits for its copy (or loads it on demand) and issues the
+copy of the next block in streaming order into the other slot on the copy stream, so that copy
+overlaps block i's compute; leaving block i evicts it (its slot is retired: the next copy into it
+waits for block i's compute).  The last block prefetches the first (a ring: the next denoising
+step or CFG pass starts without waiting).  No allocation per block, no host wait on the copies.
+
+[Note: keeping every edit in layer mode]
+A streamed block's tensors point at its host master whenever the block is not in a slot, so an
+edit made then, by any path, lands in the master itself.  A block in a slot is a resident group
+in the module-mode sense: its bytes are digested when loaded and again when it leaves
+(`Residency._evict`), and what changed is written back - inside its forward (a custom kernel),
+and while it waits in a slot between forwards (the first block, prefetched by the last one, is
+re-pointed to its slot when the last block ends, so an edit made between steps - a LoRA fused in
+a step-end callback - lands in the slot and is written back when it leaves).  The cost: with
+``detect_edits`` (the default) each block's departure reads its digest, one host wait per block
+on an accelerator; ``detect_edits=False`` removes it (then only version counters and data pointers
+tell, as in module mode; docs/guarantees.md).
+
+[Note: the block wrappers]
+Models that iterate their block lists themselves (every diffusers DiT) need the streaming to
+happen at each block's call.  The core sets a per-instance ``forward`` on each streamed block (a
+`_BlockForward`, calling the forward it replaced): no ``register_*_hook``, no class patching, only
+in layer mode, and removed when the group is removed, refreshed or the scheduler closes.  It is
+the one place the core replaces something on a user's module (docs/design.md says why).  When the
+group is not current the wrapper only calls through: the block runs on its host master, as a
+module-mode group's modules do outside their phase.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from residency.blocks import BlockPlan, plan_blocks
+from residency.component import Residency
+from residency.enums import Policy, ResidencyState
+from residency.errors import PhaseError, RegistrationError
+from residency.memory import DeviceStorage, HostMaster
+from residency.records import BlockLog, BlockRecord
+from residency.tensors import Inventory
+
+__all__ = ["BlockStream", "as_block_plans", "build_stream", "streamed_modules"]
+
+_OFFLOADED, _LOADING, _RESIDENT = (
+    ResidencyState.OFFLOADED, ResidencyState.LOADING, ResidencyState.RESIDENT,
+)
+
+
+def as_block_plans(
+    name: str, roots: Sequence[nn.Module], layers: object, policy: Policy
+) -> tuple[BlockPlan, ...]:
+    """`Scheduler.add`'s ``layers=``: False -> (), True -> each root's plan, else the plans given.
+
+        as_block_plans("transformer", (dit,), True, Policy.EXCLUSIVE)   # (plan_blocks(dit),)
+    """
+    if layers is False or layers is None:
+        return ()
+    if policy is not Policy.EXCLUSIVE:
+        raise RegistrationError(
+            f"group {name!r}: layers= streams the blocks of an exclusive group, and this group's "
+            "policy is 'resident' (always on the device, nothing to stream); drop layers= or "
+            "use policy='exclusive'"
+        )
+    if layers is True:
+        return tuple(plan_blocks(root) for root in roots)
+    plans = (layers,) if isinstance(layers, BlockPlan) else tuple(layers)
+    inside = {id(m) for root in roots for m in root.modules()}
+    for plan in plans:
+        if not isinstance(plan, BlockPlan):
+            raise RegistrationError(
+                f"group {name!r}: layers={layers!r}; give True (plan each module's blocks) or "
+                "BlockPlans from residency.plan_blocks(model, resident_layers=...)"
+            )
+        if id(plan.model) not in inside:
+            raise RegistrationError(
+                f"group {name!r}: the BlockPlan for {plan.model_path!r} is of a model outside "
+                "the group's modules; plan the modules you add"
+            )
+    return plans
+
+
+def streamed_modules(plans: Sequence[BlockPlan]) -> tuple[nn.Module, ...]:
+    """The modules of every streamed block of `plans`, in streaming order."""
+    return tuple(block.module for plan in plans for block in plan.streamed)
+
+
+def build_stream(
+    group: Residency,
+    plans: tuple[BlockPlan, ...],
+    inventories: Sequence[Inventory],
+    *,
+    pack: Callable[[str, Inventory], HostMaster],
+    slots: tuple[DeviceStorage, DeviceStorage],
+    lock: threading.RLock,
+    log: BlockLog,
+    adopt: Callable[[Residency], None],
+) -> BlockStream:
+    """Pack each streamed block of `group` into its own host master (`inventories`: one per
+    streamed block, in order) and make the stream that moves them.
+
+    Each block is a `Residency` named "<model path>.<block path>", with the group's category,
+    edit detection and weight transfer (with ``"allgather"`` every block load is split among the
+    node's ranks, as the group's own part is).
+    """
+    streamed = [(plan, block) for plan in plans for block in plan.streamed]
+    blocks = []
+    for (plan, block), inventory in zip(streamed, inventories, strict=True):
+        name = f"{plan.model_path}.{block.path}"
+        master = pack(f"{group.name}[{name}]", inventory)
+        blocks.append(Residency(
+            name, (block.module,), Policy.EXCLUSIVE, inventory, master, group._transport,
+            category=group.category, detect_edits=group.detect_edits, sharded=group.sharded,
+        ))
+    return BlockStream(group.name, plans, blocks, slots, lock=lock, log=log, adopt=adopt)
+
+
+class BlockStream:
+    """The streamed blocks of one layer-mode group and their way through the two slots.
+
+        stream.start()        # the group became current: park the first block in a slot
+        stream.enter(i) ...   # by block i's wrapper, around its forward
+        stream.stop()         # the group is evicted: every block back in its master
+
+    Fields (guarded by the scheduler lock; this object is their one mutator):
+
+    * ``_occupant``: the block index each slot holds (LOADING or RESIDENT in it), or None.
+      Invariant: a block is LOADING or RESIDENT exactly when it is some slot's occupant, and its
+      ``device_storage`` (once RESIDENT) is that slot.
+    * ``_running``: indices of blocks inside their forward (at most two: one per slot).
+    * ``active``: whether the group is current (streaming happens) - between `start` and `stop`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        plans: tuple[BlockPlan, ...],
+        blocks: list[Residency],
+        slots: tuple[DeviceStorage, DeviceStorage],
+        *,
+        lock: threading.RLock,
+        log: BlockLog,
+        adopt: Callable[[Residency], None],
+    ) -> None:
+        self.name = name
+        self.plans = plans
+        #: One Residency per streamed block, in streaming order.
+        self.blocks = blocks
+        self._slots = slots
+        self._lock = lock
+        self._log = log
+        self._adopt = adopt
+        self._occupant: list[int | None] = [None, None]
+        self._running: set[int] = set()
+        self.active = False
+        self._paths = [block.name for block in blocks]
+        self._wrappers = [_BlockForward.install(self, i, b.modules[0]) for i, b in enumerate(blocks)]
+
+    def __repr__(self) -> str:
+        return f"<BlockStream {self.name!r}: {len(self.blocks)} blocks, active={self.active}>"
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one slot must hold: the largest streamed block's laid-out bytes."""
+        return max((b.inventory.layout.contiguous_nbytes for b in self.blocks), default=0)
+
+    def layers(self) -> tuple[nn.Module, ...]:
+        """Every planned block (kept and streamed), in the order the model runs them."""
+        return tuple(block.module for plan in self.plans for block in plan.blocks)
+
+    # -- the group's phase -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """The group became current: stream from now on, the first block parked in a slot."""
+        self.active = True
+        if self.blocks:
+            self._prefetch(0)
+            if self.blocks[0].state is _LOADING:
+                self._park(0)
+
+    def stop(self) -> int:
+        """The group leaves the device: every block back in its master; returns bytes written."""
+        written = 0
+        self.active = False
+        for slot, index in enumerate(self._occupant):
+            if index is None:
+                continue
+            block = self.blocks[index]
+            if block.state is _LOADING:
+                block._cancel_load()
+            elif block.state is _RESIDENT:
+                written += self._evict(index, slot)
+            self._occupant[slot] = None
+        self._running.clear()
+        return written
+
+    def close(self) -> None:
+        """Stop, take the wrappers off the blocks and drop the slots' views of them."""
+        self.stop()
+        for wrapper in self._wrappers:
+            wrapper.remove()
+        for slot in self._slots:
+            for block in self.blocks:
+                slot.forget(block)
+
+    # -- around one block's forward (called by its wrapper) --------------------------------------
+
+    def enter(self, index: int) -> bool:
+        """Make block `index` resident for its forward; False when the group is not current."""
+        with self._lock:
+            if not self.active:
+                return False
+            block = self.blocks[index]
+            if block.state is _LOADING:
+                self._park(index)
+            elif block.state is _OFFLOADED:
+                self._load_on_demand(index)
+            self._running.add(index)
+            self._prefetch((index + 1) % len(self.blocks))
+            self._log.append(BlockRecord(self.name, self._paths[index], index, "compute",
+                                         self._slot_of(index), 0, time.perf_counter()))
+            return True
+
+    def exit(self, index: int) -> None:
+        """Block `index`'s forward ended (normally or not): evict it; park a prefetched next."""
+        with self._lock:
+            self._running.discard(index)
+            if not self.active:
+                return
+            slot = self._slot_of(index)
+            if slot is not None and self.blocks[index].state is _RESIDENT:
+                self._evict(index, slot)
+                self._occupant[slot] = None
+            following = (index + 1) % len(self.blocks)
+            if self.blocks[following].state is _LOADING:
+                self._park(following)
+
+    # -- moves -----------------------------------------------------------------------------------
+
+    def _prefetch(self, index: int) -> None:
+        """Issue block `index`'s copy into a slot no running block uses (if it needs one)."""
+        block = self.blocks[index]
+        if block.state is not _OFFLOADED or block.pending_change() is not None:
+            return
+        slot = self._free_slot(index, make_room=True)
+        if slot is None:
+            return
+        block._begin_load(self._slots[slot], watch_edits=True)
+        self._occupant[slot] = index
+        self._record(index, "prefetch", slot, block.inventory.layout.nbytes)
+
+    def _park(self, index: int) -> None:
+        """Finish block `index`'s copy: its tensors now view its slot (see [Note: keeping every
+        edit in layer mode])."""
+        self.blocks[index]._finish_load()
+
+    def _load_on_demand(self, index: int) -> None:
+        """Block `index` was not prefetched (run out of order): load it now."""
+        block = self.blocks[index]
+        self._adopt(block)
+        slot = self._free_slot(index, make_room=True)
+        if slot is None:
+            raise PhaseError(
+                f"group {self.name!r}: block {self._paths[index]} was called while two other "
+                f"blocks ({self._describe_running()}) were still running; layer mode streams "
+                "through two slots, so blocks may nest at most two deep. Run the blocks one "
+                "after another, or register the group without layers="
+            )
+        nbytes = block._load(self._slots[slot])
+        self._occupant[slot] = index
+        self._record(index, "load", slot, nbytes)
+
+    def _evict(self, index: int, slot: int) -> int:
+        written = self.blocks[index]._evict()
+        self._record(index, "evict", slot, written)
+        return written
+
+    def _free_slot(self, index: int, *, make_room: bool) -> int | None:
+        """A slot for block `index`: an empty one, else one whose block is not running (that
+        block is evicted or its copy cancelled); None when both hold running blocks."""
+        candidates = [s for s, held in enumerate(self._occupant) if held not in self._running]
+        empty = [s for s in candidates if self._occupant[s] is None]
+        if empty:
+            return empty[0]
+        if not candidates or not make_room:
+            return None
+        slot = candidates[0]
+        held = self._occupant[slot]
+        if self.blocks[held].state is _LOADING:
+            self.blocks[held]._cancel_load()
+        else:
+            self._evict(held, slot)
+        self._occupant[slot] = None
+        return slot
+
+    def _slot_of(self, index: int) -> int | None:
+        return next((s for s, held in enumerate(self._occupant) if held == index), None)
+
+    def _describe_running(self) -> str:
+        return ", ".join(self._paths[i] for i in sorted(self._running))
+
+    def _record(self, index: int, kind: str, slot: int, nbytes: int) -> None:
+        self._log.append(BlockRecord(self.name, self._paths[index], index, kind, slot, nbytes,
+                                     time.perf_counter()))
+
+
+class _BlockForward:
+    """A streamed block's per-instance ``forward``: stream it in, run the forward it replaced,
+    stream it out (see [Note: the block wrappers])."""
+
+    __slots__ = ("_stream", "_index", "_module", "_original", "_range", "__wrapped__")
+
+    def __init__(self, stream: BlockStream, index: int, module: nn.Module) -> None:
+        self._stream = stream
+        self._index = index
+        self._module = module
+        #: The forward this replaced: the class's (bound) or another per-instance wrapper.
+        self._original = module.forward
+        self.__wrapped__ = self._original
+        self._range = f"residency::block {stream.name}.{stream.blocks[index].name}"
+
+    @classmethod
+    def install(cls, stream: BlockStream, index: int, module: nn.Module) -> _BlockForward:
+        wrapper = cls(stream, index, module)
+        module.forward = wrapper
+        return wrapper
+
+    def __call__(self, *args, **kwargs):
+        if not self._enter():
+            return self._original(*args, **kwargs)
+        try:
+            if torch.autograd.profiler._is_profiler_enabled:
+                with record_function(self._range):
+                    return self._original(*args, **kwargs)
+            return self._original(*args, **kwargs)
+        finally:
+            self._exit()
+
+    @torch.compiler.disable
+    def _enter(self) -> bool:
+        return self._stream.enter(self._index)
+
+    @torch.compiler.disable
+    def _exit(self) -> None:
+        self._stream.exit(self._index)
+
+    def remove(self) -> None:
+        """Put back the forward this replaced, if this is still the block's forward (a wrapper
+        set over it later stays; this one then only calls through)."""
+        if self._module.__dict__.get("forward") is self:
+            if getattr(self._original, "__self__", None) is self._module and \
+                    getattr(self._original, "__func__", None) is type(self._module).forward:
+                del self._module.__dict__["forward"]
+            else:
+                self._module.forward = self._original
+        self._stream = _DETACHED
+
+    def __deepcopy__(self, memo: dict):
+        # A deep copy of the model is a plain model: what this wrapped, copied with it.
+        return copy.deepcopy(self._original, memo)
+
+    def __repr__(self) -> str:
+        return f"<layer-mode forward of {self._range.split(' ', 1)[1]}>"
+
+
+class _Detached:
+    """The stream of a removed wrapper: never active, so the wrapper only calls through."""
+
+    @staticmethod
+    def enter(index: int) -> bool:
+        return False
+
+    @staticmethod
+    def exit(index: int) -> None:
+        return None
+
+
+_DETACHED = _Detached()
