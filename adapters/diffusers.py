@@ -93,6 +93,35 @@ them in either order and undoes only what it did:
   (functools.update_wrapper) and so never carries the scheduler.
 * Offloaders are refused, not composed: accelerate's hooks (``enable_model_cpu_offload``,
   sequential offload) and diffusers' group offloading move the same weights.
+* Caches are refused when a component all-gathers: see [Note: caches and all-gather].
+
+[Note: caches and all-gather]
+With ``weight_transfer="allgather"`` (``module_options``, or ``layer_options`` in layer mode) a
+group's load is a collective: every rank of the node must load the same groups in the same order.
+A diffusers cache (``transformer.enable_cache(...)``: FirstBlockCache, FasterCache,
+PyramidAttentionBroadcast, TaylorSeer, MagCache, SeaCache, TextKVCache, or the same hooks applied
+by hand) decides on each rank alone, from that rank's activations, which blocks or calls to skip.
+Under data parallelism the ranks hold different prompts, so they may skip different work.  In
+layer mode a skipped block is a skipped all-gathered load.  In module mode the caches diffusers
+ships skip work inside one call, which leaves the phases alone, but a cache that skips a whole
+call skips a phase (vLLM-Omni's prompt-embedding cache does, for the encoder), and any component's
+skipped phase moves the next all-gathered load.  vLLM-Omni 0.30 refuses a ``cache_backend`` with
+all-gather in every mode; so does `enable_offload`, for a cache on any component:
+
+* Cache first, then `enable_offload`: refused up front with a `ConfigError` naming the cache, the
+  component carrying it and the all-gathered components, before anything is changed.  Found by
+  the component's ``_cache_config`` (set by ``enable_cache``) and by the cache hooks' names in
+  diffusers' hook registries (`CACHE_HOOKS`), on the component and every submodule.
+* `enable_offload` first, then ``enable_cache``: nothing can be seen up front.  Every phase change
+  then looks at the components' ``_cache_config`` (a dictionary lookup per component, only when
+  something all-gathers) and refuses the phase with the same `ConfigError` before its load, so a
+  rank that enabled the cache never reaches the collective.
+* Whatever is not seen (hooks applied by hand after `enable_offload`, a cache enabled on some
+  ranks only, a rank-local cache of the caller's own that skips a phase) ends in the scheduler's
+  `CollectiveError`, never a hang: before each all-gathered load the ranks agree on (sequence,
+  group) through the `PhaseLedger`; a rank that skipped a load asks for another step than the
+  others at its next agreement, and every rank raises (or, if it asks for none, the others raise
+  within the node group's timeout).
 
 """
 
@@ -103,6 +132,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 
 import attrs
 import torch
@@ -129,6 +159,25 @@ ENTRY_POINTS = ("forward", "encode", "decode")
 DEFAULT_CONFIG = OffloadConfig(mode="module", components=("dit", "text_encoder"))
 #: How many wrappers deep `_chain` looks for residency's entries.
 MAX_CHAIN = 64
+#: The hooks diffusers' caches register in its hook registries (diffusers 0.42), by name, with the
+#: cache each belongs to: what `enable_offload` refuses next to all-gather (see [Note: caches and
+#: all-gather]).
+CACHE_HOOKS = MappingProxyType({
+    "faster_cache_denoiser": "FasterCache",
+    "faster_cache_block": "FasterCache",
+    "fbc_leader_block_hook": "FirstBlockCache",
+    "fbc_block_hook": "FirstBlockCache",
+    "mag_cache_leader_block_hook": "MagCache",
+    "mag_cache_block_hook": "MagCache",
+    "pyramid_attention_broadcast": "PyramidAttentionBroadcast",
+    "sea_cache_root": "SeaCache",
+    "sea_cache_leader_block": "SeaCache",
+    "sea_cache_block": "SeaCache",
+    "sea_cache_post_norm": "SeaCache",
+    "taylorseer_cache": "TaylorSeerCache",
+    "text_kv_cache_transformer": "TextKVCache",
+    "text_kv_cache_block": "TextKVCache",
+})
 
 
 def enable_offload(
@@ -150,8 +199,9 @@ def enable_offload(
     share host masters; enabling is then collective).  Returns the pipeline's `Scheduler`.
 
     Raises `RegistrationError` when the pipeline is already offloaded (by this function or another
-    offloader's hooks) and `ConfigError` for a config or pipeline the grouping rules refuse, or one
-    that offloads none of its components; a refused call changes nothing.
+    offloader's hooks) and `ConfigError` for a config or pipeline the grouping rules refuse, one
+    that offloads none of its components, or one that all-gathers a component while a diffusers
+    cache is enabled ([Note: caches and all-gather]); a refused call changes nothing.
     """
     owner = type(pipe).__name__
     components = _module_components(pipe)
@@ -164,6 +214,9 @@ def enable_offload(
     parsed = resolve_config(config) or DEFAULT_CONFIG
     _check_no_other_offloader(owner, components)
     _check_not_shared(owner, components)
+    gathered = _Gathered.of(parsed)
+    if gathered is not None:
+        gathered.check_no_cache(owner, components)
     plan, roles = _plan(pipe, components, parsed)
     placements = tuple((name, module, _device_of(module)) for name, module in components.items())
     pin_memory = None if parsed.pin_memory else False
@@ -173,7 +226,7 @@ def enable_offload(
     leftovers = _leftovers(owner, plan, roles)
     if leftovers is not None:
         _log.warning("%s", leftovers)
-    _wrap_groups(_Offload(scheduler, weakref.ref(pipe), placements), plan)
+    _wrap_groups(_Offload(scheduler, weakref.ref(pipe), placements, gathered), plan)
     _place_execution_device(scheduler, plan)
     return scheduler
 
@@ -239,6 +292,18 @@ class _Offload:
     #: (component name, module, the device its weights were on before) of every module
     #: component, resident-policy ones included.
     placements: tuple[tuple[str, nn.Module, torch.device], ...]
+    #: The config components that all-gather, or None (see [Note: caches and all-gather]).
+    gathered: _Gathered | None = None
+
+    def check_phase_change(self) -> None:
+        """The checks a phase change runs before its load: the components are the ones
+        offloaded, and none has gained a cache while something all-gathers."""
+        self.check_components()
+        if self.gathered is None:
+            return
+        pipe = self.pipeline()
+        owner = "pipeline" if pipe is None else type(pipe).__name__
+        self.gathered.check_no_enabled_cache(owner, self.placements)
 
     def check_components(self) -> None:
         """Refuse to run when the pipeline's module components are not the ones offloaded.
@@ -286,6 +351,89 @@ class _Offload:
                 if entry is outermost:
                     entry.restore(module, name)
                 entry.detach()
+
+
+@attrs.frozen
+class _Gathered:
+    """The config components whose weights are all-gathered, and the config field that says so.
+
+        gathered = _Gathered.of(config)      # None when every component is rank-local
+        gathered.check_no_cache("WanPipeline", pipe.components)
+
+    See [Note: caches and all-gather].
+    """
+
+    #: Selected components with weight_transfer "allgather", in config order.
+    components: tuple[str, ...]
+    #: "module_options" or "layer_options": where the config sets it.
+    field: str
+
+    @classmethod
+    def of(cls, config: OffloadConfig) -> _Gathered | None:
+        gathered = tuple(c for c in config.components
+                         if config.weight_transfer_for(c) == "allgather")
+        if not gathered:
+            return None
+        return cls(gathered, "module_options" if config.mode == "module" else "layer_options")
+
+    def check_no_cache(self, owner: str, components: Mapping[str, nn.Module]) -> None:
+        """Refuse a cache on any module component or its submodules (before `enable_offload`)."""
+        for name, module in components.items():
+            cache = _cache_on(module)
+            if cache is not None:
+                raise self._refusal(owner, name, cache, (
+                    f"Disable the cache first (pipe.{name}.disable_cache()), or give "
+                    f"{list(self.components)} weight_transfer 'rank-local'"))
+
+    def check_no_enabled_cache(
+        self, owner: str, placements: tuple[tuple[str, nn.Module, torch.device], ...]
+    ) -> None:
+        """Refuse a phase once ``enable_cache`` ran on a component after `enable_offload`."""
+        for name, module, _ in placements:
+            cache = _enabled_cache(module)
+            if cache is not None:
+                raise self._refusal(owner, name, cache, (
+                    "It was enabled after enable_offload, so this phase is refused before its "
+                    f"load, on this rank. Disable the cache (pipe.{name}.disable_cache()), or "
+                    "disable_offload(pipe) and enable offloading again with weight_transfer "
+                    "'rank-local'"))
+
+    def _refusal(self, owner: str, name: str, cache: str, fix: str) -> ConfigError:
+        return ConfigError(
+            f"{owner}: component {name!r} has diffusers' {cache}, a rank-local cache, and the "
+            f"offload config all-gathers {list(self.components)} ({self.field}: weight_transfer "
+            "'allgather'). Such a cache decides on each rank alone which blocks or calls to skip, "
+            "so the ranks could skip different loads and their all-gathers would no longer pair "
+            "(vLLM-Omni 0.30 refuses a cache_backend with all-gather for the same reason). "
+            f"{fix}"
+        )
+
+
+def _enabled_cache(module: nn.Module) -> str | None:
+    """The cache ``module.enable_cache(config)`` set on `module` ("FirstBlockCache"), or None."""
+    config = vars(module).get("_cache_config")
+    if config is None:
+        return None
+    return type(config).__name__.removesuffix("Config")
+
+
+def _cache_on(component: nn.Module) -> str | None:
+    """The diffusers cache on `component` or any of its submodules, or None.
+
+    Found by ``_cache_config`` (``enable_cache``) or by a `CACHE_HOOKS` name in a submodule's
+    hook registry (a cache's ``apply_*`` function called directly).
+    """
+    for submodule in component.modules():
+        cache = _enabled_cache(submodule)
+        if cache is not None:
+            return cache
+        registry = vars(submodule).get("_diffusers_hook")
+        if registry is None:
+            continue
+        for hook, cache in CACHE_HOOKS.items():
+            if registry.get_hook(hook) is not None:
+                return cache
+    return None
 
 
 class PhaseEntry:
@@ -370,7 +518,7 @@ def _enter_phase(offload: _Offload, group: str) -> Phase:
     """
     scheduler = offload.scheduler
     if scheduler.current != group:  # a phase change, or a resident-policy group
-        offload.check_components()
+        offload.check_phase_change()
     phase = scheduler.resident(group)
     phase.__enter__()
     return phase
