@@ -71,6 +71,9 @@ class Run:
     #: (name, policy, bytes) of each group, in registration order.
     groups: list[tuple[str, str, int]]
     records: list
+    #: Layer mode: the block records of the run, and a line per streaming group.
+    block_records: list
+    layer_lines: list[str]
     first_index: int
     recorder: PhaseRecorder | None
     floor: dict[str, float]
@@ -159,7 +162,7 @@ def _run_and_report(args: argparse.Namespace, config: OffloadConfig, device: tor
         print(f"rank {dist.get_rank()}: output {'bit-identical' if same else 'DIFFERS'}")
     if args.trace is not None:
         spans = run.recorder.spans if run.recorder is not None else ()
-        write_trace(args.trace, run.records, spans)
+        write_trace(args.trace, run.records, spans, run.block_records)
         print(f"trace: {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     run.scheduler.close()
     if run.expected is None or torch.equal(run.output, run.expected):
@@ -407,7 +410,24 @@ def _finish(scheduler: Scheduler, *, recorder: PhaseRecorder | None, device: tor
     groups = [(name, scheduler[name].policy.value, scheduler[name].nbytes) for name in scheduler]
     return Run(scheduler=scheduler, groups=groups, records=records, first_index=first_index,
                recorder=recorder, floor=floor, allocator_peak=allocator_peak,
-               peak_device_bytes=peak, **measured)
+               peak_device_bytes=peak, block_records=list(scheduler.block_records),
+               layer_lines=_layer_lines(scheduler), **measured)
+
+
+def _layer_lines(scheduler: Scheduler) -> list[str]:
+    """A line per layer-mode group: its plans, and what its blocks moved."""
+    lines = []
+    log = scheduler.block_records
+    for name in scheduler:
+        stream = scheduler[name].blocks
+        if stream is None:
+            continue
+        lines += [f"  {line}" for plan in stream.plans for line in plan.describe().splitlines()]
+    if lines:
+        lines.insert(0, "layer mode:")
+        lines.append(f"  block copies: {log.copies} ({format_bytes(log.nbytes)}), through 2 "
+                     f"slots; per-block records in scheduler.block_records (and --trace)")
+    return lines
 
 
 def _release_device_memory(device: torch.device) -> None:
@@ -437,6 +457,7 @@ def _report(run: Run, config: OffloadConfig, device: torch.device) -> str:
     ]
     for name, policy, nbytes in run.groups:
         lines.append(f"  {name:<16} {policy:<10} {format_bytes(nbytes):>10}")
+    lines += run.layer_lines
     if run.plain_seconds is not None:
         lines.append(
             f"run without offloading: {run.plain_seconds:.3f} s; with offloading: "

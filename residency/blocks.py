@@ -508,7 +508,12 @@ def _choose_lists(
     from_class = class_declaration(model)
     if from_class is not None:
         return "class", from_class, f"{type(model).__name__}.{CLASS_DECLARATION}", None
-    found, line = find_block_lists(model)
+    try:
+        found, line = find_block_lists(model)
+    except ConfigError as error:
+        if where == type(model).__name__:
+            raise
+        raise ConfigError(f"{where}: {error}") from None
     return "found", found, "the found lists", line
 
 
@@ -656,6 +661,7 @@ def plan_pipeline_blocks(
     encoders: Mapping[str, nn.Module] = MappingProxyType({}),
     *,
     resident_layers: int = 0,
+    owner: str | None = None,
 ) -> PipelineBlocks:
     """Block plans for the selected DiTs and encoders of `pipeline` (paths -> modules).
 
@@ -663,11 +669,12 @@ def plan_pipeline_blocks(
                                              "transformer_2": pipe.transformer_2},
                                       {"text_encoder": pipe.text_encoder}, resident_layers=2)
 
-    Reads the pipeline's ``_offload_plan`` duck-typed (see the module docstring for each field).
+    Reads the pipeline's ``_offload_plan`` duck-typed (see the module docstring for each field;
+    `pipeline` may be None: no plan).  `owner` names it in messages (default: its class name).
     A DiT must stream (no blocks: `ConfigError`); an encoder streams where its lists are declared
     or found, and is otherwise swapped whole (``blocks.whole`` says why); encoders keep no blocks.
     """
-    owner = type(pipeline).__name__
+    owner = owner or type(pipeline).__name__
     plan = getattr(pipeline, "_offload_plan", None)
     keeping = _keeping(owner, plan, dits, resident_layers)
     block_attrs = _plan_field(plan, "block_attrs", dict, owner)

@@ -41,6 +41,7 @@ import attrs
 import torch
 from torch import nn
 
+from residency.blocks import BlockPlan, plan_pipeline_blocks
 from residency.config import OffloadConfig, resolve_config
 from residency.enums import Policy
 from residency.errors import ConfigError
@@ -154,6 +155,14 @@ class ComponentPlan:
     #: Group name -> the config component it was made for ("dit", "text_encoder", "vae"); groups
     #: of `_resident_modules` have none.
     categories: Mapping[str, str] = attrs.field(factory=dict, converter=_proxy, hash=False)
+    #: Layer mode: group name -> the block plans its stream follows (``Scheduler.add(layers=)``);
+    #: only groups that stream are listed.
+    blocks: Mapping[str, tuple[BlockPlan, ...]] = attrs.field(
+        factory=dict, converter=_proxy, hash=False
+    )
+    #: Group name -> "allgather" for groups whose ranks split each copy (the config's
+    #: ``module_options`` / ``layer_options``); groups not listed are "rank-local".
+    weight_transfers: Mapping[str, str] = attrs.field(factory=dict, converter=_proxy, hash=False)
     #: One line on what offloading does for a pipeline missing a stage (`stage_note`), else None.
     note: str | None = None
 
@@ -198,6 +207,7 @@ def plan_components(
     config: OffloadConfig | None,
     *,
     companions: Mapping[str, Mapping[str, nn.Module]] = MappingProxyType({}),
+    pipeline: object = None,
 ) -> ComponentPlan:
     """Group a pipeline's modules (each keyed by its dotted path) as `config` selects.
 
@@ -208,6 +218,8 @@ def plan_components(
 
     `companions` maps a DiT's path to modules that run inside each of its steps (a ControlNet):
     they join that DiT's group, so a step never swaps (for a split model: its shared group).
+    In layer mode the selected DiTs and encoders get block plans (`layer_plans`; `pipeline`'s
+    ``_offload_plan`` is read there).
 
     Pure: reads the modules, changes nothing.  Raises `ConfigError` (naming `owner_name` and the
     path) for layer mode, a module listed twice, a module nested inside a listed module of another
@@ -231,7 +243,60 @@ def plan_components(
     for path, module in residents.items():
         builder.add(path, Policy.RESIDENT, [(path, module)])
     plan = builder.build()
-    return attrs.evolve(plan, note=stage_note(plan, dits, encoders, selected))
+    return attrs.evolve(
+        plan, note=stage_note(plan, dits, encoders, selected),
+        blocks=layer_plans(plan, config, pipeline, dits, encoders),
+        weight_transfers=_weight_transfers(plan, config),
+    )
+
+
+def layer_plans(
+    plan: ComponentPlan,
+    config: OffloadConfig | None,
+    pipeline: object,
+    dits: Mapping[str, nn.Module],
+    encoders: Mapping[str, nn.Module],
+) -> dict[str, tuple[BlockPlan, ...]]:
+    """Layer mode: group name -> the block plans of its streamed modules (module mode: {}).
+
+    Each selected DiT streams its blocks (`residency.blocks.plan_pipeline_blocks`: declared by
+    the pipeline's ``_offload_plan`` or the class, else found; ``resident_layers`` keeps leading
+    blocks); a selected encoder streams where its blocks are declared or found and is otherwise
+    swapped whole with the rest of the encoder group (vLLM-Omni 0.30 refuses a selected text
+    encoder without a declared plan: an extension).  A split model's parts are refused.
+    """
+    if config is None or config.mode != "layer":
+        return {}
+    selected = set(config.components)
+    streamed_dits = {p: m for p, m in dits.items() if "dit" in selected}
+    for path, dit in streamed_dits.items():
+        if split_parts(dit):
+            raise ConfigError(
+                f"{plan.owner}: {path!r} is a split model ({', '.join(split_parts(dit))}); layer "
+                "mode streams the blocks of whole DiTs only. Use \"mode\": \"module\" for it"
+            )
+    streamed_encoders = dict(encoders) if "text_encoder" in selected else {}
+    resident = config.options_for("dit").resident_layers if "dit" in selected else 0
+    found = plan_pipeline_blocks(pipeline, streamed_dits, streamed_encoders,
+                                 resident_layers=resident, owner=plan.owner)
+    for path, why in found.whole.items():
+        _log.info("%s: %s is swapped whole in layer mode (%s)", plan.owner, path, why)
+    plans = {path: (dit_plan,) for path, dit_plan in found.dits.items()}
+    if found.encoders:
+        plans[ENCODER_GROUP] = tuple(found.encoders.values())
+    return plans
+
+
+def _weight_transfers(plan: ComponentPlan, config: OffloadConfig | None) -> dict[str, str]:
+    """Group name -> "allgather" where the config asks the ranks to split a component's copy."""
+    if config is None:
+        return {}
+    transfers = {}
+    for name in plan.exclusive:
+        category = plan.categories.get(name)
+        if category in config.components and config.weight_transfer_for(category) != "rank-local":
+            transfers[name] = config.weight_transfer_for(category)
+    return transfers
 
 
 def _policy(component: str, selected: set[str]) -> Policy:
@@ -545,7 +610,8 @@ def apply_plan(scheduler: Registrar, plan: ComponentPlan) -> None:
     try:
         for name, policy, modules, excluded in plan.groups():
             category = plan.categories.get(name)
-            scheduler.add(name, modules, policy=policy, exclude=excluded, category=category)
+            scheduler.add(name, modules, policy=policy, exclude=excluded, category=category,
+                          **_layer_mode_options(plan, name))
             added.append(name)
     except BaseException:
         for name in reversed(added):
@@ -555,6 +621,16 @@ def apply_plan(scheduler: Registrar, plan: ComponentPlan) -> None:
         scheduler.alias(path, name)
     for _, model in plan.split_models:
         model.scheduler = scheduler
+
+
+def _layer_mode_options(plan: ComponentPlan, name: str) -> dict[str, object]:
+    """``add`` keywords beyond module mode's: block plans and a non-default weight transfer."""
+    options: dict[str, object] = {}
+    if name in plan.blocks:
+        options["layers"] = plan.blocks[name]
+    if name in plan.weight_transfers:
+        options["weight_transfer"] = plan.weight_transfers[name]
+    return options
 
 
 def build_scheduler(plan: ComponentPlan, make_scheduler: Callable[[], Registrar]) -> Registrar:
@@ -603,7 +679,7 @@ def scheduler_from_pipeline(
     if not declares_components(pipeline):
         raise ConfigError(_undeclared_message(pipeline))
     dits, encoders, vaes, residents = (_declared_modules(pipeline, d) for d in _DECLARATIONS)
-    plan = plan_components(owner, dits, encoders, vaes, residents, parsed)
+    plan = plan_components(owner, dits, encoders, vaes, residents, parsed, pipeline=pipeline)
     if parsed is None:
         return build_scheduler(plan, lambda: NoOffload(device))
     pin_memory = None if parsed.pin_memory else False

@@ -38,7 +38,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from residency.records import TransitionRecord, chrome_trace
+from residency.records import BlockRecord, TransitionRecord, chrome_trace
 
 __all__ = [
     "PhaseRecorder",
@@ -303,7 +303,9 @@ def write_trace(
     path: str | Path,
     records: Iterable[TransitionRecord],
     spans: Iterable[PhaseSpan] = (),
+    blocks: Iterable[BlockRecord] = (),
 ) -> dict:
-    """Write a Chrome/Perfetto trace of transfers, resident groups and the recorded phases."""
+    """Write a Chrome/Perfetto trace of transfers, resident groups, the recorded phases and
+    layer mode's block moves (``scheduler.block_records``)."""
     phases = [(span.name, span.start, span.end) for span in spans]
-    return chrome_trace(records, phases, path)
+    return chrome_trace(records, phases, path, blocks)

@@ -234,9 +234,13 @@ def test_pin_memory_false_gives_pageable_host_masters(pipe):
     scheduler.close()
 
 
-def test_layer_mode_parses_but_running_it_is_refused(pipe):
-    with pytest.raises(ConfigError, match=r"layer mode parses but is not available yet"):
+def test_layer_mode_refuses_a_dit_without_repeated_blocks_naming_its_path(pipe):
+    before = [t.data_ptr() for t in pipe.parameters()]
+    with pytest.raises(ConfigError, match=r"^transformer: Sequential has no list of repeated "
+                                          r"blocks to stream .* or offload this model in module "
+                                          r"mode$"):
         Scheduler.from_pipeline(pipe, '{"mode": "layer", "components": ["dit"]}', device="cpu")
+    assert [t.data_ptr() for t in pipe.parameters()] == before  # refused: nothing moved
 
 
 # -- the pure building blocks -------------------------------------------------------------------
