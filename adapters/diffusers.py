@@ -610,7 +610,7 @@ def _plan(
         if role.joins is not None:
             companions.setdefault(role.joins, {})[name] = components[name]
     plan = plan_components(owner, kinds["dit"], kinds["encoder"], kinds["vae"],
-                           kinds["resident"], config, companions=companions)
+                           kinds["resident"], config, companions=companions, pipeline=pipe)
     _check_something_offloaded(owner, components, plan, config)
     return plan, roles
 
