@@ -185,8 +185,9 @@ class Residency:
         self._begin_load(storage)
         return self._finish_load()
 
-    def _begin_load(self, storage: DeviceStorage, *, watch_edits: bool = False) -> None:
+    def _begin_load(self, storage: DeviceStorage, *, watch_edits: bool = False) -> int:
         """Issue the copy into device storage; the tensors keep reading the host master.
+        Returns the bytes this process copies host to device.
 
         The group is LOADING until `_finish_load` (or `_cancel_load`).  Used directly for prefetch,
         with `watch_edits`: user code may run (and edit the weights on the host) before the
@@ -213,6 +214,7 @@ class Residency:
         except BaseException:
             self.state = ResidencyState.OFFLOADED
             raise
+        return moved
 
     def _finish_load(self) -> int:
         """Order compute after the copy and re-point the tensors to device storage."""

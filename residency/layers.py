@@ -183,8 +183,9 @@ class BlockStream:
 
     @property
     def slot_nbytes(self) -> int:
-        """Bytes one slot must hold: the largest streamed block's laid-out bytes."""
-        return max((b.inventory.layout.contiguous_nbytes for b in self.blocks), default=0)
+        """Bytes one slot must hold: the largest streamed block's laid-out bytes (whole shards,
+        when the node's ranks all-gather each block)."""
+        return max((_buffer_nbytes(b) for b in self.blocks), default=0)
 
     def layers(self) -> tuple[nn.Module, ...]:
         """Every planned block (kept and streamed), in the order the model runs them."""
@@ -267,9 +268,9 @@ class BlockStream:
         slot = self._free_slot(index, make_room=True)
         if slot is None:
             return
-        block._begin_load(self._slots[slot], watch_edits=True)
+        nbytes = block._begin_load(self._slots[slot], watch_edits=True)
         self._occupant[slot] = index
-        self._record(index, "prefetch", slot, block.inventory.layout.nbytes)
+        self._record(index, "prefetch", slot, nbytes)
 
     def _park(self, index: int) -> None:
         """Finish block `index`'s copy: its tensors now view its slot (see [Note: keeping every
@@ -324,6 +325,11 @@ class BlockStream:
     def _record(self, index: int, kind: str, slot: int, nbytes: int) -> None:
         self._log.append(BlockRecord(self.name, self._paths[index], index, kind, slot, nbytes,
                                      time.perf_counter()))
+
+
+def _buffer_nbytes(block: Residency) -> int:
+    nbytes = block.inventory.layout.contiguous_nbytes
+    return nbytes if block.sharded is None else block.sharded.buffer_nbytes(nbytes)
 
 
 class _BlockForward:
