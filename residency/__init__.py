@@ -12,6 +12,7 @@
         latents = pipe.transformer(latents, embeddings)
 """
 
+from residency.blocks import BlockPlan, plan_blocks
 from residency.component import Policy, Residency, ResidencyState
 from residency.config import OffloadConfig, resolve_config
 from residency.discovery import (
@@ -35,7 +36,14 @@ from residency.errors import (
 )
 from residency.no_offload import NoOffload
 from residency.omni import OmniOffloadMixin
-from residency.records import TransitionLog, TransitionRecord, chrome_trace, summarize
+from residency.records import (
+    BlockLog,
+    BlockRecord,
+    TransitionLog,
+    TransitionRecord,
+    chrome_trace,
+    summarize,
+)
 from residency.scheduler import Phase, Scheduler
 from residency.split import SplitModel
 from residency.transport import AcceleratorTransport, Completion, CpuTransport, Transport
@@ -57,6 +65,9 @@ __all__ = [
     "ComponentPlan",
     "plan_components",
     "apply_plan",
+    # layer mode (Scheduler.add(..., layers=...))
+    "plan_blocks",
+    "BlockPlan",
     # transports (inject one with Scheduler(transport=...))
     "Transport",
     "CpuTransport",
@@ -65,6 +76,8 @@ __all__ = [
     # records
     "TransitionRecord",
     "TransitionLog",
+    "BlockRecord",
+    "BlockLog",
     "summarize",
     "chrome_trace",
     # errors

@@ -15,8 +15,18 @@ Fields (every one guarded by the scheduler lock; `Placement` is their one mutato
 * ``prefetched``: an exclusive group whose copy `prefetch` started, or None.  Invariant: it is
   LOADING into the exclusive storage that ``current`` does not use.
 * ``block_slots``: the two device buffers layer-mode groups stream their blocks through (lent to
-  each group's `residency.layers.BlockStream`).  Invariant: only the current group's stream has
-  blocks in them; they are released when a group without blocks becomes current.
+  each group's `residency.layers.BlockStream`), and ``_layer_storage``, the buffer a layer-mode
+  group's own part (outside its streamed blocks) loads into.  Invariant: only the current group's
+  stream has blocks in the slots.
+
+[Note: layer mode holds no buffer sized for another group]
+The exclusive buffers are sized for the largest module-mode group (a text encoder of 11 GB for
+Wan2.2) and reused across its phases; layer mode exists to keep a phase's device bytes at the
+group's part + two slots.  So a layer-mode group becoming current releases the exclusive buffers
+(the caching allocator hands their memory to the slots and to activations), and a module-mode group
+becoming current releases the layer storage and the slots.  Phases of one mode reuse that mode's
+buffers (Wan2.2's two experts take turns in the same layer storage and slots); a switch between
+modes costs a free and an allocation, never a copy more.
 
 Which storage a group's tensors view is the group's own fact (`Residency.device_storage`, written
 when a load finishes); placement reads it to choose a buffer.
@@ -70,6 +80,7 @@ class Placement:
         self._transitions = transitions
         self._exclusive_storages = (DeviceStorage(transport), DeviceStorage(transport))
         self.block_slots = (DeviceStorage(transport), DeviceStorage(transport))
+        self._layer_storage = DeviceStorage(transport)
         self._planned: list[Residency] = []  # guarded by the lock
         self.current: Residency | None = None  # guarded by the lock
         self.prefetched: Residency | None = None  # guarded by the lock
@@ -79,7 +90,7 @@ class Placement:
     @property
     def device_nbytes(self) -> int:
         """Bytes of every device storage that exists now (the shared buffers included)."""
-        storages = {id(s): s for s in (*self._exclusive_storages, *self.block_slots)}
+        storages = {id(s): s for s in self._mode_storages()}
         for group in self._planned:
             if not group.exclusive and group.device_storage is not None:
                 storages[id(group.device_storage)] = group.device_storage
@@ -155,7 +166,7 @@ class Placement:
             group.blocks.close()
         if self.current is group:
             self.current = None
-        for storage in {*self._exclusive_storages, group.device_storage} - {None}:
+        for storage in {*self._mode_storages(), group.device_storage} - {None}:
             storage.forget(group)
         if not group.exclusive and group.device_storage is not None:
             group.device_storage.release()
@@ -186,8 +197,7 @@ class Placement:
             self.current = None
             if previous.left_misfits:
                 adopt(previous)
-        if group is None or group.blocks is None:
-            self._release_block_slots()
+        self._release_other_mode(group)
         evicted, nbytes = time.perf_counter(), 0
         if group is not None:
             adopt(group)
@@ -201,7 +211,7 @@ class Placement:
         """Drop every storage's cached views of `group` (its layout is about to change)."""
         if CHECKING:
             check_held(self._lock)
-        for storage in {*self._exclusive_storages, *self.block_slots, group.device_storage} - {None}:
+        for storage in {*self._mode_storages(), group.device_storage} - {None}:
             storage.forget(group)
 
     def prefetch(self, group: Residency) -> bool:
@@ -214,6 +224,8 @@ class Placement:
         if group.pending_change() is not None:  # re-packed at its phase, not beside another
             return False
         if group.sharded is not None:  # its load is collective: at the phase, on every rank
+            return False
+        if group.blocks is not None:  # see [Note: layer mode holds no buffer sized for another]
             return False
         if not self._room_for_prefetch(group):
             return False
@@ -242,9 +254,8 @@ class Placement:
     def release_shared(self) -> None:
         if CHECKING:
             check_held(self._lock)
-        for storage in self._exclusive_storages:
+        for storage in self._mode_storages():
             storage.release()
-        self._release_block_slots()
 
     # -- layer mode ------------------------------------------------------------------------------
 
@@ -264,9 +275,22 @@ class Placement:
         written = group.blocks.stop() if group.blocks is not None else 0
         return written + group._evict()
 
-    def _release_block_slots(self) -> None:
-        for slot in self.block_slots:
-            slot.release()
+    def _release_other_mode(self, group: Residency | None) -> None:
+        """Free the buffers of the mode `group` is not in (see [Note: layer mode holds no buffer
+        sized for another group]); None frees nothing (an eviction keeps buffers for reuse)."""
+        if group is None:
+            return
+        if group.blocks is None:
+            others = (self._layer_storage, *self.block_slots)
+        else:
+            if self.prefetched is not group:
+                self.cancel_prefetch()  # a module-mode copy may be under way into them
+            others = self._exclusive_storages
+        for storage in others:
+            storage.release()
+
+    def _mode_storages(self) -> tuple[DeviceStorage, ...]:
+        return (*self._exclusive_storages, self._layer_storage, *self.block_slots)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -280,6 +304,8 @@ class Placement:
     def _free_storage(self, group: Residency) -> DeviceStorage:
         """The shared buffer `group` should load into: its last one, unless the current group
         uses it."""
+        if group.blocks is not None:
+            return self._layer_storage
         occupied = self.current.device_storage if self.current is not None else None
         first, second = self._exclusive_storages
         last = group.device_storage if group.device_storage in self._exclusive_storages else first
@@ -302,12 +328,15 @@ class Placement:
 
     def _update_size_hints(self) -> None:
         """Size the shared buffers for the largest exclusive group, so each is allocated once."""
-        sizes = [g.inventory.layout.contiguous_nbytes for g in self._planned if g.exclusive]
+        modules = [g for g in self._planned if g.exclusive and g.blocks is None]
+        layers = [g for g in self._planned if g.blocks is not None]
         for storage in self._exclusive_storages:
-            storage.size_hint = max(sizes, default=0)
-        slots = [g.blocks.slot_nbytes for g in self._planned if g.blocks is not None]
+            storage.size_hint = max((g.inventory.layout.contiguous_nbytes for g in modules),
+                                    default=0)
+        self._layer_storage.size_hint = max(
+            (g.inventory.layout.contiguous_nbytes for g in layers), default=0)
         for slot in self.block_slots:
-            slot.size_hint = max(slots, default=0)
+            slot.size_hint = max((g.blocks.slot_nbytes for g in layers), default=0)
 
     def _record(
         self,

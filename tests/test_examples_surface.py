@@ -22,6 +22,8 @@ def _run(script: str, argv: list[str], monkeypatch) -> None:
         ("discovery_pipeline.py", [], "after transformer_2 resident: ['transformer_2', 'vae', "
                                       "'time_embed']"),
         ("split_model.py", [], "step 2: resident ['generator', 'transformer', 'vae']"),
+        ("layer_mode.py", [], "first moves: prefetch transformer.blocks.1, prefetch "
+                              "transformer.blocks.2, compute transformer.blocks.1"),
         ("cli_flag.py", ["--diffusion-offload-config", CONFIG], "<Scheduler on cpu: 3 group(s)"),
         ("cli_flag.py", ["--enable-cpu-offload"], "3 transitions; outputs bit-identical"),
         ("cli_flag.py", [], "scheduler: <NoOffload: 3 group(s)>"),
