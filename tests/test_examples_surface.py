@@ -41,7 +41,8 @@ def test_example_runs_and_asserts_bit_identity(script, argv, printed, monkeypatc
     [
         ('{"mode": "modul", "components": ["dit"]}', "offload config field 'mode' is 'modul'"),
         ('{"mode": "module"}', "offload config field 'components' is missing"),
-        ('{"mode": "layer", "components": ["dit"]}', "layer mode parses but is not available yet"),
+        ('{"mode": "layer", "components": ["dit"]}', "transformer: Linear has no list of repeated "
+                                                     "blocks to stream"),
     ],
 )
 def test_cli_example_refuses_bad_flags_with_status_2(flag, message):
