@@ -157,6 +157,19 @@ class SharedSegment:
 StageObserver = Callable[[SegmentStage, str], None]
 
 
+def _at_stage(stage: SegmentStage, path: str) -> None:
+    """The stage observer when none is given: does nothing.
+
+    [Note: watching the stages from outside]
+    `share_segment` is usually called deep inside ``Scheduler.add`` (`residency.packing`), where
+    no `on_stage` can be passed.  Every stage still calls this function, so a test can watch the
+    stages of any segment with a profiler on its own process (``sys.setprofile``: a "call" event
+    whose code is ``_at_stage.__code__``, with `stage` and `path` among the frame's locals) and,
+    for example, SIGKILL the rank there (tests/test_multirank_kill.py).  Nothing is patched and no
+    state is kept; outside such a test it is one no-op call per stage.
+    """
+
+
 def share_segment(
     nbytes: int,
     group: dist.ProcessGroup,
@@ -169,7 +182,8 @@ def share_segment(
     `group` holds the ranks of one host, gloo (`residency.node.NodeView.group`); its rank 0 creates
     the segment.  Every rank must call this at the same point with the same `nbytes`.  Waits are
     bounded by the group's timeout.  `on_stage(stage, path)` is called on every rank at each
-    `SegmentStage` (tracing; tests kill a rank there).  See [Note: the segment's lifetime].
+    `SegmentStage` (tracing; tests kill a rank there; see also [Note: watching the stages from
+    outside]).  See [Note: the segment's lifetime].
 
         segment = share_segment(64 << 20, node.group)
         if node.is_leader:
@@ -177,7 +191,7 @@ def share_segment(
         dist.barrier(group=node.group)              # the others read the same pages after this
     """
     _check_group(group)
-    observe = on_stage or (lambda stage, path: None)
+    observe = on_stage or _at_stage  # see [Note: watching the stages from outside]
     try:
         path = os.path.join(directory, _agree(nbytes, group, directory))
     except RuntimeError as error:  # a collective failed: a rank died or timed out
