@@ -179,10 +179,21 @@ def _chunks_per_call(device: torch.device, chunk_count: int) -> int:
 
 
 def _digest_partial_chunk(tail: torch.Tensor, layout: DigestLayout, out: torch.Tensor) -> None:
-    """The last, shorter chunk: copied into a zeroed full chunk (at most `chunk_nbytes`) first."""
-    padded = torch.zeros(layout.chunk_nbytes, dtype=torch.uint8, device=tail.device)
-    padded[: tail.numel()].copy_(tail)
-    _digest_full_chunks(padded, layout, out)
+    """The last, shorter chunk, digested as if zero-padded to a full chunk: the rows it fills
+    are summed (the last one zero-padded when partial); the missing rows' sums are 0, and they
+    add nothing to the column sums.  A small buffer (a layer-mode block's bias) then costs its
+    own bytes, not a chunk's."""
+    row_nbytes = _WORD * layout.columns
+    rows = -(-tail.numel() // row_nbytes)
+    if tail.numel() == rows * row_nbytes:
+        matrix = tail.view(torch.int64).view(rows, layout.columns)
+    else:
+        padded = torch.zeros(rows * row_nbytes, dtype=torch.uint8, device=tail.device)
+        padded[: tail.numel()].copy_(tail)
+        matrix = padded.view(torch.int64).view(rows, layout.columns)
+    torch.sum(matrix, dim=1, out=out[0, :rows])
+    out[0, rows : layout.rows].zero_()
+    torch.sum(matrix, dim=0, out=out[0, layout.rows :])
 
 
 class ChangeDetector:

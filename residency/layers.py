@@ -28,7 +28,10 @@ in the module-mode sense: its bytes are digested when loaded and again when it l
 (`Residency._evict`), and what changed is written back - inside its forward (a custom kernel),
 and while it waits in a slot between forwards (the first block, prefetched by the last one, is
 re-pointed to its slot when the last block ends, so an edit made between steps - a LoRA fused in
-a step-end callback - lands in the slot and is written back when it leaves).  The cost: with
+a step-end callback - lands in the slot and is written back when it leaves).  A block's copy is
+issued when the block before it starts and parked (re-pointed to its slot) when that block ends,
+so the only edit this does not see is one made to block i+1 by block i's own forward: it lands in
+i+1's master (nothing is lost) and i+1 runs once with its bytes as copied.  The cost: with
 ``detect_edits`` (the default) each block's departure reads its digest, one host wait per block
 on an accelerator; ``detect_edits=False`` removes it (then only version counters and data pointers
 tell, as in module mode; docs/guarantees.md).
@@ -268,7 +271,7 @@ class BlockStream:
         slot = self._free_slot(index, make_room=True)
         if slot is None:
             return
-        nbytes = block._begin_load(self._slots[slot], watch_edits=True)
+        nbytes = block._begin_load(self._slots[slot])  # parked when this forward ends
         self._occupant[slot] = index
         self._record(index, "prefetch", slot, nbytes)
 
@@ -354,7 +357,9 @@ class _BlockForward:
         return wrapper
 
     def __call__(self, *args, **kwargs):
-        if not self._enter():
+        if torch.compiler.is_compiling():  # traced by torch.compile: see _enter
+            return self._traced_call(*args, **kwargs)
+        if not self._stream.enter(self._index):
             return self._original(*args, **kwargs)
         try:
             if torch.autograd.profiler._is_profiler_enabled:
@@ -362,8 +367,21 @@ class _BlockForward:
                     return self._original(*args, **kwargs)
             return self._original(*args, **kwargs)
         finally:
+            self._stream.exit(self._index)
+
+    def _traced_call(self, *args, **kwargs):
+        if not self._enter():
+            return self._original(*args, **kwargs)
+        try:
+            return self._original(*args, **kwargs)
+        finally:
             self._exit()
 
+    # [Note: the block forwards under torch.compile]
+    # Streaming moves tensors, so it runs outside any graph: torch.compile calls these two
+    # eagerly (a graph break on each side of a block's compute).  In eager mode they are not
+    # called at all - `__call__` calls the stream directly - because a disabled function costs
+    # microseconds per call, about the whole budget of a block's streaming.
     @torch.compiler.disable
     def _enter(self) -> bool:
         return self._stream.enter(self._index)

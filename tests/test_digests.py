@@ -82,6 +82,16 @@ def test_the_last_partial_chunk_counts_its_own_bytes_not_the_padding():
     assert detector.changed_chunks(buffer) == [(512, 515)]
 
 
+@pytest.mark.parametrize("tail", [8, 1024, 1024 + 8, 4096 - 8, 5000])
+def test_a_short_last_chunk_digests_as_its_zero_padded_full_chunk(tail):
+    """Only the rows a short chunk fills are summed (the layer-mode case: blocks far smaller than
+    a chunk); the digest equals that of the chunk zero-padded to full size."""
+    layout = DigestLayout.for_device(torch.device("cpu"))
+    buffer = random_bytes(layout.chunk_nbytes + tail)
+    padded = torch.cat([buffer, torch.zeros(layout.chunk_nbytes - tail, dtype=torch.uint8)])
+    assert torch.equal(chunk_digests(buffer, layout), chunk_digests(padded, layout))
+
+
 # --- bit flips ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("nbytes", [256 * 3, 256 * 2 + 13])
