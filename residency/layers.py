@@ -242,7 +242,11 @@ class BlockStream:
             elif block.state is _OFFLOADED:
                 self._load_on_demand(index)
             self._running.add(index)
-            self._prefetch((index + 1) % len(self.blocks))
+            try:
+                self._prefetch((index + 1) % len(self.blocks))
+            except BaseException:  # the forward will not run, so no exit will come
+                self._running.discard(index)
+                raise
             self._log.append(BlockRecord(self.name, self._paths[index], index, "compute",
                                          self._slot_of(index), 0, time.perf_counter()))
             return True
@@ -268,7 +272,7 @@ class BlockStream:
         block = self.blocks[index]
         if block.state is not _OFFLOADED or block.pending_change() is not None:
             return
-        slot = self._free_slot(index, make_room=True)
+        slot = self._free_slot()
         if slot is None:
             return
         nbytes = block._begin_load(self._slots[slot])  # parked when this forward ends
@@ -284,7 +288,7 @@ class BlockStream:
         """Block `index` was not prefetched (run out of order): load it now."""
         block = self.blocks[index]
         self._adopt(block)
-        slot = self._free_slot(index, make_room=True)
+        slot = self._free_slot()
         if slot is None:
             raise PhaseError(
                 f"group {self.name!r}: block {self._paths[index]} was called while two other "
@@ -301,14 +305,14 @@ class BlockStream:
         self._record(index, "evict", slot, written)
         return written
 
-    def _free_slot(self, index: int, *, make_room: bool) -> int | None:
-        """A slot for block `index`: an empty one, else one whose block is not running (that
-        block is evicted or its copy cancelled); None when both hold running blocks."""
+    def _free_slot(self) -> int | None:
+        """An empty slot, else one whose block is not running (that block is evicted, or its
+        copy cancelled); None when both hold running blocks."""
         candidates = [s for s, held in enumerate(self._occupant) if held not in self._running]
         empty = [s for s in candidates if self._occupant[s] is None]
         if empty:
             return empty[0]
-        if not candidates or not make_room:
+        if not candidates:
             return None
         slot = candidates[0]
         held = self._occupant[slot]
