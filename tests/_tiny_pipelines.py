@@ -321,3 +321,50 @@ def kandinsky22_call(seed: int = 0, prompt: str = "a red dog") -> dict:
             "prior_num_inference_steps": 2, "guidance_scale": 4.0,
             "prior_guidance_scale": 4.0, "generator": torch.Generator().manual_seed(seed),
             "output_type": "pt"}
+
+
+# -- layer mode (issue 14): DiTs with several blocks per list ------------------------------------
+
+
+def tiny_wan_expert(num_layers: int = 2, seed: int = 0):
+    """A WanTransformer3DModel shaped like `tiny_wan22`'s experts, with `num_layers` blocks (layer
+    mode finds only lists of at least 2 repeated blocks)."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=16, num_layers=num_layers,
+        rope_max_seq_len=32,
+    ).eval()
+
+
+def tiny_flux_transformer(num_layers: int = 2, num_single_layers: int = 2, seed: int = 0):
+    """A FluxTransformer2DModel shaped like `tiny_flux`'s, with `num_layers` double-stream and
+    `num_single_layers` single-stream blocks."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=num_layers, num_single_layers=num_single_layers,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+        pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+    ).eval()
+
+
+def tiny_wan22_layered(seed: int = 0, num_layers: int = 2):
+    """`tiny_wan22` whose two experts have `num_layers` blocks each."""
+    pipe = tiny_wan22(seed)
+    pipe.register_modules(transformer=tiny_wan_expert(num_layers, seed=seed + 1),
+                          transformer_2=tiny_wan_expert(num_layers, seed=seed + 2))
+    return pipe
+
+
+def tiny_flux_layered(seed: int = 0, num_layers: int = 2, num_single_layers: int = 2):
+    """`tiny_flux` whose transformer has `num_layers` double and `num_single_layers` single
+    blocks."""
+    pipe = tiny_flux(seed)
+    pipe.register_modules(
+        transformer=tiny_flux_transformer(num_layers, num_single_layers, seed=seed + 1)
+    )
+    return pipe
