@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from residency.agreement import compare_weights, describe_tensors
-from residency.errors import HostMemoryError
+from residency.errors import HostMemoryError, RegistrationError
 from residency.memory import HostMaster
 from residency.node import NodeView
 from residency.shared_memory import share_segment
@@ -123,7 +123,7 @@ class Packer:
         leader = segment.local_rank == 0
         if leader:
             master = HostMaster.pack(inventory, self._transport, pin=False, into=segment.tensor)
-        dist.barrier(group=group)  # the leader's bytes are in the pages before the others map them
+        _barrier(group, name)  # the leader's bytes are in the pages before the others map them
         if not leader:
             master = HostMaster.attach(inventory, segment.tensor, pinned=False)
         if self.pin_memory and self._transport.can_pin():
@@ -132,6 +132,19 @@ class Packer:
         master.shared_group = group
         _return_freed_memory()
         return master
+
+
+def _barrier(group: object, name: str) -> None:
+    """Wait for every rank of the node; a rank that died (or timed out) is a typed error."""
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as error:  # gloo/NCCL report a closed connection or the timeout
+        raise RegistrationError(
+            f"rank {dist.get_rank()}: packing the node-shared host master of group {name!r} "
+            f"failed: a rank of the node group died or did not arrive within the group's timeout "
+            f"({error}). Every rank must add the same groups in the same order; look for the "
+            "first error in the other ranks' logs (the weights keep their values on this rank)"
+        ) from error
 
 
 def _return_freed_memory() -> None:

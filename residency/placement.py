@@ -79,8 +79,9 @@ class Placement:
         #: The scheduler's log: appended to here (under the lock); it has its own lock for readers.
         self._transitions = transitions
         self._exclusive_storages = (DeviceStorage(transport), DeviceStorage(transport))
+        #: Layer mode's buffers (see the module docstring); guarded by the lock.
         self.block_slots = (DeviceStorage(transport), DeviceStorage(transport))
-        self._layer_storage = DeviceStorage(transport)
+        self._layer_storage = DeviceStorage(transport)  # guarded by the lock
         self._planned: list[Residency] = []  # guarded by the lock
         self.current: Residency | None = None  # guarded by the lock
         self.prefetched: Residency | None = None  # guarded by the lock

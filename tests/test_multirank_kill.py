@@ -15,10 +15,8 @@ the stages from outside] in residency/shared_memory.py); nothing is patched.
 Checked: the victim reports nothing; every survivor raises within seconds (gloo reports the closed
 connection at once; the node group's own timeout is minutes), and the segment whose name the ranks
 agreed on is gone from /dev/shm; and every survivor's error is a typed `ResidencyError` that names
-the group.  Known gap (strict xfail below): a rank killed after the segment is set up (mapped by
-all, or unlinked) makes the others fail at the packer's barrier (``dist.barrier`` in
-``Packer._pack_shared``, residency/packing.py), which lets gloo's RuntimeError through untyped;
-nothing is left behind there either.
+the group - also for a rank killed after the segment is set up (mapped by all, or unlinked), where
+the others fail at the packer's barrier (``Packer._pack_shared``).
 """
 
 from __future__ import annotations
@@ -125,8 +123,6 @@ TYPED = {
     "registered": ("CollectiveError", "phase #0: enter 'dit' failed: a rank of the process group "
                                       "died or did not arrive"),
 }
-#: The points where a survivor's error is gloo's untyped RuntimeError (see the module docstring).
-UNTYPED = {"mapped", "unlinked"}
 
 
 @pytest.fixture(autouse=True)
@@ -175,13 +171,7 @@ def test_a_rank_killed_during_registration_leaves_no_segment_and_the_others_rais
         assert not os.path.exists(path), f"{path} was left behind"
 
 
-@pytest.mark.parametrize("victim, stage", [
-    pytest.param(victim, stage, marks=pytest.mark.xfail(
-        strict=True, reason="the packer's barrier after share_segment lets gloo's RuntimeError "
-                            "through untyped (residency/packing.py, Packer._pack_shared)"))
-    if stage in UNTYPED else (victim, stage)
-    for victim, stage in POINTS
-], ids=IDS)
+@pytest.mark.parametrize("victim, stage", POINTS, ids=IDS)
 def test_the_survivors_of_a_killed_rank_raise_a_typed_error_naming_the_group(
     world, victim, stage
 ):
