@@ -174,8 +174,12 @@ class Residency:
 
     def mark_dirty(self) -> None:
         """Have every byte written back at the next eviction (only needed with
-        ``detect_edits=False``, for edits the version counter cannot see)."""
+        ``detect_edits=False``, for edits the version counter cannot see); in layer mode, also
+        every streamed block's at its next departure from a slot."""
         self._marked_dirty = True
+        if self.blocks is not None:
+            for block in self.blocks.blocks:
+                block.mark_dirty()
 
     def _load(self, storage: DeviceStorage) -> int:
         """Copy the host master into `storage` and re-point the tensors there; returns bytes copied.

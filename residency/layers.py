@@ -51,7 +51,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -89,7 +89,12 @@ def as_block_plans(
         )
     if layers is True:
         return tuple(plan_blocks(root) for root in roots)
-    plans = (layers,) if isinstance(layers, BlockPlan) else tuple(layers)
+    if isinstance(layers, BlockPlan):
+        plans = (layers,)
+    elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)):
+        plans = tuple(layers)
+    else:
+        plans = (layers,)
     inside = {id(m) for root in roots for m in root.modules()}
     for plan in plans:
         if not isinstance(plan, BlockPlan):
@@ -220,6 +225,16 @@ class BlockStream:
         self._running.clear()
         return written
 
+    def rewrap(self) -> None:
+        """Set a block's forward again where another library dropped it: a wrapper set below
+        ours and removed later restores the forward it saw (diffusers' ``disable_cache``), which
+        bypasses ours.  Called at every phase entry of the group (with the lock held); it follows
+        each forward's ``__wrapped__`` chain (about 0.3 us per block)."""
+        for index, wrapper in enumerate(self._wrappers):
+            if not wrapper.reachable():
+                wrapper.remove()
+                self._wrappers[index] = _BlockForward.install(self, index, wrapper.module)
+
     def close(self) -> None:
         """Stop, take the wrappers off the blocks and drop the slots' views of them."""
         self.stop()
@@ -301,8 +316,11 @@ class BlockStream:
         self._record(index, "load", slot, nbytes)
 
     def _evict(self, index: int, slot: int) -> int:
-        written = self.blocks[index]._evict()
+        block = self.blocks[index]
+        written = block._evict()
         self._record(index, "evict", slot, written)
+        if block.left_misfits:  # re-typed in its slot: re-pack it, so it views its master again
+            self._adopt(block)
         return written
 
     def _free_slot(self) -> int | None:
@@ -343,12 +361,13 @@ class _BlockForward:
     """A streamed block's per-instance ``forward``: stream it in, run the forward it replaced,
     stream it out (see [Note: the block wrappers])."""
 
-    __slots__ = ("_stream", "_index", "_module", "_original", "_range", "__wrapped__")
+    __slots__ = ("_stream", "_index", "module", "_original", "_range", "__wrapped__")
 
     def __init__(self, stream: BlockStream, index: int, module: nn.Module) -> None:
         self._stream = stream
         self._index = index
-        self._module = module
+        #: The block whose forward this is.
+        self.module = module
         #: The forward this replaced: the class's (bound) or another per-instance wrapper.
         self._original = module.forward
         self.__wrapped__ = self._original
@@ -394,15 +413,28 @@ class _BlockForward:
     def _exit(self) -> None:
         self._stream.exit(self._index)
 
+    def reachable(self) -> bool:
+        """Whether calling the block still runs this (it is the block's forward, or a wrapper
+        set over it reaches it through ``__wrapped__``, as ``functools.update_wrapper`` sets)."""
+        forward = self.module.__dict__.get("forward")
+        for _ in range(_MAX_CHAIN):
+            if forward is self:
+                return True
+            forward = getattr(forward, "__wrapped__", None)
+            if forward is None:
+                return False
+        return False
+
     def remove(self) -> None:
         """Put back the forward this replaced, if this is still the block's forward (a wrapper
         set over it later stays; this one then only calls through)."""
-        if self._module.__dict__.get("forward") is self:
-            if getattr(self._original, "__self__", None) is self._module and \
-                    getattr(self._original, "__func__", None) is type(self._module).forward:
-                del self._module.__dict__["forward"]
+        module = self.module
+        if module.__dict__.get("forward") is self:
+            if getattr(self._original, "__self__", None) is module and \
+                    getattr(self._original, "__func__", None) is type(module).forward:
+                del module.__dict__["forward"]
             else:
-                self._module.forward = self._original
+                module.forward = self._original
         self._stream = _DETACHED
 
     def __deepcopy__(self, memo: dict):
@@ -411,6 +443,10 @@ class _BlockForward:
 
     def __repr__(self) -> str:
         return f"<layer-mode forward of {self._range.split(' ', 1)[1]}>"
+
+
+#: How many wrappers deep `_BlockForward.reachable` looks.
+_MAX_CHAIN = 32
 
 
 class _Detached:

@@ -69,12 +69,16 @@ class Packer:
         self.pin_memory = pin_memory
 
     def inventory(
-        self, roots: tuple[nn.Module, ...], excluded: tuple[nn.Module, ...]
+        self,
+        roots: tuple[nn.Module, ...],
+        excluded: tuple[nn.Module, ...],
+        *,
+        allow_empty: bool = False,
     ) -> Inventory:
-        """The unique tensors of `roots` (less `excluded`), laid out for the device."""
-        return take_inventory(
-            roots, chunk_nbytes=self.chunk_nbytes, exclude=excluded, alignment=self._alignment
-        )
+        """The unique tensors of `roots` (less `excluded`), laid out for the device (empty
+        only with `allow_empty`)."""
+        return take_inventory(roots, chunk_nbytes=self.chunk_nbytes, exclude=excluded,
+                              alignment=self._alignment, allow_empty=allow_empty)
 
     @property
     def node(self) -> NodeView | None:

@@ -395,6 +395,8 @@ class Scheduler:
         with self._lock:
             if self._closed:
                 self._check_open()
+            if phase.group.blocks is not None:
+                phase.group.blocks.rewrap()
             entry = self._holds.try_join(phase)
             if entry is None:  # joined at once: no tensor work
                 return
@@ -428,8 +430,8 @@ class Scheduler:
     def _claim_for(self, name, policy, roots, excluded, plans, replacing=None) -> Claim:
         """Inventory a group (its own part, then each streamed block), check it against
         everything registered and reserve it."""
-        inventory = self._packer.inventory(roots, excluded)
         blocks = tuple(self._packer.inventory((m,), ()) for m in streamed_modules(plans))
+        inventory = self._packer.inventory(roots, excluded, allow_empty=bool(blocks))
         claim = Claim(name, policy, inventory, blocks)
         with self._lock:
             self._check_open()
@@ -488,7 +490,8 @@ class Scheduler:
         change = part.pending_change()
         if change is None:
             return
-        inventory = self._packer.inventory(part.modules, part.excluded)
+        inventory = self._packer.inventory(part.modules, part.excluded,
+                                           allow_empty=part is group and group.blocks is not None)
         claim = Claim(group.name, group.policy, inventory)
         self._registry.check_claimable(claim, self._placement.spans(), replacing=group)
         if part is group:

@@ -129,6 +129,9 @@ class _TextBlock(nn.Module):
 class TextEncoder(nn.Module):
     """Token ids (batch, tokens) -> embeddings (batch, tokens, text_dim)."""
 
+    #: The block list layer mode streams (declared the vLLM-Omni way, so every size streams).
+    _layerwise_offload_blocks_attrs: ClassVar[list[str]] = ["blocks"]
+
     def __init__(self, size: SyntheticSize) -> None:
         super().__init__()
         self.embed = nn.Embedding(size.vocab, size.text_dim)
@@ -166,6 +169,9 @@ class _DiTBlock(nn.Module):
 
 class DiT(nn.Module):
     """One Wan expert: latents (batch, channels, frames, h, w), timestep, text -> velocity."""
+
+    #: The block list layer mode streams (declared the vLLM-Omni way, so every size streams).
+    _layerwise_offload_blocks_attrs: ClassVar[list[str]] = ["blocks"]
 
     def __init__(self, size: SyntheticSize) -> None:
         super().__init__()

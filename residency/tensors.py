@@ -298,6 +298,7 @@ def take_inventory(
     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
     exclude: Sequence[nn.Module] = (),
     alignment: Alignment = CPU_ALIGNMENT,
+    allow_empty: bool = False,
 ) -> Inventory:
     """List the unique tensors of `modules`, group them by storage and lay out their pack.
 
@@ -306,14 +307,15 @@ def take_inventory(
     (`residency.subclasses`): a wrapper's inner tensors and a Parameter subclass's attached tensors
     are listed with `InnerSlot`/`AttachedSlot`.  Raises `RegistrationError` (and touches nothing)
     for meta or lazy tensors, other tensor subclasses, non-strided layouts, or a module set
-    without any tensor.
+    without any tensor (unless `allow_empty`: a layer-mode group whose weights are all in its
+    streamed blocks).
 
         inventory = take_inventory([transformer], alignment=alignment_for(device))
         inventory.tensors, inventory.slots[0][0].describe(), inventory.nbytes
     """
     submodules = unique_submodules(modules, exclude)
     owners = _collect_slots(submodules)
-    if not owners:
+    if not owners and not allow_empty:
         names = ", ".join(type(m).__name__ for m in modules)
         raise RegistrationError(
             f"the modules ({names}) hold no parameters or buffers, so there is nothing to offload; "

@@ -823,12 +823,6 @@ def test_without_edit_detection_a_version_counted_edit_to_the_parked_block_survi
     assert same_state(model, reference)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="BUG: with detect_edits=False, group.mark_dirty() marks "
-                   "only the group's own part (Residency._marked_dirty); the streamed blocks are "
-                   "Residencies of their own and are not marked, so a .data edit to the block "
-                   "parked in a slot is dropped at its eviction (residency/component.py "
-                   "mark_dirty)")
 def test_without_edit_detection_mark_dirty_keeps_a_data_edit_to_the_parked_block(schedulers):
     model = ProbeDiT(depth=3)
     reference = copy.deepcopy(model)
@@ -886,12 +880,6 @@ def test_a_block_retyped_between_forwards_is_repacked_and_bit_identical(schedule
     assert same_state(model, reference)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="BUG (minor, nothing lost): a parked block re-typed "
-                   "between forwards leaves its eviction with tensors outside its master "
-                   "(left_misfits) until its next load; BlockStream._evict does not re-pack it "
-                   "as Placement.switch_to does for a group (adopt(previous) when left_misfits), "
-                   "so 'a streamed block not in a slot views its host master' does not hold")
 def test_a_block_left_retyped_by_its_eviction_is_back_in_a_master_at_once(schedulers):
     model = casting_dit()
     scheduler = layer_scheduler(schedulers, model)
@@ -903,12 +891,6 @@ def test_a_block_left_retyped_by_its_eviction_is_back_in_a_master_at_once(schedu
     check_stream(scheduler, "dit")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="BUG: a diffusers hook registered on a block before "
-                   "registration (enable_cache(FirstBlockCacheConfig)) and removed while the "
-                   "group is registered (disable_cache) restores the forward it replaced, "
-                   "dropping the layer-mode wrapper set over it: the blocks stop streaming "
-                   "(they run on their host masters; on an accelerator, a device mismatch)")
 def test_a_diffusers_cache_disabled_while_registered_leaves_the_blocks_streaming(schedulers):
     from diffusers.hooks import FirstBlockCacheConfig
 
@@ -1287,10 +1269,7 @@ def test_a_block_plan_of_a_model_outside_the_group_is_refused(schedulers):
 @pytest.mark.parametrize("layers", [
     "yes",
     [object()],
-    pytest.param(2, marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-        "BUG: layers=<int> (say, a resident_layers count given to the wrong argument) raises "
-        "TypeError: 'int' object is not iterable from residency/layers.py as_block_plans "
-        "(tuple(layers)), not the RegistrationError that names what to give"))),
+    2,
 ], ids=["str", "list-of-object", "int"])
 def test_layers_given_something_other_than_true_or_block_plans_is_refused(schedulers, layers):
     model = ProbeDiT()
@@ -1336,12 +1315,6 @@ class OnlyBlocks(nn.Module):
         return x
 
 
-@pytest.mark.xfail(strict=True, raises=RegistrationError,
-                   reason="BUG: layers=True on a model whose every weight is inside "
-                   "its blocks is refused: the group's own inventory (everything but the streamed "
-                   "blocks) is empty, and take_inventory says 'the modules hold no parameters or "
-                   "buffers, so there is nothing to offload' (residency/tensors.py, from "
-                   "Scheduler._claim_for)")
 def test_a_model_whose_weights_are_all_in_its_blocks_streams(schedulers):
     model = OnlyBlocks()
     reference = copy.deepcopy(model)
@@ -1472,10 +1445,6 @@ def test_the_main_job_runs_layer_mode_bit_identically():
     assert "output: bit-identical to the run without offloading" in done.stdout
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError,
-                   reason="BUG: the synthetic 'tiny' DiT has one block per expert and "
-                   "declares no block list, so layer mode refuses it (a list of one block is not "
-                   "found); `python -m residency --size tiny` with a layer config fails")
 def test_the_synthetic_tiny_pipeline_runs_in_layer_mode():
     from residency.synthetic import SyntheticWan22
 
