@@ -19,7 +19,16 @@ Measures, in one run, on one device:
                     an int8 (torchao) group against its bf16 twin;
 * ``pipeline``      the synthetic Wan2.2-shaped pipeline (`benchmarks.wan_shaped`, ~5.3 GiB) with no
                     offload, with ours, and under diffusers' ``enable_model_cpu_offload`` and group
-                    offloading (skipped, with the reason, when diffusers is not importable).
+                    offloading (skipped, with the reason, when diffusers is not importable);
+* ``layers``        issue 14: a DiT of Wan2.1/2.2-14B blocks (`benchmarks.layers`, 8 x 672 MiB,
+                    bf16) with the sequence length chosen so that a block's compute takes at least
+                    its copy (both recorded); steps with no offload, in layer mode with
+                    resident_layers 0 and 2 (and 0 without edit detection), and under diffusers'
+                    group offloading (block level, one block per group, a stream): bit identity,
+                    step time against no offload, peak device memory, and from
+                    ``scheduler.block_records`` that the copy of block i+1 was issued before block
+                    i's compute (a profile adds how much of the copies' device time ran under
+                    compute).  ``--sections layers`` runs it alone (~1.5 min).
 
 Writes ``gpu-check-<device>-<date>.json`` under ``--out`` after every section (a run cut short still
 leaves what it measured), with a ``must_show`` block judging issue 4's goals.  Each section catches
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import re
@@ -46,8 +56,10 @@ from pathlib import Path
 import attrs
 import torch
 
+from benchmarks import layers as layer_models
 from benchmarks import wan_shaped
 from benchmarks.floor import synchronize
+from benchmarks.goals import LAYER_STEP
 from benchmarks.machine import describe_machine
 from benchmarks.models import ManyModules, Stack
 from benchmarks.peers import OFFLOADERS, install, unavailable
@@ -79,6 +91,12 @@ class CheckSizes:
     reentry_calls: int
     pipeline: wan_shaped.WanShaped
     pipeline_calls: int
+    #: Layer mode: the DiT (its `tokens` is replaced by the first of `layer_tokens` whose block
+    #: compute takes at least `layer_compute_over_copy` times the block's copy), and steps timed.
+    layer_dit: layer_models.DiTShape
+    layer_tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    layer_calls: int
+    layer_compute_over_copy: float = 1.2
     dtype: torch.dtype = torch.bfloat16
 
     @classmethod
@@ -87,7 +105,9 @@ class CheckSizes:
                    onload_tensor_nbytes=16 * MiB, evict_nbytes=256 * MiB, evict_tensors=10_000,
                    steady_nbytes=256 * MiB, steady_tensors=256, steady_phases=200,
                    reserved_transitions=1_000, reentry_modules=1_000, reentry_calls=5_000,
-                   pipeline=wan_shaped.WanShaped.full(), pipeline_calls=3)
+                   pipeline=wan_shaped.WanShaped.full(), pipeline_calls=3,
+                   layer_dit=layer_models.DiTShape.wan_14b(blocks=8),
+                   layer_tokens=(4_096, 8_192, 16_384, 32_768), layer_calls=5)
 
     @classmethod
     def dry(cls) -> CheckSizes:
@@ -95,7 +115,9 @@ class CheckSizes:
                    onload_tensor_nbytes=64 * KiB, evict_nbytes=256 * KiB, evict_tensors=100,
                    steady_nbytes=64 * KiB, steady_tensors=8, steady_phases=10,
                    reserved_transitions=20, reentry_modules=50, reentry_calls=50,
-                   pipeline=wan_shaped.WanShaped.tiny(), pipeline_calls=1, dtype=torch.float32)
+                   pipeline=wan_shaped.WanShaped.tiny(), pipeline_calls=1,
+                   layer_dit=layer_models.DiTShape.tiny(blocks=4), layer_tokens=(4, 8),
+                   layer_calls=2, dtype=torch.float32)
 
 
 @attrs.define
@@ -492,9 +514,167 @@ def _pipeline_verdicts(modes: dict, moved: int, ceiling_bps: float | None) -> di
     return verdicts
 
 
+# -- layer mode (issue 14) -------------------------------------------------------------------------
+
+#: The layer section's modes: (label, `benchmarks.layers` mode, resident_layers).
+LAYER_MODES = (
+    ("none", "none", 0),
+    ("layers_resident_0", "layers", 0),
+    ("layers_resident_2", "layers", 2),
+    ("layers_resident_0_no_detection", "layers_no_detection", 0),
+    ("diffusers_group_offload", "diffusers_group_offload", 0),
+)
+
+
+def layer_mode(check: _Check) -> dict:
+    """Issue 14: a Wan-shaped DiT streamed block by block, against no offload and diffusers."""
+    device, sizes = check.device, check.sizes
+    state = layer_models.make_state(sizes.layer_dit, device)
+    sizing = _layer_tokens(check, state)
+    shape = sizes.layer_dit.with_tokens(sizing["tokens"])
+    args = layer_models.inputs(shape, device)
+    modes, reference = {}, None
+    for label, mode, resident_layers in LAYER_MODES:
+        reason = unavailable(mode, device, allow_cpu=check.dry_run) if mode.startswith(
+            "diffusers") else None
+        remaining = check.deadline - time.monotonic()
+        if reason is None and remaining < 30:
+            reason = f"time budget: {remaining:.0f} s left"
+        if reason is not None:
+            modes[label] = {"skipped": reason}
+            continue
+        try:
+            modes[label], output = _layer_mode_run(check, shape, state, args, mode, resident_layers)
+        except Exception as error:  # one mode failing must not hide the others
+            modes[label] = {"error": f"{type(error).__name__}: {error}",
+                            "traceback": traceback.format_exc().splitlines()[-6:]}
+            _release_memory(device)
+            continue
+        reference = output if reference is None else reference
+        modes[label]["bit_identical_to_none"] = bool(torch.equal(output, reference))
+        del output
+        _release_memory(device)
+    none_s = modes.get("none", {}).get("median_s")
+    compute_covers_copy = sizing["block_compute_s"] >= sizing["block_copy_s"]
+    for label, result in modes.items():
+        if none_s and "median_s" in result:
+            result["over_none"] = result["median_s"] / none_s
+            if label.startswith("layers"):
+                verdict = LAYER_STEP.judge({"ratio": result["over_none"]})
+                if not compute_covers_copy:
+                    verdict.update(met=None, note="a block's compute is shorter than its copy "
+                                                  "here: the goal does not apply")
+                result["goal"] = verdict
+    return {"shape": attrs.asdict(shape, value_serializer=lambda i, a, v: str(v)
+                                  if isinstance(v, torch.dtype) else v),
+            "block_nbytes": shape.block_nbytes(), "sizing": sizing,
+            "compute_covers_copy": compute_covers_copy, "modes": modes}
+
+
+def _layer_tokens(check: _Check, state: dict) -> dict:
+    """The first sequence length of `layer_tokens` at which one block's compute takes at least
+    `layer_compute_over_copy` times the copy of its bytes (pinned host to device); the last one
+    if none does.  Both times are recorded for every length tried."""
+    device, sizes = check.device, check.sizes
+    shape = sizes.layer_dit
+    block = layer_models.WanBlock(shape.dim, shape.ffn_dim, shape.heads).to(shape.dtype)
+    prefix = "blocks.0."
+    block.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    block.requires_grad_(False).to(device)
+    floor = layer_models.StepFloor(lambda: None, [shape.block_nbytes()], device)
+    copy_s = statistics.median(_seconds(floor.copies, device, sizes.repeats))
+    tried, chosen = {}, None
+    for tokens in sizes.layer_tokens:
+        block_args = tuple(torch.randn(1, n, shape.dim, device=device, dtype=shape.dtype)
+                           for n in (tokens, shape.text_tokens, 6))
+        with torch.no_grad():
+            compute = statistics.median(_seconds(functools.partial(block, *block_args), device,
+                                                 sizes.repeats))
+        tried[str(tokens)] = compute
+        chosen = tokens
+        if compute >= sizes.layer_compute_over_copy * copy_s:
+            break
+    del block
+    _release_memory(device)
+    return {"tokens": chosen, "block_copy_s": copy_s, "block_compute_s": tried[str(chosen)],
+            "block_compute_s_by_tokens": tried,
+            "copy_gbps": shape.block_nbytes() / copy_s / 1e9}
+
+
+def _layer_mode_run(check: _Check, shape, state, args, mode: str, resident_layers: int):
+    device, sizes = check.device, check.sizes
+    model = layer_models.build(shape, state)
+    start = time.perf_counter()
+    run = layer_models.install(mode, model, device, resident_layers=resident_layers)
+    setup_s = time.perf_counter() - start
+    try:
+        _reset_peak(device)
+        output = run.step(*args)  # warm-up: slots allocated, block 0 prefetched for the next step
+        run.step(*args)
+        seconds = []
+        for _ in range(sizes.layer_calls):
+            start = time.perf_counter()
+            output = run.step(*args)
+            seconds.append(time.perf_counter() - start)
+        result = {"setup_s": setup_s, "step_seconds": seconds,
+                  "median_s": statistics.median(seconds), "peak_device_bytes": _peak(device),
+                  "device_weight_nbytes": run.device_nbytes}
+        if run.scheduler is not None:
+            streamed = len(run.block_nbytes)
+            records = list(run.scheduler.block_records)[-3 * streamed:]
+            order = layer_models.prefetch_order(records, streamed)
+            result.update(streamed_blocks=streamed, kept_blocks=shape.blocks - streamed,
+                          block_copies=run.scheduler.block_records.copies,
+                          prefetch_order=order, records_of_last_step=[
+                              {"index": r.index, "kind": r.kind, "slot": r.slot,
+                               "nbytes": r.nbytes, "t": r.time} for r in records])
+        result["copy_under_compute"] = _copy_under_compute(run, args)
+        return result, output.to("cpu")
+    finally:
+        run.close()
+
+
+def _copy_under_compute(run, args) -> dict:
+    """From a profile of one step: the host-to-device copies' device time, and the share of it
+    that ran while a kernel ran (the overlap layer mode is for)."""
+    if run.device.type != "cuda":
+        return {"skipped": "a device-side profile needs CUDA"}
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            run.step(*args)
+        copies, kernels = [], []
+        for event in profiler.events():
+            if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+            span = (event.time_range.start, event.time_range.end)
+            (copies if "HtoD" in event.name else kernels if "Memcpy" not in event.name
+             and "Memset" not in event.name else []).append(span)
+        copy_us = sum(end - start for start, end in copies)
+        under = sum(_covered(span, kernels) for span in copies)
+        return {"h2d_copies": len(copies), "h2d_device_us": copy_us, "kernels": len(kernels),
+                "h2d_under_compute_fraction": under / copy_us if copy_us else None}
+    except Exception as error:  # a profiler quirk must not lose the section's figures
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def _covered(span: tuple[float, float], intervals: list[tuple[float, float]]) -> float:
+    """How much of `span` lies under the union of `intervals`."""
+    start, end = span
+    covered, reach = 0.0, start
+    for first, last in sorted(intervals):
+        if last <= reach or first >= end:
+            continue
+        first = max(first, reach)
+        covered += min(last, end) - first
+        reach = min(last, end)
+    return covered
+
+
 SECTIONS: dict[str, Callable[[_Check], dict]] = {
     "ceiling": ceiling, "onload": onload, "eviction": eviction, "reentry": reentry,
-    "steady_state": steady_state, "edits": edits, "pipeline": pipeline,
+    "steady_state": steady_state, "edits": edits, "pipeline": pipeline, "layers": layer_mode,
 }
 
 
@@ -526,7 +706,24 @@ def must_show(results: dict) -> dict:
                                                  r["pinned_allocator_over_weights"] or 0)
                                              for r in registrations), default=None), 1.02),
         "peak_rss_over_weights_plus_one_chunk_nbytes": _verdict(max(peak_rss, default=None), 0),
+        **_layer_verdicts(sections.get("layers", {})),
     }
+
+
+def _layer_verdicts(layers: dict) -> dict:
+    """Issue 14: the slowest layer-mode step against no offload (judged only when a block's
+    compute covers its copy), and whether every block's copy was issued ahead of the block
+    before it."""
+    modes = [r for label, r in layers.get("modes", {}).items() if label.startswith("layers")]
+    ratios = [r["over_none"] for r in modes if "over_none" in r]
+    worst = max(ratios, default=None)
+    verdict = _verdict(worst, LAYER_STEP.limit)
+    if worst is not None and not layers.get("compute_covers_copy"):
+        verdict.update(met=None, note="a block's compute is shorter than its copy: not judged")
+    orders = [r["prefetch_order"]["ok"] for r in modes if "prefetch_order" in r]
+    return {"layer_step_over_none": verdict,
+            "layer_next_copy_issued_before_compute": {
+                "value": all(orders) if orders else None, "met": all(orders) if orders else None}}
 
 
 def _verdict(value, limit, *, at_least: bool = False) -> dict:

@@ -4,6 +4,7 @@
 #   bash benchmarks/run_gpu_check.sh              # writes into $OUT (the device tool's folder), else
 #                                                 # benchmarks/results/
 #   bash benchmarks/run_gpu_check.sh --sections ceiling,onload
+#   bash benchmarks/run_gpu_check.sh --sections layers       # issue 14's layer mode alone (~1.5 min)
 #   RESIDENCY_GPU_TESTS=1 bash benchmarks/run_gpu_check.sh   # also the gpu-marked tests first
 #
 # Wheels: the device machine has no network.  Put wheels (diffusers, accelerate, attrs and what they

@@ -78,6 +78,17 @@ def test_gpu_check_dry_run_runs_every_section(tiny_suite, tmp_path):
     for peer in ("diffusers_model_cpu_offload", "diffusers_group_offload"):
         assert "skipped" in modes[peer] or modes[peer]["bit_identical_to_none"] is True
     assert set(results["must_show"]) >= {"onload_fraction_of_ceiling", "pinned_over_weights"}
+    # Issue 14: layer mode with resident_layers 0 and 2 beside no offload and diffusers.
+    layer = sections["layers"]
+    assert layer["sizing"]["block_copy_s"] > 0 and layer["sizing"]["block_compute_s"] > 0
+    streamed = {label: r for label, r in layer["modes"].items() if label.startswith("layers")}
+    assert set(streamed) == {"layers_resident_0", "layers_resident_2",
+                             "layers_resident_0_no_detection"}
+    for label, result in layer["modes"].items():
+        assert "skipped" in result or result["bit_identical_to_none"] is True, label
+    assert streamed["layers_resident_2"]["kept_blocks"] == 2
+    assert all(r["prefetch_order"]["ok"] for r in streamed.values())
+    assert results["must_show"]["layer_next_copy_issued_before_compute"]["met"] is True
 
 
 def test_every_case_records_its_floor_and_ratio(tiny_run):
@@ -100,6 +111,29 @@ def test_every_case_records_its_floor_and_ratio(tiny_run):
     assert tiny_run["residency"]["scale"] == "tiny"
 
 
+def test_layer_cases_record_overhead_steps_and_the_peer(tiny_run):
+    """benchmarks/test_layers.py: per-block overhead (detection on and off, the hollow blocks),
+    steps under every mode, and diffusers' group offloading (or its skip, with the reason)."""
+    cases = {b["name"]: b["extra_info"] for b in tiny_run["benchmarks"]}
+    for size in ("shrunk", "shrunk_hollow", "wan1.3b"):
+        for detection in ("no_detection", "detection"):
+            info = cases[f"test_layer_block_overhead[{size}-{detection}]"]
+            assert "per_tensor_overhead_s" in info and info["tensors_per_block"] == 27
+            assert info["none_s"] > 0 and info["copy_s"] > 0
+    assert cases["test_layer_block_overhead[shrunk_hollow-no_detection]"]["goal"]["text"] == \
+        goals.LAYER_BLOCK.text
+    for mode in ("none", "layers", "layers_no_detection", "module", "module_swapped"):
+        info = cases[f"test_layer_step[{mode}]"]
+        assert info["bit_identical"] is True and info["floor_ratio"] > 1, mode
+    assert cases["test_layer_step[layers]"]["moved_per_step_nbytes"] > 0
+    assert cases["test_layer_step[module]"]["moved_per_step_nbytes"] == 0
+    assert cases["test_layer_step[layers]"]["device_nbytes"] < \
+        cases["test_layer_step[module]"]["device_nbytes"]
+    skipped = {s["case"]: s["reason"] for s in tiny_run["skipped"]}
+    peer = "test_layers_vs_group_offload[diffusers_group_offload]"
+    assert peer in skipped or cases[peer]["bit_identical"] is True
+
+
 def test_a_peer_without_an_accelerator_is_skipped_with_its_reason(tiny_run):
     skipped = {s["case"]: s["reason"] for s in tiny_run["skipped"]}
     if tiny_run["residency"]["device"] == "cpu":
@@ -120,7 +154,18 @@ def test_report_writes_summary_table_and_plot(tiny_run, tmp_path):
     assert summary["skipped"] == tiny_run["skipped"]
     assert summary["plot"] == {"path": "cpu-latency.png"}
     assert (tmp_path / "out" / "cpu-latency.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| test_swap_400mib |" in (tmp_path / "out" / "cpu-table.md").read_text()
+    table = (tmp_path / "out" / "cpu-table.md").read_text()
+    assert "| test_swap_400mib |" in table
+    layers = summary["layers"]
+    assert "## Layer mode (issue 14)" in table and layers["commit"]
+    sizes = ("shrunk", "shrunk_hollow", "wan1.3b")
+    assert {(r["size"], r["detect_edits"]) for r in layers["block_overhead"]} == {
+        (size, detect) for size in sizes for detect in (False, True)}
+    assert {r["size"] for r in layers["digests"]} == set(sizes)
+    assert set(layers["steps"]) == {"none", "layers", "layers_no_detection", "module",
+                                    "module_swapped"}
+    judged = [r["goal"] for r in layers["block_overhead"] if "goal" in r]
+    assert judged and all(g["met"] is None for g in judged), "the tiny scale must not judge goals"
 
 
 def test_report_without_matplotlib_still_writes_the_summary(tiny_run, tmp_path, monkeypatch,
@@ -141,6 +186,34 @@ def test_gpu_check_without_cuda_refuses_and_says_how(tmp_path, capsys):
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
     assert "--dry-run" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_prefetch_order_reads_the_block_records():
+    """`benchmarks.layers.prefetch_order` on a tiny DiT in layer mode: every block's successor
+    was issued before it computed; a step run out of order is told apart."""
+    from benchmarks import layers
+
+    shape = layers.DiTShape.tiny(blocks=3)
+    device = gpu_check.torch.device("cpu")
+    run = layers.install("layers", layers.build(shape, layers.make_state(shape, device)), device)
+    try:
+        args = layers.inputs(shape, device)
+        run.step(*args)
+        run.step(*args)
+        records = list(run.scheduler.block_records)[-9:]
+        assert layers.prefetch_order(records, 3)["ok"] is True
+        with run.scheduler.resident("dit") as group, gpu_check.torch.no_grad():
+            x, context, time_features = args
+            hidden = run.model.patch_embedding(x)
+            modulation = run.model.time_proj(gpu_check.torch.nn.functional.silu(
+                run.model.time_embedder(time_features))).unflatten(1, (6, -1))
+            text = run.model.text_embedder(context)
+            for index in (2, 0, 1):  # out of order: block 2 is not the prefetched one
+                hidden = group.layers()[index](hidden, text, modulation)
+        order = layers.prefetch_order(list(run.scheduler.block_records)[-9:], 3)
+        assert order["ok"] is False and order["loads_on_demand"] >= 1
+    finally:
+        run.close()
 
 
 def test_host_memory_report_measures_shared_and_private_masters(tmp_path):
