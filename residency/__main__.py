@@ -18,6 +18,7 @@ traceback, then a one-line summary, go to stderr).  Progress lines go to stderr 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank that _launch_ranks started
             _join_ranks()
+            with _leaving_the_job():
+                return _run_and_report(args, config, device)
         return _run_and_report(args, config, device)
     except ResidencyError as error:
         parser.exit(EXIT_USAGE, f"{parser.prog}: error: {error}\n")
@@ -210,6 +213,18 @@ def _without_nproc(argv: list[str]) -> list[str]:
 def _join_ranks() -> None:
     """Join the job torchrun started (gloo: host-side collectives; every rank on its device)."""
     dist.init_process_group("gloo")
+
+
+@contextlib.contextmanager
+def _leaving_the_job() -> Iterator[None]:
+    """Leave the job together: wait for every rank, then tear the process group down.
+
+    A gloo group left to the interpreter's exit is destroyed while its threads may still run, and
+    the process can abort ("terminate called without an active exception") after its work is
+    done.  A rank that failed skips the barrier (the others' collectives then fail, typed)."""
+    yield
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _process_group() -> object:
