@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -62,7 +61,7 @@ from residency.component import Residency
 from residency.enums import Policy, ResidencyState
 from residency.errors import PhaseError, RegistrationError
 from residency.memory import DeviceStorage, HostMaster
-from residency.records import BlockLog, BlockRecord
+from residency.records import BlockLog
 from residency.tensors import Inventory
 
 __all__ = ["BlockStream", "as_block_plans", "build_stream", "streamed_modules"]
@@ -262,8 +261,7 @@ class BlockStream:
             except BaseException:  # the forward will not run, so no exit will come
                 self._running.discard(index)
                 raise
-            self._log.append(BlockRecord(self.name, self._paths[index], index, "compute",
-                                         self._slot_of(index), 0, time.perf_counter()))
+            self._log.add(self.name, self._paths[index], index, "compute", self._slot_of(index), 0)
             return True
 
     def exit(self, index: int) -> None:
@@ -348,8 +346,7 @@ class BlockStream:
         return ", ".join(self._paths[i] for i in sorted(self._running))
 
     def _record(self, index: int, kind: str, slot: int, nbytes: int) -> None:
-        self._log.append(BlockRecord(self.name, self._paths[index], index, kind, slot, nbytes,
-                                     time.perf_counter()))
+        self._log.add(self.name, self._paths[index], index, kind, slot, nbytes)
 
 
 def _buffer_nbytes(block: Residency) -> int:

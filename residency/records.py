@@ -11,6 +11,7 @@ import collections
 import threading
 import json
 import statistics
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -132,22 +133,27 @@ class BlockRecord:
 class BlockLog:
     """The newest `limit` block records, with running totals (shared by a scheduler's groups).
 
-    Appended to under the scheduler lock; its own lock makes a reader's iteration a snapshot.
+    Appended to under the scheduler lock, as plain tuples (a few per block per step: building a
+    `BlockRecord` each time would cost microseconds on the hot path); iterating builds the records,
+    from a snapshot taken under the log's own lock.
     """
 
     def __init__(self, limit: int = 10_000) -> None:
         self._lock = threading.Lock()
-        self._records: collections.deque[BlockRecord] = collections.deque(maxlen=limit)
+        #: BlockRecord fields in order, newest last.
+        self._records: collections.deque[tuple] = collections.deque(maxlen=limit)
         #: Block copies host to device since the scheduler was created, and their bytes.
         self.copies = 0
         self.nbytes = 0
 
-    def append(self, record: BlockRecord) -> None:
+    def add(self, group: str, block: str, index: int, kind: str, slot: int | None,
+            nbytes: int) -> None:
+        """Record one block event now (`BlockRecord`'s fields; the time is taken here)."""
         with self._lock:
-            self._records.append(record)
-            if record.kind in ("prefetch", "load"):
+            self._records.append((group, block, index, kind, slot, nbytes, time.perf_counter()))
+            if kind == "prefetch" or kind == "load":
                 self.copies += 1
-                self.nbytes += record.nbytes
+                self.nbytes += nbytes
 
     def clear(self) -> None:
         """Forget the kept records (the totals stay)."""
@@ -156,7 +162,8 @@ class BlockLog:
 
     def __iter__(self) -> Iterator[BlockRecord]:
         with self._lock:
-            return iter(list(self._records))
+            kept = list(self._records)
+        return iter([BlockRecord(*fields) for fields in kept])
 
     def __len__(self) -> int:
         return len(self._records)
