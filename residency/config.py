@@ -200,29 +200,38 @@ class LayerOptions:
         return {"weight_transfer": self.weight_transfer, "resident_layers": self.resident_layers}
 
 
-def _to_layer_options(options: object) -> Mapping[str, LayerOptions]:
+def _to_options_per_component(
+    field: str, options: object, kind: type, example: str
+) -> dict[str, Any]:
+    """``{component: options}`` from a mapping of component names to `kind`s or their dicts."""
     if not isinstance(options, Mapping):
         raise ConfigError(
-            f"offload config field 'layer_options' is {options!r}, not an object; map a "
-            f"component ({_accepted(COMPONENTS)}) to its options, for example "
-            '{"dit": {"weight_transfer": "rank-local", "resident_layers": 2}}'
+            f"offload config field {field!r} is {options!r}, not an object; map a component "
+            f"({_accepted(COMPONENTS)}) to its options, for example {example}"
         )
     parsed = {}
     for component, value in options.items():
         if not isinstance(component, str) or component not in COMPONENTS:
             raise ConfigError(
-                f"offload config field 'layer_options' names component {component!r}; accepted "
+                f"offload config field {field!r} names component {component!r}; accepted "
                 f"components are {_accepted(COMPONENTS)}.{_did_you_mean(component, COMPONENTS)}"
             )
-        if not isinstance(value, LayerOptions):
-            value = LayerOptions.from_dict(component, value)
+        parsed[component] = value if isinstance(value, kind) else kind.from_dict(component, value)
+    return parsed
+
+
+def _to_layer_options(options: object) -> Mapping[str, LayerOptions]:
+    parsed = _to_options_per_component(
+        "layer_options", options, LayerOptions,
+        '{"dit": {"weight_transfer": "rank-local", "resident_layers": 2}}',
+    )
+    for component, value in parsed.items():
         if value.resident_layers and component != _RESIDENT_LAYERS_COMPONENT:
             raise ConfigError(
                 f"offload config field 'layer_options.{component}.resident_layers' is "
                 f"{value.resident_layers}; resident layers are for the "
                 f"{_RESIDENT_LAYERS_COMPONENT!r} component only: remove it or set it to 0"
             )
-        parsed[component] = value
     return MappingProxyType(parsed)
 
 
@@ -280,23 +289,9 @@ class ModuleOptions:
 
 
 def _to_module_options(options: object) -> Mapping[str, ModuleOptions]:
-    if not isinstance(options, Mapping):
-        raise ConfigError(
-            f"offload config field 'module_options' is {options!r}, not an object; map a "
-            f"component ({_accepted(COMPONENTS)}) to its options, for example "
-            '{"dit": {"weight_transfer": "allgather"}}'
-        )
-    parsed = {}
-    for component, value in options.items():
-        if not isinstance(component, str) or component not in COMPONENTS:
-            raise ConfigError(
-                f"offload config field 'module_options' names component {component!r}; accepted "
-                f"components are {_accepted(COMPONENTS)}.{_did_you_mean(component, COMPONENTS)}"
-            )
-        if not isinstance(value, ModuleOptions):
-            value = ModuleOptions.from_dict(component, value)
-        parsed[component] = value
-    return MappingProxyType(parsed)
+    return MappingProxyType(_to_options_per_component(
+        "module_options", options, ModuleOptions, '{"dit": {"weight_transfer": "allgather"}}'
+    ))
 
 
 @attrs.frozen(kw_only=True)
