@@ -43,7 +43,9 @@ happen at each block's call.  The core sets a per-instance ``forward`` on each s
 in layer mode, and removed when the group is removed, refreshed or the scheduler closes.  It is
 the one place the core replaces something on a user's module (docs/design.md says why).  When the
 group is not current the wrapper only calls through: the block runs on its host master, as a
-module-mode group's modules do outside their phase.
+module-mode group's modules do outside their phase.  A wrapper another library dropped (one set
+below ours and removed later restores the forward it saw: diffusers' ``disable_cache``) is set
+again at the group's next phase entry (`BlockStream.rewrap`).
 """
 
 from __future__ import annotations
