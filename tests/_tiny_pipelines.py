@@ -149,6 +149,43 @@ def flux_call(seed: int = 0, prompt: str = "a red dog") -> dict:
     }
 
 
+def flux_lora(seed: int, num_layers: int = 1, num_single_layers: int = 1) -> dict:
+    """A LoRA for a tiny Flux transformer with these block counts, in diffusers' format, with
+    non-zero weights (peft initialises lora_B to zeros, which would make a lost fuse invisible)."""
+    import pytest
+
+    peft = pytest.importorskip("peft")
+    transformer = tiny_flux_transformer(num_layers, num_single_layers)
+    config = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                             init_lora_weights=False)
+    torch.manual_seed(seed)
+    transformer.add_adapter(config)
+    state = peft.get_peft_model_state_dict(transformer)
+    return {f"transformer.{key}": value.clone() for key, value in state.items()}
+
+
+def lora_flow(pipe) -> list[torch.Tensor]:
+    """On a tiny Flux: load two LoRAs (fitting ``pipe.transformer``) -> call -> fuse -> call ->
+    unfuse -> call -> set_adapters -> call -> unload -> call; returns the images of the 6 calls
+    (the first before loading)."""
+    shape = pipe.transformer.config
+    first, second = (flux_lora(seed, shape.num_layers, shape.num_single_layers) for seed in (1, 2))
+    images = [pipe(**flux_call(seed=0)).images]
+    pipe.load_lora_weights(first, adapter_name="first")
+    pipe.load_lora_weights(second, adapter_name="second")
+    pipe.set_adapters(["first"])
+    images.append(pipe(**flux_call(seed=1)).images)
+    pipe.fuse_lora(adapter_names=["first"], lora_scale=1.0)
+    images.append(pipe(**flux_call(seed=1)).images)
+    pipe.unfuse_lora()
+    images.append(pipe(**flux_call(seed=1)).images)
+    pipe.set_adapters(["first", "second"], adapter_weights=[0.5, 1.5])
+    images.append(pipe(**flux_call(seed=2)).images)
+    pipe.unload_lora_weights()
+    images.append(pipe(**flux_call(seed=0)).images)
+    return images
+
+
 # -- UNet families: SDXL, SD + ControlNet, SD + IP-Adapter, AnimateDiff, Kandinsky 2.2 ----------
 
 
@@ -368,3 +405,32 @@ def tiny_flux_layered(seed: int = 0, num_layers: int = 2, num_single_layers: int
         transformer=tiny_flux_transformer(num_layers, num_single_layers, seed=seed + 1)
     )
     return pipe
+
+
+# -- diffusers' caches, enabled on ``pipe.transformer`` -----------------------------------------
+
+
+def first_block_cache(pipe):
+    from diffusers import FirstBlockCacheConfig
+
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+
+
+def pyramid_attention_broadcast(pipe):
+    from diffusers import PyramidAttentionBroadcastConfig
+
+    pipe.transformer.enable_cache(PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1001),
+        current_timestep_callback=lambda: pipe.current_timestep))
+
+
+def faster_cache(pipe):
+    """FasterCache for `tiny_wan22` (its blocks are ``blocks``, its latents 5-D)."""
+    from diffusers import FasterCacheConfig
+
+    pipe.transformer.enable_cache(FasterCacheConfig(
+        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 901),
+        current_timestep_callback=lambda: pipe.current_timestep,
+        attention_weight_callback=lambda _: 0.5, spatial_attention_block_identifiers=["blocks"],
+        tensor_format="BCFHW", is_guidance_distilled=True,
+    ))

@@ -22,7 +22,14 @@ from torch import nn
 pytest.importorskip("diffusers")
 
 from _dist import run_world
-from _tiny_pipelines import flux_call, tiny_flux, tiny_wan22
+from _tiny_pipelines import (
+    faster_cache,
+    first_block_cache,
+    flux_call,
+    pyramid_attention_broadcast,
+    tiny_flux,
+    tiny_wan22,
+)
 from residency.adapters.diffusers import (
     CACHE_HOOKS,
     disable_offload,
@@ -35,31 +42,6 @@ DIT_ALLGATHER = {"mode": "module", "components": ["dit", "text_encoder"],
                  "module_options": {"dit": {"weight_transfer": "allgather"}}}
 LAYER_ALLGATHER = {"mode": "layer", "components": ["dit"],
                    "layer_options": {"dit": {"weight_transfer": "allgather"}}}
-
-
-def first_block_cache(pipe):
-    from diffusers import FirstBlockCacheConfig
-
-    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
-
-
-def pyramid_attention_broadcast(pipe):
-    from diffusers import PyramidAttentionBroadcastConfig
-
-    pipe.transformer.enable_cache(PyramidAttentionBroadcastConfig(
-        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1001),
-        current_timestep_callback=lambda: pipe.current_timestep))
-
-
-def faster_cache(pipe):
-    from diffusers import FasterCacheConfig
-
-    pipe.transformer.enable_cache(FasterCacheConfig(
-        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 901),
-        current_timestep_callback=lambda: pipe.current_timestep,
-        attention_weight_callback=lambda _: 0.5, spatial_attention_block_identifiers=["blocks"],
-        tensor_format="BCFHW", is_guidance_distilled=True,
-    ))
 
 
 def first_block_cache_by_hand(pipe):

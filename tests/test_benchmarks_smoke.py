@@ -10,28 +10,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from _benchmarks import ROOT, import_benchmarks
 
-
-def _import_benchmarks():
-    """Import the `benchmarks` package from the repository root (it is not installed), leaving
-    ``sys.path`` as it was: the root also holds ``adapters/``, a name other packages use."""
-    added = str(ROOT) not in sys.path
-    if added:
-        sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks import goals, gpu_check, report
-    finally:
-        if added:
-            sys.path.remove(str(ROOT))
-    return gpu_check, goals, report
-
-
-gpu_check, goals, report = _import_benchmarks()
+gpu_check, goals, report = import_benchmarks("gpu_check", "goals", "report")
 
 
 @pytest.fixture(scope="module")

@@ -12,21 +12,8 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from _tiny_pipelines import flux_call, tiny_flux
+from _tiny_pipelines import first_block_cache, flux_call, pyramid_attention_broadcast, tiny_flux
 from residency.adapters.diffusers import disable_offload, enable_offload
-
-def first_block_cache(pipe):
-    from diffusers import FirstBlockCacheConfig
-
-    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
-
-
-def pyramid_attention_broadcast(pipe):
-    from diffusers import PyramidAttentionBroadcastConfig
-
-    pipe.transformer.enable_cache(PyramidAttentionBroadcastConfig(
-        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1001),
-        current_timestep_callback=lambda: pipe.current_timestep))
 
 
 def layerwise_casting(pipe):

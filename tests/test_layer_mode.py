@@ -37,6 +37,7 @@ from residency.layers import _BlockForward  # noqa: E402
 from conftest import CountingTransport  # noqa: E402
 from _tiny_pipelines import (  # noqa: E402
     flux_call,
+    lora_flow,
     tiny_flux_layered,
     tiny_flux_transformer,
     tiny_wan22_layered,
@@ -1381,38 +1382,6 @@ def test_enable_offload_in_layer_mode_is_bit_identical_call_by_call(build, call,
                    for block in getattr(pipe, name).modules())
     assert torch.equal(getattr(pipe(**call(seed=2)), output),
                        getattr(plain(**call(seed=2)), output))
-
-
-def flux_lora(seed: int) -> dict[str, torch.Tensor]:
-    """A LoRA for `tiny_flux_layered`'s transformer in diffusers' format, non-zero weights."""
-    peft = pytest.importorskip("peft")
-    transformer = tiny_flux_transformer(num_layers=2, num_single_layers=2)
-    config = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
-                             init_lora_weights=False)
-    torch.manual_seed(seed)
-    transformer.add_adapter(config)
-    state = peft.get_peft_model_state_dict(transformer)
-    return {f"transformer.{key}": value.clone() for key, value in state.items()}
-
-
-def lora_flow(pipe) -> list[torch.Tensor]:
-    """load two LoRAs -> call -> fuse -> call -> unfuse -> call -> set_adapters -> call -> unload
-    -> call (as tests/test_real_flows.py, on the layered Flux)."""
-    first, second = flux_lora(seed=1), flux_lora(seed=2)
-    images = [pipe(**flux_call(seed=0)).images]
-    pipe.load_lora_weights(first, adapter_name="first")
-    pipe.load_lora_weights(second, adapter_name="second")
-    pipe.set_adapters(["first"])
-    images.append(pipe(**flux_call(seed=1)).images)
-    pipe.fuse_lora(adapter_names=["first"], lora_scale=1.0)
-    images.append(pipe(**flux_call(seed=1)).images)
-    pipe.unfuse_lora()
-    images.append(pipe(**flux_call(seed=1)).images)
-    pipe.set_adapters(["first", "second"], adapter_weights=[0.5, 1.5])
-    images.append(pipe(**flux_call(seed=2)).images)
-    pipe.unload_lora_weights()
-    images.append(pipe(**flux_call(seed=0)).images)
-    return images
 
 
 def test_the_diffusers_lora_flow_in_layer_mode_is_bit_identical_call_by_call():

@@ -12,44 +12,11 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
 
 from residency.adapters.diffusers import disable_offload, enable_offload  # noqa: E402
 
-from _tiny_pipelines import flux_call, tiny_flux, tiny_sdxl, unet_call  # noqa: E402
-
-_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-
-
-def flux_lora(seed: int) -> dict[str, torch.Tensor]:
-    """A LoRA for the tiny Flux transformer in diffusers' format, with non-zero weights (peft
-    initialises lora_B to zeros, which would make a lost fuse invisible)."""
-    transformer = tiny_flux().transformer
-    config = peft.LoraConfig(r=4, lora_alpha=4, target_modules=_TARGETS, init_lora_weights=False)
-    torch.manual_seed(seed)
-    transformer.add_adapter(config)
-    state = peft.get_peft_model_state_dict(transformer)
-    return {f"transformer.{key}": value.clone() for key, value in state.items()}
-
-
-def lora_flow(pipe) -> list[torch.Tensor]:
-    """load two LoRAs -> call -> fuse -> call -> unfuse -> call -> set_adapters -> call -> unload
-    -> call; returns the images."""
-    first, second = flux_lora(seed=1), flux_lora(seed=2)
-    images = [pipe(**flux_call(seed=0)).images]
-    pipe.load_lora_weights(first, adapter_name="first")
-    pipe.load_lora_weights(second, adapter_name="second")
-    pipe.set_adapters(["first"])
-    images.append(pipe(**flux_call(seed=1)).images)
-    pipe.fuse_lora(adapter_names=["first"], lora_scale=1.0)
-    images.append(pipe(**flux_call(seed=1)).images)
-    pipe.unfuse_lora()
-    images.append(pipe(**flux_call(seed=1)).images)
-    pipe.set_adapters(["first", "second"], adapter_weights=[0.5, 1.5])
-    images.append(pipe(**flux_call(seed=2)).images)
-    pipe.unload_lora_weights()
-    images.append(pipe(**flux_call(seed=0)).images)
-    return images
+from _tiny_pipelines import lora_flow, tiny_flux, tiny_sdxl, unet_call  # noqa: E402
 
 
 def test_the_diffusers_lora_flow_with_offloading_is_bit_identical():

@@ -8,29 +8,12 @@ crossover (B > r), and the JSON it writes says "model" and names a source for ev
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from _benchmarks import ROOT, import_benchmarks
 
-
-def _import_model():
-    """Import `benchmarks.transition_model` from the repository root, leaving ``sys.path`` as it
-    was (as tests/test_benchmarks_smoke.py does)."""
-    added = str(ROOT) not in sys.path
-    if added:
-        sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks import transition_model
-    finally:
-        if added:
-            sys.path.remove(str(ROOT))
-    return transition_model
-
-
-tm = _import_model()
+(tm,) = import_benchmarks("transition_model")
 GB = 1e9
 
 
