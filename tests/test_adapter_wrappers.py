@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from _tiny_pipelines import tiny_wan22, wan22_call
+from _tiny_pipelines import faster_cache, tiny_wan22, wan22_call
 from residency.adapters.diffusers import (
     ENTRY_POINTS,
     PhaseEntry,
@@ -35,14 +35,7 @@ def frames(pipe, seed: int) -> torch.Tensor:
 
 def with_faster_cache(pipe):
     """`pipe` with diffusers' FasterCache on its high-noise expert (a root-level forward hook)."""
-    from diffusers import FasterCacheConfig
-
-    pipe.transformer.enable_cache(FasterCacheConfig(
-        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 901),
-        current_timestep_callback=lambda: pipe.current_timestep,
-        attention_weight_callback=lambda _: 0.5, spatial_attention_block_identifiers=["blocks"],
-        tensor_format="BCFHW", is_guidance_distilled=True,
-    ))
+    faster_cache(pipe)
     return pipe
 
 
