@@ -23,8 +23,8 @@ offload_plan.py``, ``block_discovery.py``, ``plan_resolver.py``):
    child's block-list attribute (a large non-DiT submodule, e.g. a context encoder, streamed too);
    ``on_demand_component_paths`` names components whose residency the pipeline owns
    (``load_to_device``/``offload_to_cpu`` in 0.30): here they are swapped whole, never streamed.
-   ``encoder_component_types`` and ``encoder_dlo_weight_replication`` concern multi-rank
-   all-gather and are not read (that transfer is the multi-rank issue's).
+   ``encoder_component_types`` is not read (encoders are what the pipeline lists);
+   ``encoder_dlo_weight_replication`` concerns all-gather and is read by `residency.discovery`.
 2. the model class's ``_layerwise_offload_blocks_attrs: ClassVar[list[str]]`` (dotted attributes
    naming block lists), or the deprecated singular ``_layerwise_offload_blocks_attr``.
 3. found (`find_block_lists`): the outermost ModuleLists of repeated blocks (at least 2

@@ -246,7 +246,7 @@ def plan_components(
     return attrs.evolve(
         plan, note=stage_note(plan, dits, encoders, selected),
         blocks=layer_plans(plan, config, pipeline, dits, encoders),
-        weight_transfers=_weight_transfers(plan, config),
+        weight_transfers=_weight_transfers(plan, config, pipeline, encoders),
     )
 
 
@@ -287,7 +287,10 @@ def layer_plans(
     return plans
 
 
-def _weight_transfers(plan: ComponentPlan, config: OffloadConfig | None) -> dict[str, str]:
+def _weight_transfers(
+    plan: ComponentPlan, config: OffloadConfig | None, pipeline: object,
+    encoders: Mapping[str, nn.Module],
+) -> dict[str, str]:
     """Group name -> "allgather" where the config asks the ranks to split a component's copy."""
     if config is None:
         return {}
@@ -296,7 +299,28 @@ def _weight_transfers(plan: ComponentPlan, config: OffloadConfig | None) -> dict
         category = plan.categories.get(name)
         if category in config.components and config.weight_transfer_for(category) != "rank-local":
             transfers[name] = config.weight_transfer_for(category)
+    if transfers.get(ENCODER_GROUP) == "allgather":
+        _check_encoders_replicated(plan.owner, pipeline, encoders)
     return transfers
+
+
+def _check_encoders_replicated(owner: str, pipeline: object, encoders: Mapping) -> None:
+    """All-gathered encoders must be declared replicated where the pipeline declares an
+    ``_offload_plan`` (its ``encoder_dlo_weight_replication``, as vLLM-Omni 0.30 requires: encoder
+    tensor-parallel shards differ between ranks).  Declared or not, the ranks' bytes are compared
+    again at registration (`residency.agreement.compare_weights`): a declaration is not trusted."""
+    offload_plan = getattr(pipeline, "_offload_plan", None)
+    if offload_plan is None:
+        return
+    declared = getattr(offload_plan, "encoder_dlo_weight_replication", None) or frozenset()
+    missing = [path for path in encoders if path not in declared]
+    if missing:
+        raise ConfigError(
+            f"{owner}: the offload config all-gathers the text encoders, but {missing} are not in "
+            f"its _offload_plan.encoder_dlo_weight_replication {sorted(declared)}: only encoders "
+            "whose weights are the same on every rank may all-gather. Give text_encoder "
+            "\"weight_transfer\": \"rank-local\", or declare them replicated"
+        )
 
 
 def _policy(component: str, selected: set[str]) -> Policy:

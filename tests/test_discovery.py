@@ -468,3 +468,37 @@ def test_a_diffusers_pipeline_is_pointed_at_the_diffusers_adapter():
                                           r"\(pipe, config\)"):
         Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
     assert [t.data_ptr() for t in pipe.transformer.state_dict().values()] == pointers
+
+
+# -- all-gathered encoders must be declared replicated (vLLM-Omni 0.30's encoder_dlo_weight_replication)
+
+
+class _OffloadPlan:
+    def __init__(self, replicated):
+        self.encoder_dlo_weight_replication = frozenset(replicated)
+
+
+ALLGATHER_ENCODERS = {"mode": "module", "components": ["dit", "text_encoder"],
+                      "module_options": {"text_encoder": {"weight_transfer": "allgather"}}}
+
+
+def test_allgathered_encoders_not_declared_replicated_are_refused(pipe):
+    pipe._offload_plan = _OffloadPlan({"text_encoder"})
+    dits, encoders, vaes, residents = _categories(pipe)
+    with pytest.raises(ConfigError, match=r"^TwoExpertPipeline: the offload config all-gathers the "
+                       r"text encoders, but \['prompt_adapter.encoder'\] are not in its "
+                       r"_offload_plan.encoder_dlo_weight_replication \['text_encoder'\]: .* Give "
+                       r"text_encoder \"weight_transfer\": \"rank-local\", or declare them "
+                       r"replicated$"):
+        plan_components("TwoExpertPipeline", dits, encoders, vaes, residents,
+                        OffloadConfig.from_dict(ALLGATHER_ENCODERS), pipeline=pipe)
+
+
+def test_allgathered_encoders_declared_replicated_or_undeclared_plan_to_allgather(pipe):
+    dits, encoders, vaes, residents = _categories(pipe)
+    config = OffloadConfig.from_dict(ALLGATHER_ENCODERS)
+    for offload_plan in (None, _OffloadPlan({"text_encoder", "prompt_adapter.encoder"})):
+        pipe._offload_plan = offload_plan
+        plan = plan_components("TwoExpertPipeline", dits, encoders, vaes, residents, config,
+                               pipeline=pipe)
+        assert dict(plan.weight_transfers) == {"text_encoder": "allgather"}
