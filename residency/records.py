@@ -104,10 +104,6 @@ class TransitionLog:
         return f"<TransitionLog {len(self)} kept of {self.count}, {self.nbytes} bytes loaded>"
 
 
-#: What a `BlockRecord` says happened to a streamed block.
-BLOCK_EVENTS = ("prefetch", "load", "compute", "evict")
-
-
 @attrs.frozen(slots=True)
 class BlockRecord:
     """One move of a layer-mode block, or the start of its compute (`residency.layers`).
