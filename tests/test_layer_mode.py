@@ -499,6 +499,24 @@ def test_device_nbytes_is_the_sum_of_the_device_storages_that_exist(schedulers):
 # -- 4. records: prefetch ahead, the ring ----------------------------------------------------------
 
 
+def test_each_streamed_block_has_a_profiler_range_and_the_trace_shows_block_records(
+    schedulers, tmp_path
+):
+    from residency import chrome_trace
+
+    model = ProbeDiT(depth=3)
+    scheduler = layer_scheduler(schedulers, model)
+    with torch.profiler.profile() as profile, scheduler.resident("dit"):
+        model(probe_input())
+    ranges = sorted(e.name for e in profile.events() if e.name.startswith("residency::block"))
+    assert ranges == [f"residency::block dit.ProbeDiT.blocks.{i}" for i in range(3)]
+    trace = chrome_trace(scheduler.transitions, blocks=scheduler.block_records,
+                         path=tmp_path / "trace.json")
+    instants = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "block"]
+    assert "prefetch ProbeDiT.blocks.1" in instants and "compute ProbeDiT.blocks.0" in instants
+    assert (tmp_path / "trace.json").stat().st_size > 0
+
+
 def test_records_prefetch_each_next_block_before_this_ones_compute_and_the_last_the_first(
     schedulers,
 ):
