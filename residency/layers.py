@@ -29,9 +29,11 @@ in the module-mode sense: its bytes are digested when loaded and again when it l
 and while it waits in a slot between forwards (the first block, prefetched by the last one, is
 re-pointed to its slot when the last block ends, so an edit made between steps - a LoRA fused in
 a step-end callback - lands in the slot and is written back when it leaves).  A block's copy is
-issued when the block before it starts and parked (re-pointed to its slot) when that block ends,
-so the only edit this does not see is one made to block i+1 by block i's own forward: it lands in
-i+1's master (nothing is lost) and i+1 runs once with its bytes as copied.  The cost: with
+issued when the block before it starts and parked (re-pointed to its slot) when that block ends;
+an edit block i's own forward makes to block i+1 meanwhile lands in i+1's master and is copied
+again at parking when the version counter or the data pointer shows it, so the only edit i+1 runs
+without is a bytes-only one made there (through ``.data``): it is kept in the master, and i+1 runs
+once with its bytes as copied.  The cost: with
 ``detect_edits`` (the default) each block's departure reads its digest, one host wait per block
 on an accelerator; ``detect_edits=False`` removes it (then only version counters and data pointers
 tell, as in module mode; docs/guarantees.md).
@@ -50,6 +52,7 @@ again at the group's next phase entry (`BlockStream.rewrap`).
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -66,7 +69,7 @@ from residency.memory import DeviceStorage, HostMaster
 from residency.records import BlockLog
 from residency.tensors import Inventory
 
-__all__ = ["BlockStream", "as_block_plans", "build_stream", "streamed_modules"]
+__all__ = ["BlockStream", "as_block_plans", "build_stream", "restream", "streamed_modules"]
 
 _OFFLOADED, _LOADING, _RESIDENT = (
     ResidencyState.OFFLOADED, ResidencyState.LOADING, ResidencyState.RESIDENT,
@@ -116,6 +119,22 @@ def streamed_modules(plans: Sequence[BlockPlan]) -> tuple[nn.Module, ...]:
     return tuple(block.module for plan in plans for block in plan.streamed)
 
 
+def restream(group: Residency) -> tuple[tuple[BlockPlan, ...], tuple[nn.Module, ...]]:
+    """The block plans and the excluded modules `group` is re-registered with (``refresh``):
+    each plan made again from the block lists it named, so a block replaced in its list streams
+    in its place (the kept blocks as before)."""
+    if group.blocks is None:
+        return (), group.excluded
+    before = {id(m) for m in streamed_modules(group.blocks.plans)}
+    plans = tuple(
+        plan_blocks(plan.model, path=plan.model_path, declared=plan.lists,
+                    resident_layers=plan.kept_count)
+        for plan in group.blocks.plans
+    )
+    excluded = tuple(m for m in group.excluded if id(m) not in before)
+    return plans, excluded + streamed_modules(plans)
+
+
 def build_stream(
     group: Residency,
     plans: tuple[BlockPlan, ...],
@@ -158,7 +177,11 @@ class BlockStream:
     * ``_occupant``: the block index each slot holds (LOADING or RESIDENT in it), or None.
       Invariant: a block is LOADING or RESIDENT exactly when it is some slot's occupant, and its
       ``device_storage`` (once RESIDENT) is that slot.
-    * ``_running``: indices of blocks inside their forward (at most two: one per slot).
+    * ``_running``: how many forwards are inside each block now, over all threads (at most two
+      blocks: one per slot).  A block leaves its slot when its last forward ends.
+    * ``_suspended``: forwards that were inside a block when `stop` ran (a nested phase of another
+      group); `start` loads those blocks again.  Every forward is counted in exactly one of the
+      two from its `enter` to its `exit`.
     * ``active``: whether the group is current (streaming happens) - between `start` and `stop`.
     """
 
@@ -182,7 +205,8 @@ class BlockStream:
         self._log = log
         self._adopt = adopt
         self._occupant: list[int | None] = [None, None]
-        self._running: set[int] = set()
+        self._running: collections.Counter[int] = collections.Counter()
+        self._suspended: collections.Counter[int] = collections.Counter()
         self.active = False
         self._paths = [block.name for block in blocks]
         self._wrappers = [_BlockForward.install(self, i, b.modules[0]) for i, b in enumerate(blocks)]
@@ -203,17 +227,32 @@ class BlockStream:
     # -- the group's phase -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """The group became current: stream from now on, the first block parked in a slot."""
+        """The group became current: stream from now on, the first block parked in a slot.
+
+        Blocks whose forwards a nested phase of another group interrupted (`stop`) are loaded
+        again first, so they finish on their own bytes in a slot.
+        """
         self.active = True
+        suspended, self._suspended = self._suspended, collections.Counter()
+        for index, count in suspended.items():
+            if self.blocks[index].state is _OFFLOADED:
+                self._load_on_demand(index)
+            elif self.blocks[index].state is _LOADING:
+                self._park(index)
+            self._running[index] += count
         if self.blocks:
             self._prefetch(0)
             if self.blocks[0].state is _LOADING:
                 self._park(0)
 
     def stop(self) -> int:
-        """The group leaves the device: every block back in its master; returns bytes written."""
+        """The group leaves the device: every block back in its master; returns bytes written.
+
+        If an eviction fails (a write-back refused on a shared master), the stream stays active,
+        as the group stays resident.  Forwards still inside a block (a nested phase of another
+        group) are remembered for `start`.
+        """
         written = 0
-        self.active = False
         for slot, index in enumerate(self._occupant):
             if index is None:
                 continue
@@ -223,6 +262,8 @@ class BlockStream:
             elif block.state is _RESIDENT:
                 written += self._evict(index, slot)
             self._occupant[slot] = None
+        self.active = False
+        self._suspended += self._running
         self._running.clear()
         return written
 
@@ -239,6 +280,7 @@ class BlockStream:
     def close(self) -> None:
         """Stop, take the wrappers off the blocks and drop the slots' views of them."""
         self.stop()
+        self._suspended.clear()
         for wrapper in self._wrappers:
             wrapper.remove()
         for slot in self._slots:
@@ -257,47 +299,65 @@ class BlockStream:
                 self._park(index)
             elif block.state is _OFFLOADED:
                 self._load_on_demand(index)
-            self._running.add(index)
+            self._running[index] += 1
             try:
                 self._prefetch((index + 1) % len(self.blocks))
             except BaseException:  # the forward will not run, so no exit will come
-                self._running.discard(index)
+                _forget(self._running, index)
                 raise
             self._log.add(self.name, self._paths[index], index, "compute", self._slot_of(index), 0)
             return True
 
     def exit(self, index: int) -> None:
-        """Block `index`'s forward ended (normally or not): evict it; park a prefetched next."""
+        """A forward of block `index` ended (normally or not): the last one out evicts it; a
+        prefetched next block is parked."""
         with self._lock:
-            self._running.discard(index)
-            if not self.active:
+            if not self.active:  # stopped while inside (see `stop`)
+                _forget(self._suspended, index)
                 return
+            _forget(self._running, index)
             slot = self._slot_of(index)
-            if slot is not None and self.blocks[index].state is _RESIDENT:
+            if index not in self._running and slot is not None \
+                    and self.blocks[index].state is _RESIDENT:
                 self._evict(index, slot)
-                self._occupant[slot] = None
             following = (index + 1) % len(self.blocks)
             if self.blocks[following].state is _LOADING:
                 self._park(following)
 
     # -- moves -----------------------------------------------------------------------------------
+    # [Note: a slot's occupant is written before a move and cleared by its failure]
+    # A copy is issued only into a slot already marked as the block's, and a failed move (its
+    # load cancelled, its eviction refused half-way) clears the mark before the error goes on, so
+    # "a block is LOADING or RESIDENT exactly when it occupies a slot" survives any exception.
 
     def _prefetch(self, index: int) -> None:
-        """Issue block `index`'s copy into a slot no running block uses (if it needs one)."""
+        """Issue block `index`'s copy into a slot no running block uses (if it needs one).
+
+        Edits made to the block's master before it is parked (by the running block's forward)
+        are copied again then (`watch_edits`), or adopted when the tensor got new storage.
+        """
         block = self.blocks[index]
         if block.state is not _OFFLOADED or block.pending_change() is not None:
             return
         slot = self._free_slot()
         if slot is None:
             return
-        nbytes = block._begin_load(self._slots[slot])  # parked when this forward ends
         self._occupant[slot] = index
+        try:
+            nbytes = block._begin_load(self._slots[slot], watch_edits=True)
+        except BaseException:
+            self._occupant[slot] = None
+            raise
         self._record(index, "prefetch", slot, nbytes)
 
     def _park(self, index: int) -> None:
         """Finish block `index`'s copy: its tensors now view its slot (see [Note: keeping every
         edit in layer mode])."""
-        self.blocks[index]._finish_load()
+        try:
+            self.blocks[index]._finish_load()
+        except BaseException:  # the load was cancelled: the block is back on its master
+            self._vacate(index)
+            raise
 
     def _load_on_demand(self, index: int) -> None:
         """Block `index` was not prefetched (run out of order): load it now."""
@@ -307,17 +367,26 @@ class BlockStream:
         if slot is None:
             raise PhaseError(
                 f"group {self.name!r}: block {self._paths[index]} was called while two other "
-                f"blocks ({self._describe_running()}) were still running; layer mode streams "
-                "through two slots, so blocks may nest at most two deep. Run the blocks one "
-                "after another, or register the group without layers="
+                f"blocks ({self._describe_running()}) were running, nested in each other's "
+                "forwards or on other threads; layer mode streams through two slots, so at most "
+                "two blocks run at once. Run the blocks one after another, or register the group "
+                "without layers="
             )
-        nbytes = block._load(self._slots[slot])
         self._occupant[slot] = index
+        try:
+            nbytes = block._load(self._slots[slot])
+        except BaseException:
+            self._occupant[slot] = None
+            raise
         self._record(index, "load", slot, nbytes)
 
     def _evict(self, index: int, slot: int) -> int:
         block = self.blocks[index]
-        written = block._evict()
+        try:
+            written = block._evict()
+        finally:  # evicted, or refused with the block still RESIDENT (then it keeps its slot)
+            if block.state is not _RESIDENT:
+                self._occupant[slot] = None
         self._record(index, "evict", slot, written)
         if block.left_misfits:  # re-typed in its slot: re-pack it, so it views its master again
             self._adopt(block)
@@ -336,10 +405,15 @@ class BlockStream:
         held = self._occupant[slot]
         if self.blocks[held].state is _LOADING:
             self.blocks[held]._cancel_load()
+            self._occupant[slot] = None
         else:
             self._evict(held, slot)
-        self._occupant[slot] = None
         return slot
+
+    def _vacate(self, index: int) -> None:
+        slot = self._slot_of(index)
+        if slot is not None:
+            self._occupant[slot] = None
 
     def _slot_of(self, index: int) -> int | None:
         return next((s for s, held in enumerate(self._occupant) if held == index), None)
@@ -349,6 +423,13 @@ class BlockStream:
 
     def _record(self, index: int, kind: str, slot: int, nbytes: int) -> None:
         self._log.add(self.name, self._paths[index], index, kind, slot, nbytes)
+
+
+def _forget(counter: collections.Counter, index: int) -> None:
+    """One forward of block `index` fewer in `counter` (entries at zero are dropped)."""
+    counter[index] -= 1
+    if counter[index] <= 0:
+        del counter[index]
 
 
 def _buffer_nbytes(block: Residency) -> int:

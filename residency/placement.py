@@ -105,15 +105,14 @@ class Placement:
         """[start, end) host and device addresses of every planned group's bytes."""
         spans = []
         for group in self._planned:
-            masters = [group.host_master]
-            if group.blocks is not None:
-                masters += [block.host_master for block in group.blocks.blocks]
-            for chunk in (chunk for master in masters for chunk in master.chunks):
+            parts = [group] if group.blocks is None else [group, *group.blocks.blocks]
+            for chunk in (chunk for part in parts for chunk in part.host_master.chunks):
                 spans.append((chunk.data_ptr(), chunk.data_ptr() + chunk.numel(), group))
-            storage = group.device_storage
-            if group.is_resident and storage is not None and storage.buffer is not None:
-                start = storage.buffer.data_ptr()
-                spans.append((start, start + storage.buffer.numel(), group))
+            for part in parts:  # the group's device storage, and its blocks' slots
+                storage = part.device_storage
+                if part.is_resident and storage is not None and storage.buffer is not None:
+                    start = storage.buffer.data_ptr()
+                    spans.append((start, start + storage.buffer.numel(), group))
         return spans
 
     def check_budget(self, name: str, needs: Iterable[tuple[Policy, int]]) -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "check_modules_unowned",
     "check_tensors_disjoint",
     "owner_of",
+    "repacked_claim",
 ]
 
 #: The component categories of a config; a lookup of one of them names the groups made for it.
@@ -78,6 +79,15 @@ class Claim:
         """Device bytes the group will need while current (as `Residency.device_need`)."""
         slot = max((block.layout.contiguous_nbytes for block in self.blocks), default=0)
         return self.inventory.layout.contiguous_nbytes + 2 * slot
+
+
+def repacked_claim(group: Residency, part: Residency, inventory: Inventory) -> Claim:
+    """`group` as it will be once `part` (the group itself, or one of its streamed blocks) is
+    re-packed from `inventory`: what the device budget is checked against."""
+    blocks = () if group.blocks is None else tuple(
+        inventory if block is part else block.inventory for block in group.blocks.blocks
+    )
+    return Claim(group.name, group.policy, inventory if part is group else group.inventory, blocks)
 
 
 def _modules(owner: Residency | Claim) -> list[nn.Module]:

@@ -40,9 +40,9 @@ from residency.no_offload import NoOffload
 from residency.packing import Packer
 from residency.placement import Placement
 from residency.blocks import BlockPlan
-from residency.layers import as_block_plans, build_stream, streamed_modules
+from residency.layers import as_block_plans, build_stream, restream, streamed_modules
 from residency.records import BlockLog, TransitionLog
-from residency.registry import Claim, Registry
+from residency.registry import Claim, Registry, repacked_claim
 from residency.tensors import DEFAULT_CHUNK_NBYTES
 from residency.transport import Transport, transport_for
 
@@ -257,13 +257,13 @@ class Scheduler:
         with self._lock:
             old = self._registry.lookup(name)
             self._check_not_in_a_phase(old, "refresh")
-            plans = () if old.blocks is None else old.blocks.plans
+            plans, excluded = restream(old)
             aliases = self._registry.aliases_of(old)
-            claim = self._claim_for(old.name, old.policy, old.modules, old.excluded, plans, old)
+            claim = self._claim_for(old.name, old.policy, old.modules, excluded, plans, old)
             self._placement.withdraw(old, evict=False)
             self._registry.unregister(old)
         group = self._pack_claimed(
-            claim, old.modules, old.excluded, old.category, old.detect_edits, old.sharded, plans
+            claim, old.modules, excluded, old.category, old.detect_edits, old.sharded, plans
         )
         return self._enroll(group, aliases)
 
@@ -494,9 +494,9 @@ class Scheduler:
                                            allow_empty=part is group and group.blocks is not None)
         claim = Claim(group.name, group.policy, inventory)
         self._registry.check_claimable(claim, self._placement.spans(), replacing=group)
-        if part is group:
-            needs = self._registry.needs(group.name, group.policy, claim.device_need, ignore=group)
-            self._placement.check_budget(group.name, needs)
+        need = repacked_claim(group, part, inventory).device_need
+        self._placement.check_budget(group.name, self._registry.needs(
+            group.name, group.policy, need, ignore=group))
         master = self._packer.pack(part.name, inventory, require_shared=_why_shared(part.sharded))
         self._placement.forget_views(part)
         owned = [m for inv in group.inventories for m in inv.modules]

@@ -655,7 +655,7 @@ def test_three_blocks_nested_is_refused_and_leaves_the_stream_consistent(schedul
     scheduler = layer_scheduler(schedulers, model)
     model.blocks[2].calls = [model.blocks[0]]
     model.blocks[0].calls = [model.blocks[3]]
-    with pytest.raises(PhaseError, match=r"blocks may nest at most two deep"):
+    with pytest.raises(PhaseError, match=r"were running, nested in each other.s forwards or on other threads; layer mode streams through two slots, so at most two blocks run at once"):
         with scheduler.resident("dit"):
             model(probe_input())
     check_stream(scheduler, "dit")
