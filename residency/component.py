@@ -231,14 +231,16 @@ class Residency:
                 completion = self._recopy_edited(pending.views, watched, completion)
             completion.wait()
             repoint_group(self.inventory, pending.views)
-        except BaseException:
+            device_ptrs = pending.storage.pointers_for(self)
+            if self._detector is not None:  # ordered after the copy by completion.wait()
+                nbytes = self.inventory.layout.contiguous_nbytes
+                self._detector.remember(pending.storage.buffer[:nbytes])
+        except BaseException:  # (tensors already re-pointed go back to the master: _cancel_load)
             self._cancel_load()
             raise
         self._pending = None
         self.device_storage = pending.storage
-        self._device_ptrs = pending.storage.pointers_for(self)
-        if self._detector is not None:  # ordered after the copy by completion.wait()
-            self._detector.remember(self._device_bytes())
+        self._device_ptrs = device_ptrs
         self.state = ResidencyState.RESIDENT
         return pending.nbytes
 
