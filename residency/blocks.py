@@ -82,6 +82,7 @@ __all__ = [
     "find_block_lists",
     "plan_blocks",
     "plan_pipeline_blocks",
+    "replan",
 ]
 
 #: Where a plan's block lists came from, in order of precedence.
@@ -155,6 +156,11 @@ class BlockPlan:
     own_count: int
     #: How many leading blocks stay on the device.
     kept_count: int
+    #: The `lists` that came from ``extra`` (``offload_submodules``: streamed after the model's
+    #: own lists, never kept), and the ``resident_layers`` asked for: what `plan_blocks` was
+    #: given beyond the model, so the plan can be made again (`replan`).
+    extra_lists: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    resident_layers: int = 0
     #: Bytes of every tensor outside the blocks (the resident part), tied ones once.
     outside_nbytes: int
     #: One line on how the blocks were chosen (found lists, clamping), else None.
@@ -554,7 +560,20 @@ def plan_blocks(
         model_path=where, model=model, source=source, lists=(*lists, *extra),
         blocks=[attrs.evolve(b, nbytes=nbytes[i]) for i, b in enumerate(blocks)],
         own_count=len(own), kept_count=kept, outside_nbytes=nbytes[_OUTSIDE], note=note,
+        extra_lists=tuple(extra), resident_layers=resident_layers,
     )
+
+
+def replan(plan: BlockPlan) -> BlockPlan:
+    """`plan` made again from the model as it is now, with what it was made from: the same
+    declared lists (or the class's, or found again), the same extra lists and ``resident_layers``.
+
+        plan = replan(plan)    # a block replaced in its list is the plan's block now
+    """
+    own = plan.lists[: len(plan.lists) - len(plan.extra_lists)]
+    return plan_blocks(plan.model, path=plan.model_path,
+                       declared=own if plan.source == "offload_plan" else None,
+                       extra=plan.extra_lists, resident_layers=plan.resident_layers)
 
 
 def _join(note: str | None, more: str) -> str:

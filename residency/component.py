@@ -230,12 +230,12 @@ class Residency:
             if watched is not None:
                 completion = self._recopy_edited(pending.views, watched, completion)
             completion.wait()
-            repoint_group(self.inventory, pending.views)
             device_ptrs = pending.storage.pointers_for(self)
             if self._detector is not None:  # ordered after the copy by completion.wait()
                 nbytes = self.inventory.layout.contiguous_nbytes
                 self._detector.remember(pending.storage.buffer[:nbytes])
-        except BaseException:  # (tensors already re-pointed go back to the master: _cancel_load)
+            repoint_group(self.inventory, pending.views)  # last: nothing after it can fail
+        except BaseException:
             self._cancel_load()
             raise
         self._pending = None
@@ -309,6 +309,11 @@ class Residency:
         change = self.inventory.changed_structure()
         if change is not None:
             return change
+        return self.misfit_change()
+
+    def misfit_change(self) -> str | None:
+        """The part of `pending_change` that data pointers tell (no module-structure walk): a
+        tensor given storage of another dtype, shape or strides, or untied; None otherwise."""
         now_ptrs = data_ptrs(self.inventory.tensors)
         if now_ptrs == self._host_ptrs:
             return None

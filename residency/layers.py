@@ -31,9 +31,10 @@ re-pointed to its slot when the last block ends, so an edit made between steps -
 a step-end callback - lands in the slot and is written back when it leaves).  A block's copy is
 issued when the block before it starts and parked (re-pointed to its slot) when that block ends;
 an edit block i's own forward makes to block i+1 meanwhile lands in i+1's master and is copied
-again at parking when the version counter or the data pointer shows it, so the only edit i+1 runs
-without is a bytes-only one made there (through ``.data``): it is kept in the master, and i+1 runs
-once with its bytes as copied.  The cost: with
+again at parking when the version counter or the data pointer shows it (a new dtype or shape
+abandons the copy: i+1 is re-packed and loaded at its entry), so the only edit i+1 runs without
+is a bytes-only one made there (through ``.data``): it is kept in the master, and i+1 runs once
+with its bytes as copied.  The cost: with
 ``detect_edits`` (the default) each block's departure reads its digest, one host wait per block
 on an accelerator; ``detect_edits=False`` removes it (then only version counters and data pointers
 tell, as in module mode; docs/guarantees.md).
@@ -61,7 +62,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from residency.blocks import BlockPlan, plan_blocks
+from residency.blocks import BlockPlan, plan_blocks, replan
 from residency.component import Residency
 from residency.enums import Policy, ResidencyState
 from residency.errors import PhaseError, RegistrationError
@@ -121,16 +122,12 @@ def streamed_modules(plans: Sequence[BlockPlan]) -> tuple[nn.Module, ...]:
 
 def restream(group: Residency) -> tuple[tuple[BlockPlan, ...], tuple[nn.Module, ...]]:
     """The block plans and the excluded modules `group` is re-registered with (``refresh``):
-    each plan made again from the block lists it named, so a block replaced in its list streams
-    in its place (the kept blocks as before)."""
+    each plan made again (`residency.blocks.replan`), so a block replaced in its list streams in
+    its place."""
     if group.blocks is None:
         return (), group.excluded
     before = {id(m) for m in streamed_modules(group.blocks.plans)}
-    plans = tuple(
-        plan_blocks(plan.model, path=plan.model_path, declared=plan.lists,
-                    resident_layers=plan.kept_count)
-        for plan in group.blocks.plans
-    )
+    plans = tuple(replan(plan) for plan in group.blocks.plans)
     excluded = tuple(m for m in group.excluded if id(m) not in before)
     return plans, excluded + streamed_modules(plans)
 
@@ -258,7 +255,7 @@ class BlockStream:
                 continue
             block = self.blocks[index]
             if block.state is _LOADING:
-                block._cancel_load()
+                self._cancel(index)
             elif block.state is _RESIDENT:
                 written += self._evict(index, slot)
             self._occupant[slot] = None
@@ -297,7 +294,7 @@ class BlockStream:
             block = self.blocks[index]
             if block.state is _LOADING:
                 self._park(index)
-            elif block.state is _OFFLOADED:
+            if block.state is _OFFLOADED:  # not prefetched, or its copy abandoned at parking
                 self._load_on_demand(index)
             self._running[index] += 1
             try:
@@ -352,12 +349,25 @@ class BlockStream:
 
     def _park(self, index: int) -> None:
         """Finish block `index`'s copy: its tensors now view its slot (see [Note: keeping every
-        edit in layer mode])."""
+        edit in layer mode]).  A block given another dtype or shape while its copy was under way
+        (by the running block's forward) is not parked: the copy is abandoned, and the block is
+        re-packed and loaded when it is entered."""
+        block = self.blocks[index]
+        if block.misfit_change() is not None:
+            self._cancel(index)
+            return
         try:
-            self.blocks[index]._finish_load()
+            block._finish_load()
         except BaseException:  # the load was cancelled: the block is back on its master
             self._vacate(index)
             raise
+
+    def _cancel(self, index: int) -> None:
+        """Abandon block `index`'s copy; its slot is free whether or not that succeeds."""
+        try:
+            self.blocks[index]._cancel_load()
+        finally:
+            self._vacate(index)
 
     def _load_on_demand(self, index: int) -> None:
         """Block `index` was not prefetched (run out of order): load it now."""
@@ -404,8 +414,7 @@ class BlockStream:
         slot = candidates[0]
         held = self._occupant[slot]
         if self.blocks[held].state is _LOADING:
-            self.blocks[held]._cancel_load()
-            self._occupant[slot] = None
+            self._cancel(held)
         else:
             self._evict(held, slot)
         return slot

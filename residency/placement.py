@@ -200,6 +200,8 @@ class Placement:
         self._release_other_mode(group)
         evicted, nbytes = time.perf_counter(), 0
         if group is not None:
+            if group is self.prefetched and group.pending_change() is not None:
+                self.cancel_prefetch()  # changed since its copy began: re-packed, then loaded
             adopt(group)
             with record_function(f"residency::load {group.name}"):
                 nbytes = self._load(group)

@@ -89,16 +89,14 @@ def swap_away(scheduler: Scheduler) -> None:
 
 
 def stream_is_consistent(scheduler: Scheduler) -> bool:
-    """Every block in a slot is that slot's occupant; every other block views its master, or
-    holds tensors re-typed by the user that its next load re-packs (`pending_change`)."""
+    """Every block in a slot is that slot's occupant, and no other block has a tensor in slot
+    memory (it views its master, or storage the user gave it, adopted at its next load)."""
     stream = scheduler["dit"].blocks
     for index, block in enumerate(stream.blocks):
         in_slot = block.state is not OFFLOADED
         if in_slot != (index in stream._occupant):
             return False
-        on_master = [t.data_ptr() for t in block.tensors] == [
-            v.data_ptr() for v in block.host_master.views]
-        if not in_slot and not on_master and block.pending_change() is None:
+        if not in_slot and any(in_a_slot(scheduler, t) for t in block.tensors):
             return False
     return True
 
@@ -322,3 +320,137 @@ def test_refresh_streams_a_block_replaced_in_its_list():
     assert "forward" in replacement.__dict__
     scheduler.close()
     assert same_state(model, reference)
+
+
+# -- the second review: failures at parking and cancelling, re-typed next blocks, re-plans ---------
+
+
+@pytest.mark.parametrize("edit", [
+    lambda block: block.to(torch.float64),
+    lambda block: setattr(block.linear.weight, "data",
+                          block.linear.weight.detach().t().contiguous().t()),
+], ids=["new_dtype", "new_strides"])
+def test_a_next_block_retyped_by_a_forward_runs_and_stays_as_retyped(edit):
+    """Block 1's forward re-types block 2 while block 2's copy is under way: the copy is
+    abandoned at parking, and block 2 is re-packed and loaded when it is entered."""
+    model, reference, scheduler = layered()
+    with scheduler.resident("dit"):
+        model(sample(0))
+
+    def retype_next(block, owner):
+        block.during = None
+        edit(owner.blocks[2])
+
+    model.blocks[1].during = lambda block: retype_next(block, model)
+    reference.blocks[1].during = lambda block: retype_next(block, reference)
+    with scheduler.resident("dit"):
+        assert torch.equal(model(sample(1)), reference(sample(1)))
+    swap_away(scheduler)
+    weight, expected = model.blocks[2].linear.weight, reference.blocks[2].linear.weight
+    assert (weight.dtype, weight.stride()) == (expected.dtype, expected.stride())
+    assert stream_is_consistent(scheduler)
+    scheduler.close()
+    assert same_state(model, reference)
+
+
+def test_a_failed_cancel_frees_its_slot(monkeypatch):
+    """A nested phase stops the stream while block 2's copy is under way and block 2 was given
+    new storage; adopting that storage fails once.  The slot is free all the same."""
+    model, reference, scheduler = layered()
+    with scheduler.resident("dit"):
+        model(sample(0))
+    loading = scheduler["dit"].blocks.blocks[2]
+    write_back = loading._write_back
+
+    def fails_once(indices):
+        monkeypatch.setattr(loading, "_write_back", write_back)
+        raise MemoryError("host memory failure while adopting")
+
+    def replace_then_nest(block):
+        block.during = None
+        weight = model.blocks[2].linear.weight
+        weight.data = weight.detach().clone()
+        monkeypatch.setattr(loading, "_write_back", fails_once)
+        with scheduler.resident("other"):
+            pass
+
+    model.blocks[1].during = replace_then_nest
+    with pytest.raises(MemoryError), scheduler.resident("dit"):
+        model(sample(1))
+    assert stream_is_consistent(scheduler)
+    for seed in (2, 3):
+        with scheduler.resident("dit"):
+            assert torch.equal(model(sample(seed)), reference(sample(seed)))
+    scheduler.close()
+
+
+def test_a_failed_digest_at_parking_leaves_the_block_on_its_master(monkeypatch):
+    model, reference, scheduler = layered()
+    with scheduler.resident("dit"):
+        model(sample(0))
+    block = scheduler["dit"].blocks.blocks[2]
+    detector = block._detector
+    remember = detector.remember
+
+    def fails_once(buffer):
+        monkeypatch.setattr(detector, "remember", remember)
+        raise MemoryError("device memory failure while digesting")
+
+    monkeypatch.setattr(detector, "remember", fails_once)
+    with pytest.raises(MemoryError), scheduler.resident("dit"):
+        model(sample(1))
+    assert block.state is OFFLOADED
+    assert [t.data_ptr() for t in block.tensors] == [v.data_ptr() for v in block.host_master.views]
+    with scheduler.resident("dit"):
+        assert torch.equal(model(sample(2)), reference(sample(2)))
+    scheduler.close()
+
+
+def test_refresh_keeps_extra_lists_unkept_and_the_resident_layers_asked_for():
+    from residency import plan_blocks
+
+    class WithContext(HookDiT):
+        def __init__(self) -> None:
+            super().__init__(depth=4)
+            self.context_encoder = nn.Module()
+            self.context_encoder.layers = nn.ModuleList(HookBlock() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.context_encoder.layers:
+                x = layer(x)
+            return super().forward(x)
+
+    model = WithContext()
+    reference = copy.deepcopy(model)
+    scheduler = Scheduler("cpu")
+    plan = plan_blocks(model, extra=["context_encoder.layers"], resident_layers=9)
+    scheduler.add("dit", model, layers=plan)
+    del model.blocks[1:]  # the own list shrinks to one block: all of it still kept
+    del reference.blocks[1:]
+    group = scheduler.refresh("dit")
+    (again,) = group.blocks.plans
+    assert [b.path for b in again.kept] == ["blocks.0"]
+    assert [b.path for b in again.streamed] == ["context_encoder.layers.0",
+                                                "context_encoder.layers.1"]
+    assert again.resident_layers == 9 and again.source == "class"
+    with scheduler.resident("dit"):
+        assert torch.equal(model(sample(1)), reference(sample(1)))
+    scheduler.close()
+
+
+def test_module_mode_a_prefetched_group_retyped_before_its_phase_is_repacked():
+    first, second = nn.Linear(4, 4), nn.Linear(WIDTH, WIDTH)
+    reference = copy.deepcopy(second)
+    scheduler = Scheduler("cpu")
+    scheduler.add("first", first)
+    scheduler.add("second", second)
+    with scheduler.resident("first"):
+        assert scheduler.prefetch("second")
+        second.to(torch.float64)
+        reference.to(torch.float64)
+    for seed in (0, 1):
+        with scheduler.resident("second"):
+            x = sample(seed).double()
+            assert second.weight.dtype is torch.float64
+            assert torch.equal(second(x), reference(x))
+    scheduler.close()
