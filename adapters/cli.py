@@ -21,8 +21,8 @@ __all__ = ["add_offload_arguments", "offload_config_from_args"]
 
 _CONFIG_HELP = (
     'offload configuration as JSON, for example \'{"mode": "module", "components": '
-    '["dit", "text_encoder"]}\'; "mode" (module; layer parses but cannot run yet) and '
-    '"components" (dit, text_encoder, vae) are required; null means no offloading'
+    '["dit", "text_encoder"]}\'; "mode" (module: whole components swap; layer: their blocks '
+    'stream) and "components" (dit, text_encoder, vae) are required; null means no offloading'
 )
 _LEGACY_HELP = (
     "compatibility switch: offload every DiT and text encoder in turn (module mode); with "

@@ -140,7 +140,13 @@ from torch import nn
 
 from residency.config import OffloadConfig, resolve_config
 from residency.adapters.diffusers_roles import KINDS, Role, roles_of
-from residency.discovery import ENCODER_GROUP, ComponentPlan, build_scheduler, plan_components
+from residency.discovery import (
+    ENCODER_GROUP,
+    ComponentPlan,
+    build_scheduler,
+    check_transfers_have_ranks,
+    plan_components,
+)
 from residency.errors import (
     ConfigError,
     ModuleChangedError,
@@ -217,6 +223,7 @@ def enable_offload(
     gathered = _Gathered.of(parsed)
     if gathered is not None:
         gathered.check_no_cache(owner, components)
+        check_transfers_have_ranks(owner, parsed, process_group)
     plan, roles = _plan(pipe, components, parsed)
     placements = tuple((name, module, _device_of(module)) for name, module in components.items())
     pin_memory = None if parsed.pin_memory else False

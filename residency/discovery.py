@@ -58,6 +58,7 @@ __all__ = [
     "SupportsComponentDiscovery",
     "apply_plan",
     "build_scheduler",
+    "check_transfers_have_ranks",
     "declares_components",
     "plan_components",
     "resolve_path",
@@ -302,6 +303,24 @@ def _weight_transfers(
     if transfers.get(ENCODER_GROUP) == "allgather":
         _check_encoders_replicated(plan.owner, pipeline, encoders)
     return transfers
+
+
+def check_transfers_have_ranks(owner: str, config: OffloadConfig | None, process_group) -> None:
+    """Refuse, before anything is registered, a config that all-gathers a component when no
+    process group was given (the ranks that would split the copy).
+
+        check_transfers_have_ranks("WanPipeline", config, process_group=None)
+    """
+    if config is None or process_group is not None:
+        return
+    gathered = [c for c in config.components if config.weight_transfer_for(c) == "allgather"]
+    if gathered:
+        raise ConfigError(
+            f"{owner}: the offload config gives {gathered} weight_transfer 'allgather', which "
+            "splits each copy among the ranks of a node, and no process_group was given; pass "
+            "process_group= (the job's torch.distributed group, e.g. dist.group.WORLD), or give "
+            "them \"weight_transfer\": \"rank-local\""
+        )
 
 
 def _check_encoders_replicated(owner: str, pipeline: object, encoders: Mapping) -> None:
@@ -689,6 +708,7 @@ def scheduler_from_pipeline(
     *,
     enable_cpu_offload: object = False,
     device=None,
+    process_group: object = None,
 ) -> Registrar:
     """The scheduler for a pipeline that declares its components (``Scheduler.from_pipeline``).
 
@@ -703,6 +723,7 @@ def scheduler_from_pipeline(
     if not declares_components(pipeline):
         raise ConfigError(_undeclared_message(pipeline))
     dits, encoders, vaes, residents = (_declared_modules(pipeline, d) for d in _DECLARATIONS)
+    check_transfers_have_ranks(owner, parsed, process_group)
     plan = plan_components(owner, dits, encoders, vaes, residents, parsed, pipeline=pipeline)
     if parsed is None:
         return build_scheduler(plan, lambda: NoOffload(device))

@@ -37,7 +37,9 @@ is a bytes-only one made there (through ``.data``): it is kept in the master, an
 with its bytes as copied.  The cost: with
 ``detect_edits`` (the default) each block's departure reads its digest, one host wait per block
 on an accelerator; ``detect_edits=False`` removes it (then only version counters and data pointers
-tell, as in module mode; docs/guarantees.md).
+tell, as in module mode; docs/guarantees.md).  With a process group the blocks' masters are
+node-shared pages: an accumulating edit made to a block outside its slot is applied once per rank
+(docs/guarantees.md, "Known limit").
 
 [Note: the block wrappers]
 Models that iterate their block lists themselves (every diffusers DiT) need the streaming to
@@ -242,12 +244,14 @@ class BlockStream:
             if self.blocks[0].state is _LOADING:
                 self._park(0)
 
-    def stop(self) -> int:
+    def stop(self, *, repack: bool = True) -> int:
         """The group leaves the device: every block back in its master; returns bytes written.
 
         If an eviction fails (a write-back refused on a shared master), the stream stays active,
         as the group stays resident.  Forwards still inside a block (a nested phase of another
-        group) are remembered for `start`.
+        group) are remembered for `start`.  A block re-typed in its slot is re-packed at once,
+        unless `repack` is False (the group is being removed: its tensors stay as the user made
+        them, as a removed module-mode group's do).
         """
         written = 0
         for slot, index in enumerate(self._occupant):
@@ -257,7 +261,7 @@ class BlockStream:
             if block.state is _LOADING:
                 self._cancel(index)
             elif block.state is _RESIDENT:
-                written += self._evict(index, slot)
+                written += self._evict(index, slot, repack=repack)
             self._occupant[slot] = None
         self.active = False
         self._suspended += self._running
@@ -276,7 +280,7 @@ class BlockStream:
 
     def close(self) -> None:
         """Stop, take the wrappers off the blocks and drop the slots' views of them."""
-        self.stop()
+        self.stop(repack=False)
         self._suspended.clear()
         for wrapper in self._wrappers:
             wrapper.remove()
@@ -390,7 +394,7 @@ class BlockStream:
             raise
         self._record(index, "load", slot, nbytes)
 
-    def _evict(self, index: int, slot: int) -> int:
+    def _evict(self, index: int, slot: int, *, repack: bool = True) -> int:
         block = self.blocks[index]
         try:
             written = block._evict()
@@ -398,7 +402,7 @@ class BlockStream:
             if block.state is not _RESIDENT:
                 self._occupant[slot] = None
         self._record(index, "evict", slot, written)
-        if block.left_misfits:  # re-typed in its slot: re-pack it, so it views its master again
+        if block.left_misfits and repack:  # re-typed in its slot: re-pack it (views its master)
             self._adopt(block)
         return written
 

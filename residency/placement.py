@@ -161,7 +161,7 @@ class Placement:
             check_held(self._lock)
         self.cancel_prefetch()
         if evict and group.is_resident:
-            self._evict(group)
+            self._evict(group, repack=False)
         if group.blocks is not None:
             group.blocks.close()
         if self.current is group:
@@ -272,10 +272,16 @@ class Placement:
             self._evict(group)
             raise
 
-    def _evict(self, group: Residency) -> int:
-        """Evict a resident group, its streamed blocks first; returns bytes written back."""
-        written = group.blocks.stop() if group.blocks is not None else 0
-        return written + group._evict()
+    def _evict(self, group: Residency, *, repack: bool = True) -> int:
+        """Evict a resident group, its streamed blocks first (re-packing one re-typed in its
+        slot, unless `repack` is False: the group is being withdrawn); returns bytes written."""
+        written = group.blocks.stop(repack=repack) if group.blocks is not None else 0
+        try:
+            return written + group._evict()
+        except BaseException:  # the group stays resident (a refused write-back): so do its blocks
+            if group.blocks is not None:
+                group.blocks.start()
+            raise
 
     def _release_other_mode(self, group: Residency | None) -> None:
         """Free the buffers of the mode `group` is not in (see [Note: layer mode holds no buffer

@@ -191,9 +191,8 @@ class Scheduler:
         `process_group`: as for `Scheduler` (host masters shared by the ranks of a node).
         """
         make = functools.partial(cls, process_group=process_group)
-        return scheduler_from_pipeline(
-            make, pipeline, config, enable_cpu_offload=enable_cpu_offload, device=device
-        )
+        return scheduler_from_pipeline(make, pipeline, config, enable_cpu_offload=enable_cpu_offload,
+                                       device=device, process_group=process_group)
 
     # -- registration ----------------------------------------------------------------------------
 
@@ -285,7 +284,9 @@ class Scheduler:
         """Return every group's weights to host memory and release device storage.
 
         The modules stay usable on the host; the scheduler refuses further use.  Refused
-        (changing nothing) while any phase is active.
+        (changing nothing) while any phase is active.  If a group cannot be evicted (a write-back
+        the ranks disagree on), the error propagates with the groups not yet closed still
+        registered: fix the cause and close again.
         """
         with self._lock:
             if self._closed:
@@ -293,10 +294,10 @@ class Scheduler:
             self._check_no_holders("close the scheduler")
             for group in self._registry:
                 self._check_not_in_a_phase(group, "close the scheduler with")
-            self._closed = True
             for group in self._registry:
                 self._placement.withdraw(group, evict=True)
                 self._registry.unregister(group)
+            self._closed = True
             self._placement.release_shared()
             self._registry.close()
             self._holds.close()  # waiters wake up to SchedulerClosedError

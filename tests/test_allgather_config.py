@@ -255,3 +255,23 @@ def test_a_rank_that_skips_an_all_gathered_phase_makes_every_rank_raise(tmp_path
                 "what it asked for) {0: \"phase #4: enter 'dit'\", 1: \"phase #4: enter "
                 "'vae'\"}") in message, message
         assert "FirstBlockCache" in message and "Every rank raised this error" in message
+
+
+def test_allgather_without_a_process_group_is_refused_before_anything_moves():
+    """Up front, not after the groups before the first all-gathered one were packed."""
+    from residency import ConfigError
+    from residency.adapters.diffusers import enable_offload
+
+    pipe = tiny_flux()
+    before = {name: [t.data_ptr() for t in module.state_dict(keep_vars=True).values()]
+              for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}
+    config = {"mode": "module", "components": ["dit", "text_encoder"],
+              "module_options": {"text_encoder": {"weight_transfer": "allgather"}}}
+    with pytest.raises(ConfigError, match=r"^FluxPipeline: the offload config gives "
+                                          r"\['text_encoder'\] weight_transfer 'allgather', which "
+                                          r"splits each copy among the ranks of a node, and no "
+                                          r"process_group was given; pass process_group="):
+        enable_offload(pipe, config, device="cpu")
+    after = {name: [t.data_ptr() for t in module.state_dict(keep_vars=True).values()]
+             for name, module in pipe.components.items() if isinstance(module, torch.nn.Module)}
+    assert after == before

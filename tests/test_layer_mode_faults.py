@@ -454,3 +454,44 @@ def test_module_mode_a_prefetched_group_retyped_before_its_phase_is_repacked():
             assert second.weight.dtype is torch.float64
             assert torch.equal(second(x), reference(x))
     scheduler.close()
+
+
+def test_close_does_not_repack_a_block_retyped_in_its_slot():
+    """Closing leaves a re-typed block as the user made it (no re-pack that could fail the
+    budget half-way through close), and removes every wrapper."""
+    model, reference, scheduler = layered(device_memory_limit=_limit_for())
+    with scheduler.resident("dit"):
+        model(sample(0))
+    model.blocks[0].to(torch.float64)  # parked in its slot: re-typed there
+    reference.blocks[0].to(torch.float64)
+    scheduler.close()
+    assert list(scheduler) == []
+    assert not any("forward" in block.__dict__ for block in model.blocks)
+    assert model.blocks[0].linear.weight.dtype is torch.float64
+    assert same_state(model, reference)
+    assert torch.equal(model(sample(1)), reference(sample(1)))
+
+
+def test_a_close_that_fails_leaves_the_scheduler_open_to_close_again(monkeypatch):
+    model, reference, scheduler = layered()
+    with scheduler.resident("dit"):
+        model(sample(0))
+    group = scheduler["dit"]
+    evict = group._evict
+
+    def fails_once():
+        monkeypatch.setattr(group, "_evict", evict)
+        raise RuntimeError("write-back refused")
+
+    monkeypatch.setattr(group, "_evict", fails_once)
+    with pytest.raises(RuntimeError, match="write-back refused"):
+        scheduler.close()
+    assert "dit" in scheduler  # still registered, the scheduler still open, still streaming
+    scheduler.block_records.clear()
+    with scheduler.resident("dit"):
+        assert torch.equal(model(sample(1)), reference(sample(1)))
+    assert [r.index for r in scheduler.block_records if r.kind == "compute"] == [0, 1, 2, 3]
+    scheduler.close()
+    assert list(scheduler) == []
+    assert not any("forward" in block.__dict__ for block in model.blocks)
+    assert same_state(model, reference)
