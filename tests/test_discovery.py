@@ -502,3 +502,12 @@ def test_allgathered_encoders_declared_replicated_or_undeclared_plan_to_allgathe
         plan = plan_components("TwoExpertPipeline", dits, encoders, vaes, residents, config,
                                pipeline=pipe)
         assert dict(plan.weight_transfers) == {"text_encoder": "allgather"}
+
+
+def test_from_pipeline_refuses_allgather_without_a_process_group_before_packing(pipe):
+    before = [t.data_ptr() for t in pipe.parameters()]
+    with pytest.raises(ConfigError, match=r"^TwoExpertPipeline: the offload config gives "
+                                          r"\['text_encoder'\] weight_transfer 'allgather', .* "
+                                          r"no process_group was given"):
+        Scheduler.from_pipeline(pipe, ALLGATHER_ENCODERS, device="cpu")
+    assert [t.data_ptr() for t in pipe.parameters()] == before
