@@ -83,6 +83,14 @@ def layered(depth: int = 4, **options) -> tuple[HookDiT, HookDiT, Scheduler]:
     return model, reference, scheduler
 
 
+def warmed(**options) -> tuple[HookDiT, HookDiT, Scheduler]:
+    """`layered`, after one forward in its phase (the first block parked in a slot)."""
+    model, reference, scheduler = layered(**options)
+    with scheduler.resident("dit"):
+        model(sample(0))
+    return model, reference, scheduler
+
+
 def swap_away(scheduler: Scheduler) -> None:
     with scheduler.resident("other"):
         pass
@@ -99,6 +107,17 @@ def stream_is_consistent(scheduler: Scheduler) -> bool:
         if not in_slot and any(in_a_slot(scheduler, t) for t in block.tensors):
             return False
     return True
+
+
+def fail_once(monkeypatch, owner: object, name: str, error: BaseException) -> None:
+    """Make ``owner.name`` raise `error` on its next call, then be itself again."""
+    original = getattr(owner, name)
+
+    def failing(*args, **kwargs):
+        monkeypatch.setattr(owner, name, original)
+        raise error
+
+    monkeypatch.setattr(owner, name, failing)
 
 
 def _in_place(weight):
@@ -140,9 +159,7 @@ def test_an_edit_to_the_next_block_made_by_a_forward_is_kept(edit, detect_edits)
 
 
 def test_two_threads_in_one_block_keep_it_in_its_slot_until_both_leave():
-    model, reference, scheduler = layered()
-    with scheduler.resident("dit"):
-        model(sample(0))
+    model, reference, scheduler = warmed()
     second_inside, first_done, seen = threading.Event(), threading.Event(), {}
 
     def second_thread_waits(block):
@@ -200,18 +217,10 @@ def test_a_nested_phase_inside_a_block_returns_to_the_block_in_a_slot():
 
 
 def test_a_failed_eviction_leaves_the_group_resident_and_streaming(monkeypatch):
-    model, reference, scheduler = layered()
-    with scheduler.resident("dit"):
-        model(sample(0))
+    model, reference, scheduler = warmed()
     parked = scheduler["dit"].blocks.blocks[0]
     assert parked.state is RESIDENT
-    evict = parked._evict
-
-    def fails_once():
-        monkeypatch.setattr(parked, "_evict", evict)
-        raise RuntimeError("write-back refused")
-
-    monkeypatch.setattr(parked, "_evict", fails_once)
+    fail_once(monkeypatch, parked, "_evict", RuntimeError("write-back refused"))
     with pytest.raises(RuntimeError, match="write-back refused"):
         swap_away(scheduler)
     assert scheduler.current == "dit" and scheduler["dit"].blocks.active
@@ -225,9 +234,7 @@ def test_a_failed_eviction_leaves_the_group_resident_and_streaming(monkeypatch):
 
 
 def test_a_failed_repack_of_a_block_leaves_no_stale_slot(monkeypatch):
-    model, reference, scheduler = layered()
-    with scheduler.resident("dit"):
-        model(sample(0))
+    model, reference, scheduler = warmed()
 
     def retype(block):  # re-typed in its slot: re-packed when it leaves
         block.linear.to(torch.float64)
@@ -235,13 +242,7 @@ def test_a_failed_repack_of_a_block_leaves_no_stale_slot(monkeypatch):
 
     for owner in (model, reference):
         owner.blocks[1].during = retype
-    pack = scheduler._packer.pack
-
-    def fails_once(*args, **kwargs):
-        monkeypatch.setattr(scheduler._packer, "pack", pack)
-        raise MemoryError("transient host memory failure")
-
-    monkeypatch.setattr(scheduler._packer, "pack", fails_once)
+    fail_once(monkeypatch, scheduler._packer, "pack", MemoryError("transient host memory failure"))
     with pytest.raises(MemoryError), scheduler.resident("dit"):
         model(sample(1))
     reference(sample(1))
@@ -302,9 +303,7 @@ def test_a_view_of_a_parked_block_is_refused_as_another_groups_tensor():
 
 
 def test_refresh_streams_a_block_replaced_in_its_list():
-    model, reference, scheduler = layered()
-    with scheduler.resident("dit"):
-        model(sample(0))
+    model, reference, scheduler = warmed()
     replacement = HookBlock()
     replacement.load_state_dict(model.blocks[3].state_dict())
     with torch.no_grad():
@@ -333,9 +332,7 @@ def test_refresh_streams_a_block_replaced_in_its_list():
 def test_a_next_block_retyped_by_a_forward_runs_and_stays_as_retyped(edit):
     """Block 1's forward re-types block 2 while block 2's copy is under way: the copy is
     abandoned at parking, and block 2 is re-packed and loaded when it is entered."""
-    model, reference, scheduler = layered()
-    with scheduler.resident("dit"):
-        model(sample(0))
+    model, reference, scheduler = warmed()
 
     def retype_next(block, owner):
         block.during = None
@@ -356,21 +353,13 @@ def test_a_next_block_retyped_by_a_forward_runs_and_stays_as_retyped(edit):
 def test_a_failed_cancel_frees_its_slot(monkeypatch):
     """A nested phase stops the stream while block 2's copy is under way and block 2 was given
     new storage; adopting that storage fails once.  The slot is free all the same."""
-    model, reference, scheduler = layered()
-    with scheduler.resident("dit"):
-        model(sample(0))
+    model, reference, scheduler = warmed()
     loading = scheduler["dit"].blocks.blocks[2]
-    write_back = loading._write_back
-
-    def fails_once(indices):
-        monkeypatch.setattr(loading, "_write_back", write_back)
-        raise MemoryError("host memory failure while adopting")
-
     def replace_then_nest(block):
         block.during = None
         weight = model.blocks[2].linear.weight
         weight.data = weight.detach().clone()
-        monkeypatch.setattr(loading, "_write_back", fails_once)
+        fail_once(monkeypatch, loading, "_write_back", MemoryError("failure while adopting"))
         with scheduler.resident("other"):
             pass
 
@@ -385,18 +374,9 @@ def test_a_failed_cancel_frees_its_slot(monkeypatch):
 
 
 def test_a_failed_digest_at_parking_leaves_the_block_on_its_master(monkeypatch):
-    model, reference, scheduler = layered()
-    with scheduler.resident("dit"):
-        model(sample(0))
+    model, reference, scheduler = warmed()
     block = scheduler["dit"].blocks.blocks[2]
-    detector = block._detector
-    remember = detector.remember
-
-    def fails_once(buffer):
-        monkeypatch.setattr(detector, "remember", remember)
-        raise MemoryError("device memory failure while digesting")
-
-    monkeypatch.setattr(detector, "remember", fails_once)
+    fail_once(monkeypatch, block._detector, "remember", MemoryError("failure while digesting"))
     with pytest.raises(MemoryError), scheduler.resident("dit"):
         model(sample(1))
     assert block.state is OFFLOADED
@@ -459,9 +439,7 @@ def test_module_mode_a_prefetched_group_retyped_before_its_phase_is_repacked():
 def test_close_does_not_repack_a_block_retyped_in_its_slot():
     """Closing leaves a re-typed block as the user made it (no re-pack that could fail the
     budget half-way through close), and removes every wrapper."""
-    model, reference, scheduler = layered(device_memory_limit=_limit_for())
-    with scheduler.resident("dit"):
-        model(sample(0))
+    model, reference, scheduler = warmed(device_memory_limit=_limit_for())
     model.blocks[0].to(torch.float64)  # parked in its slot: re-typed there
     reference.blocks[0].to(torch.float64)
     scheduler.close()
@@ -473,17 +451,9 @@ def test_close_does_not_repack_a_block_retyped_in_its_slot():
 
 
 def test_a_close_that_fails_leaves_the_scheduler_open_to_close_again(monkeypatch):
-    model, reference, scheduler = layered()
-    with scheduler.resident("dit"):
-        model(sample(0))
+    model, reference, scheduler = warmed()
     group = scheduler["dit"]
-    evict = group._evict
-
-    def fails_once():
-        monkeypatch.setattr(group, "_evict", evict)
-        raise RuntimeError("write-back refused")
-
-    monkeypatch.setattr(group, "_evict", fails_once)
+    fail_once(monkeypatch, group, "_evict", RuntimeError("write-back refused"))
     with pytest.raises(RuntimeError, match="write-back refused"):
         scheduler.close()
     assert "dit" in scheduler  # still registered, the scheduler still open, still streaming
