@@ -377,8 +377,7 @@ class _Gathered:
 
     @classmethod
     def of(cls, config: OffloadConfig) -> _Gathered | None:
-        gathered = tuple(c for c in config.components
-                         if config.weight_transfer_for(c) == "allgather")
+        gathered = config.allgathered()
         if not gathered:
             return None
         return cls(gathered, "module_options" if config.mode == "module" else "layer_options")

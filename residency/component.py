@@ -17,11 +17,12 @@ the scheduler's to call (calling them directly would bypass its bookkeeping): th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 import torch
-from torch import nn
-
 import torch.distributed as dist
+from torch import nn
 
 from residency.agreement import agree_write_back, digest_ranges
 from residency.digests import ChangeDetector
@@ -32,7 +33,7 @@ from residency.sharded import ShardedLoad
 from residency.tensors import Inventory, data_ptrs, repoint, repoint_group, versions
 from residency.transport import Completion, Transport
 
-__all__ = ["Policy", "Residency", "ResidencyState"]
+__all__ = ["Policy", "Residency", "ResidencyState", "device_need", "slot_nbytes"]
 
 
 @attrs.frozen
@@ -146,10 +147,8 @@ class Residency:
 
     @property
     def device_need(self) -> int:
-        """Device bytes the group needs while current: its own part, plus two block slots in
-        layer mode."""
-        slots = 0 if self.blocks is None else 2 * self.blocks.slot_nbytes
-        return self.inventory.layout.contiguous_nbytes + slots
+        """Device bytes the group needs while current (`device_need`)."""
+        return device_need(self.inventory, self.inventories[1:], self.sharded)
 
     def layers(self) -> tuple[nn.Module, ...]:
         """The blocks of a layer-mode group, in the order the model runs them; calling one
@@ -232,8 +231,7 @@ class Residency:
             completion.wait()
             device_ptrs = pending.storage.pointers_for(self)
             if self._detector is not None:  # ordered after the copy by completion.wait()
-                nbytes = self.inventory.layout.contiguous_nbytes
-                self._detector.remember(pending.storage.buffer[:nbytes])
+                self._detector.remember(self._device_bytes(pending.storage))
             repoint_group(self.inventory, pending.views)  # last: nothing after it can fail
         except BaseException:
             self._cancel_load()
@@ -279,13 +277,13 @@ class Residency:
         """
         self._require(ResidencyState.RESIDENT, "evict")
         tensors = self.inventory.tensors
-        now_versions, replaced = versions(tensors), self._replaced()
-        left = {i for i, _ in self._misfits(sorted(replaced), replaced)}
-        fitting = [i for i in sorted(replaced) if i not in left]
+        now_versions, replaced = versions(tensors), self._moved_from(self._device_ptrs)
+        left = {i for i, _ in self._misfits(replaced)}
+        fitting = [i for i in replaced if i not in left]
         if self.host_master.shared_group is not None:
             written = self._write_back_agreed(fitting)
         else:  # edits in place first, then new storage: the later copy wins where both touch
-            written = self._write_back_edits(now_versions, replaced)
+            written = self._write_back_edits(now_versions, set(replaced))
             written += self._write_back_replaced(fitting)
         homes = list(self.host_master.views)
         for i in left:
@@ -314,11 +312,7 @@ class Residency:
     def misfit_change(self) -> str | None:
         """The part of `pending_change` that data pointers tell (no module-structure walk): a
         tensor given storage of another dtype, shape or strides, or untied; None otherwise."""
-        now_ptrs = data_ptrs(self.inventory.tensors)
-        if now_ptrs == self._host_ptrs:
-            return None
-        replaced = {i for i, p in enumerate(now_ptrs) if p != self._host_ptrs[i]}
-        misfits = self._misfits(sorted(replaced), replaced)
+        misfits = self._misfits(self._moved_from(self._host_ptrs))
         if not misfits:
             return None
         index, why = misfits[0]
@@ -411,9 +405,11 @@ class Residency:
         self._transport.to_host(pairs).synchronize()
         return sum(host.numel() for host, _ in pairs)
 
-    def _device_bytes(self) -> torch.Tensor:
-        """The group's bytes in its device storage (chunks laid end to end, padding included)."""
-        return self.device_storage.buffer[: self.inventory.layout.contiguous_nbytes]
+    def _device_bytes(self, storage: DeviceStorage | None = None) -> torch.Tensor:
+        """The group's bytes in `storage` (default: the one it is loaded in), chunks laid end to
+        end, padding included."""
+        storage = self.device_storage if storage is None else storage
+        return storage.buffer[: self.inventory.layout.contiguous_nbytes]
 
     def _require(self, state: ResidencyState, action: str) -> None:
         if self.state is not state:
@@ -433,26 +429,28 @@ class Residency:
                 "the group stays offloaded"
             ) from error
 
-    def _replaced(self) -> set[int]:
-        """Tensors given new storage while resident (``.data = ...``, ``module.to(...)``)."""
+    def _moved_from(self, pointers: list[int]) -> list[int]:
+        """Indices of the tensors whose data pointer is no longer the one in `pointers` (given
+        new storage: ``.data = ...``, ``module.to(...)``), in inventory order; one pointer pass."""
         now_ptrs = data_ptrs(self.inventory.tensors)
-        if now_ptrs == self._device_ptrs:
-            return set()
-        return {i for i, p in enumerate(now_ptrs) if p != self._device_ptrs[i]}
+        if now_ptrs == pointers:
+            return []
+        return [i for i, p in enumerate(now_ptrs) if p != pointers[i]]
 
-    def _misfits(self, indices: list[int], replaced: set[int]) -> list[tuple[int, str]]:
-        """(index, why) of changed tensors whose bytes cannot go back to their place in the master.
+    def _misfits(self, replaced: list[int]) -> list[tuple[int, str]]:
+        """(index, why) of tensors given new storage whose bytes cannot go back to their place in
+        the master.
 
         A new dtype, shape or stride needs a new layout; new storage for one of several tensors
         that shared a storage broke the tie, and writing it back would change the others.
         """
         tensors, homes = self.inventory.tensors, self.host_master.views
         misfits = []
-        for i in indices:
+        for i in replaced:
             tensor, home = tensors[i], homes[i]
             if (tensor.dtype, tensor.shape, tensor.stride()) != (home.dtype, home.shape, home.stride()):
                 misfits.append((i, f"it changed from {_kind(home)} to {_kind(tensor)}"))
-            elif i in replaced and self.inventory.shares_region(i):
+            elif self.inventory.shares_region(i):
                 misfits.append((i, "it was given new storage, untying it from the tensors it "
                                    "shared storage with"))
         return misfits
@@ -471,16 +469,28 @@ class Residency:
         """Copy into the master any tensor given new storage while offloaded (``module.to(...)``)
         that still fits its place; returns the indices adopted (misfits are left as they are:
         `pending_change` reports them)."""
-        now_ptrs = data_ptrs(self.inventory.tensors)
-        if now_ptrs == self._host_ptrs:
+        replaced = self._moved_from(self._host_ptrs)
+        if not replaced:
             return set()
-        replaced = [i for i, p in enumerate(now_ptrs) if p != self._host_ptrs[i]]
-        left = {i for i, _ in self._misfits(replaced, set(replaced))}
+        left = {i for i, _ in self._misfits(replaced)}
         adopted = [i for i in replaced if i not in left]
         self._write_back(adopted)
         homes, tensors = self.host_master.views, self.inventory.tensors
         repoint([tensors[i] for i in adopted], [homes[i] for i in adopted])
         return set(adopted)
+
+
+def slot_nbytes(blocks: Iterable[Inventory], sharded: ShardedLoad | None) -> int:
+    """Bytes a layer-mode slot must hold for `blocks`: the largest one's laid-out bytes (whole
+    shards when the node's ranks all-gather each block); 0 without blocks."""
+    largest = max((block.layout.contiguous_nbytes for block in blocks), default=0)
+    return sharded.buffer_nbytes(largest) if sharded is not None and largest else largest
+
+
+def device_need(own: Inventory, blocks: Iterable[Inventory], sharded: ShardedLoad | None) -> int:
+    """Device bytes a group needs while current: its own part, plus two slots for its streamed
+    `blocks` in layer mode.  The one rule for a registered group and a claim alike."""
+    return own.layout.contiguous_nbytes + 2 * slot_nbytes(blocks, sharded)
 
 
 def _kind(tensor: torch.Tensor) -> str:

@@ -440,6 +440,14 @@ class OffloadConfig:
         options = table.get(component)
         return "rank-local" if options is None else options.weight_transfer
 
+    def allgathered(self) -> tuple[str, ...]:
+        """The selected components whose weights the ranks all-gather, in `COMPONENTS` order.
+
+            config.allgathered()   # ('dit',) with "module_options": {"dit": {"weight_transfer":
+                                   # "allgather"}}; () when every component is rank-local
+        """
+        return tuple(c for c in self.components if self.weight_transfer_for(c) == "allgather")
+
     def require_runnable(self) -> None:
         """Every valid config runs, in either mode: a check that raises nothing.
 

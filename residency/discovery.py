@@ -295,11 +295,9 @@ def _weight_transfers(
     """Group name -> "allgather" where the config asks the ranks to split a component's copy."""
     if config is None:
         return {}
-    transfers = {}
-    for name in plan.exclusive:
-        category = plan.categories.get(name)
-        if category in config.components and config.weight_transfer_for(category) != "rank-local":
-            transfers[name] = config.weight_transfer_for(category)
+    gathered = config.allgathered()
+    transfers = {name: "allgather" for name in plan.exclusive
+                 if plan.categories.get(name) in gathered}
     if transfers.get(ENCODER_GROUP) == "allgather":
         _check_encoders_replicated(plan.owner, pipeline, encoders)
     return transfers
@@ -313,7 +311,7 @@ def check_transfers_have_ranks(owner: str, config: OffloadConfig | None, process
     """
     if config is None or process_group is not None:
         return
-    gathered = [c for c in config.components if config.weight_transfer_for(c) == "allgather"]
+    gathered = list(config.allgathered())
     if gathered:
         raise ConfigError(
             f"{owner}: the offload config gives {gathered} weight_transfer 'allgather', which "

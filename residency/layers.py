@@ -65,7 +65,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from residency.blocks import BlockPlan, plan_blocks, replan
-from residency.component import Residency
+from residency.component import Residency, slot_nbytes
 from residency.enums import Policy, ResidencyState
 from residency.errors import PhaseError, RegistrationError
 from residency.memory import DeviceStorage, HostMaster
@@ -217,7 +217,8 @@ class BlockStream:
     def slot_nbytes(self) -> int:
         """Bytes one slot must hold: the largest streamed block's laid-out bytes (whole shards,
         when the node's ranks all-gather each block)."""
-        return max((_buffer_nbytes(b) for b in self.blocks), default=0)
+        sharded = self.blocks[0].sharded if self.blocks else None
+        return slot_nbytes((block.inventory for block in self.blocks), sharded)
 
     def layers(self) -> tuple[nn.Module, ...]:
         """Every planned block (kept and streamed), in the order the model runs them."""
@@ -262,7 +263,6 @@ class BlockStream:
                 self._cancel(index)
             elif block.state is _RESIDENT:
                 written += self._evict(index, slot, repack=repack)
-            self._occupant[slot] = None
         self.active = False
         self._suspended += self._running
         self._running.clear()
@@ -306,7 +306,7 @@ class BlockStream:
             except BaseException:  # the forward will not run, so no exit will come
                 _forget(self._running, index)
                 raise
-            self._log.add(self.name, self._paths[index], index, "compute", self._slot_of(index), 0)
+            self._record(index, "compute", self._slot_of(index), 0)
             return True
 
     def exit(self, index: int) -> None:
@@ -443,11 +443,6 @@ def _forget(counter: collections.Counter, index: int) -> None:
     counter[index] -= 1
     if counter[index] <= 0:
         del counter[index]
-
-
-def _buffer_nbytes(block: Residency) -> int:
-    nbytes = block.inventory.layout.contiguous_nbytes
-    return nbytes if block.sharded is None else block.sharded.buffer_nbytes(nbytes)
 
 
 class _BlockForward:

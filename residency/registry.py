@@ -35,10 +35,11 @@ import attrs
 import torch
 from torch import nn
 
-from residency.component import Residency
+from residency.component import Residency, device_need
 from residency.enums import Policy
 from residency.errors import ConfigError, RegistrationError, UnknownGroupError
 from residency.locks import CHECKING, check_held
+from residency.sharded import ShardedLoad
 from residency.tensors import Inventory, storage_key
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "Registry",
     "check_modules_unowned",
     "check_tensors_disjoint",
+    "owned_modules",
     "owner_of",
     "repacked_claim",
 ]
@@ -68,6 +70,8 @@ class Claim:
     inventory: Inventory
     #: Layer mode: each streamed block's inventory (outside `inventory`).
     blocks: tuple[Inventory, ...] = ()
+    #: How its loads split among the node's ranks (``weight_transfer="allgather"``), or None.
+    sharded: ShardedLoad | None = None
 
     @property
     def inventories(self) -> tuple[Inventory, ...]:
@@ -77,8 +81,7 @@ class Claim:
     @property
     def device_need(self) -> int:
         """Device bytes the group will need while current (as `Residency.device_need`)."""
-        slot = max((block.layout.contiguous_nbytes for block in self.blocks), default=0)
-        return self.inventory.layout.contiguous_nbytes + 2 * slot
+        return device_need(self.inventory, self.blocks, self.sharded)
 
 
 def repacked_claim(group: Residency, part: Residency, inventory: Inventory) -> Claim:
@@ -87,10 +90,11 @@ def repacked_claim(group: Residency, part: Residency, inventory: Inventory) -> C
     blocks = () if group.blocks is None else tuple(
         inventory if block is part else block.inventory for block in group.blocks.blocks
     )
-    return Claim(group.name, group.policy, inventory if part is group else group.inventory, blocks)
+    own = inventory if part is group else group.inventory
+    return Claim(group.name, group.policy, own, blocks, group.sharded)
 
 
-def _modules(owner: Residency | Claim) -> list[nn.Module]:
+def owned_modules(owner: Residency | Claim) -> list[nn.Module]:
     """Every module a group or claim owns (its streamed blocks' included)."""
     return [module for inventory in owner.inventories for module in inventory.modules]
 
@@ -206,7 +210,7 @@ class Registry:
         """
         if replacing is None:
             self._check_name_free(claim.name)
-        self._check_modules_free(claim.name, _modules(claim), replacing)
+        self._check_modules_free(claim.name, owned_modules(claim), replacing)
         for inventory in claim.inventories:
             self._check_tensors_free(claim.name, inventory, spans, replacing)
 
@@ -220,7 +224,7 @@ class Registry:
         """
         if CHECKING:
             check_held(self._lock)
-        self._take_modules(_modules(claim), claim.name, checking=True)
+        self._take_modules(owned_modules(claim), claim.name, checking=True)
         self._claims[claim.name] = claim
 
     def release_claim(self, name: str) -> None:
@@ -229,7 +233,7 @@ class Registry:
             check_held(self._lock)
         claim = self._claims.pop(name, None)
         if claim is not None:
-            self._give_up_modules(_modules(claim))
+            self._give_up_modules(owned_modules(claim))
 
     def enroll(self, group: Residency, aliases: Iterable[str] = ()) -> None:
         """Register a packed group under its claimed name (and `aliases`); takes its modules."""
@@ -238,7 +242,7 @@ class Registry:
         self._claims.pop(group.name, None)
         self._groups[group.name] = group
         self._aliases.update(dict.fromkeys(aliases, group.name))
-        self._take_modules(_modules(group), group.name)
+        self._take_modules(owned_modules(group), group.name)
 
     def unregister(self, group: Residency) -> None:
         """Forget `group`, its aliases and its modules' ownership."""
@@ -247,7 +251,7 @@ class Registry:
         del self._groups[group.name]
         for path in self.aliases_of(group):
             del self._aliases[path]
-        self._give_up_modules(_modules(group))
+        self._give_up_modules(owned_modules(group))
 
     def retake(self, group: Residency, before: Iterable[nn.Module]) -> None:
         """`group` (or one of its blocks) was re-packed: it owned `before`, and now owns what
@@ -255,7 +259,7 @@ class Registry:
         if CHECKING:
             check_held(self._lock)
         self._give_up_modules(before)
-        self._take_modules(_modules(group), group.name)
+        self._take_modules(owned_modules(group), group.name)
 
     def alias(self, path: object, group: Residency) -> None:
         """Let `path` lead to `group`; refused (changing nothing) when it names or leads

@@ -42,7 +42,7 @@ from residency.placement import Placement
 from residency.blocks import BlockPlan
 from residency.layers import as_block_plans, build_stream, restream, streamed_modules
 from residency.records import BlockLog, TransitionLog
-from residency.registry import Claim, Registry, repacked_claim
+from residency.registry import Claim, Registry, owned_modules, repacked_claim
 from residency.tensors import DEFAULT_CHUNK_NBYTES
 from residency.transport import Transport, transport_for
 
@@ -232,7 +232,7 @@ class Scheduler:
         roots = as_modules(name, modules)
         plans = as_block_plans(name, roots, layers, policy)
         excluded = as_excluded(name, exclude, roots) + streamed_modules(plans)
-        claim = self._claim_for(name, policy, roots, excluded, plans)
+        claim = self._claim_for(name, policy, roots, excluded, plans, sharded)
         return self._enroll(self._pack_claimed(
             claim, roots, excluded, category, detect_edits, sharded, plans
         ))
@@ -258,7 +258,8 @@ class Scheduler:
             self._check_not_in_a_phase(old, "refresh")
             plans, excluded = restream(old)
             aliases = self._registry.aliases_of(old)
-            claim = self._claim_for(old.name, old.policy, old.modules, excluded, plans, old)
+            claim = self._claim_for(old.name, old.policy, old.modules, excluded, plans,
+                                    old.sharded, old)
             self._placement.withdraw(old, evict=False)
             self._registry.unregister(old)
         group = self._pack_claimed(
@@ -428,12 +429,12 @@ class Scheduler:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _claim_for(self, name, policy, roots, excluded, plans, replacing=None) -> Claim:
+    def _claim_for(self, name, policy, roots, excluded, plans, sharded, replacing=None) -> Claim:
         """Inventory a group (its own part, then each streamed block), check it against
         everything registered and reserve it."""
         blocks = tuple(self._packer.inventory((m,), ()) for m in streamed_modules(plans))
         inventory = self._packer.inventory(roots, excluded, allow_empty=bool(blocks))
-        claim = Claim(name, policy, inventory, blocks)
+        claim = Claim(name, policy, inventory, blocks, sharded)
         with self._lock:
             self._check_open()
             self._registry.check_claimable(claim, self._placement.spans(), replacing=replacing)
@@ -500,7 +501,7 @@ class Scheduler:
             group.name, group.policy, need, ignore=group))
         master = self._packer.pack(part.name, inventory, require_shared=_why_shared(part.sharded))
         self._placement.forget_views(part)
-        owned = [m for inv in group.inventories for m in inv.modules]
+        owned = owned_modules(group)
         part._adopt(inventory, master)
         self._registry.retake(group, owned)
         _log.info("group %r changed (%s); re-packed %d tensors of %s (%.1f MiB)", group.name,
