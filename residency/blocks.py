@@ -139,8 +139,8 @@ class BlockPlan:
         plan.slot_nbytes                       # bytes one reused slot must hold
 
     The group's resident part while its phase is active is everything outside the blocks
-    (`outside_nbytes`) plus the kept blocks; each streamed block is a byte range of the same
-    host master.  Built by `plan_blocks`, which checked every rule; validates itself.
+    (`outside_nbytes`) plus the kept blocks; each streamed block has a host master of its own
+    (`residency.layers`).  Built by `plan_blocks`, which checked every rule; validates itself.
     """
 
     #: The model's path in its pipeline ("transformer"), or its class name when alone.
