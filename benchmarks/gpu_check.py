@@ -443,31 +443,40 @@ def _reserved_over(phases: Callable[[int], None], transitions: int, device: torc
             "max_reserved": torch.cuda.max_memory_reserved()}
 
 
+def _compare_modes(check: _Check, entries, *, budget_s: float, run) -> dict:
+    """Run `run(label)` -> (result, output) for each (label, reason-to-skip or None) while at least
+    `budget_s` of the check's time is left; a mode that fails is recorded, not fatal (it must not
+    hide the others), and each output is compared bit for bit with the first one."""
+    modes, reference = {}, None
+    for label, reason in entries:
+        remaining = check.deadline - time.monotonic()
+        if reason is None and remaining < budget_s:
+            reason = f"time budget: {remaining:.0f} s left"
+        if reason is not None:
+            modes[label] = {"skipped": reason}
+            continue
+        try:
+            modes[label], output = run(label)
+        except Exception as error:
+            modes[label] = {"error": f"{type(error).__name__}: {error}",
+                            "traceback": traceback.format_exc().splitlines()[-6:]}
+            _release_memory(check.device)
+            continue
+        reference = output if reference is None else reference
+        modes[label]["bit_identical_to_none"] = bool(torch.equal(output, reference))
+        del output
+        _release_memory(check.device)
+    return modes
+
+
 def pipeline(check: _Check) -> dict:
     """The Wan2.2-shaped pipeline under every offloader; overhead against bytes moved / ceiling."""
     device, config = check.device, check.sizes.pipeline
     state = wan_shaped.make_state(config, device)
     ids, latents = wan_shaped.inputs(config, device)
-    modes, reference = {}, None
-    for mode in OFFLOADERS:
-        reason = unavailable(mode, device, allow_cpu=check.dry_run)
-        remaining = check.deadline - time.monotonic()
-        if reason is None and remaining < 45:
-            reason = f"time budget: {remaining:.0f} s left"
-        if reason is not None:
-            modes[mode] = {"skipped": reason}
-            continue
-        try:
-            modes[mode], output = _pipeline_mode(check, mode, state, ids, latents)
-        except Exception as error:  # one offloader failing must not hide the others
-            modes[mode] = {"error": f"{type(error).__name__}: {error}",
-                           "traceback": traceback.format_exc().splitlines()[-6:]}
-            _release_memory(device)
-            continue
-        reference = output if reference is None else reference
-        modes[mode]["bit_identical_to_none"] = bool(torch.equal(output, reference))
-        del output
-        _release_memory(device)
+    entries = [(mode, unavailable(mode, device, allow_cpu=check.dry_run)) for mode in OFFLOADERS]
+    modes = _compare_modes(check, entries, budget_s=45,
+                           run=lambda mode: _pipeline_mode(check, mode, state, ids, latents))
     weights = {name: sum(t.nbytes for t in part.values()) for name, part in state.items()}
     moved = sum(n for name, n in weights.items() if name != "vae")
     result = {"config": attrs.asdict(config, value_serializer=lambda i, a, v: str(v)
@@ -533,27 +542,11 @@ def layer_mode(check: _Check) -> dict:
     sizing = _layer_tokens(check, state)
     shape = sizes.layer_dit.with_tokens(sizing["tokens"])
     args = layer_models.inputs(shape, device)
-    modes, reference = {}, None
-    for label, mode, resident_layers in LAYER_MODES:
-        reason = unavailable(mode, device, allow_cpu=check.dry_run) if mode.startswith(
-            "diffusers") else None
-        remaining = check.deadline - time.monotonic()
-        if reason is None and remaining < 30:
-            reason = f"time budget: {remaining:.0f} s left"
-        if reason is not None:
-            modes[label] = {"skipped": reason}
-            continue
-        try:
-            modes[label], output = _layer_mode_run(check, shape, state, args, mode, resident_layers)
-        except Exception as error:  # one mode failing must not hide the others
-            modes[label] = {"error": f"{type(error).__name__}: {error}",
-                            "traceback": traceback.format_exc().splitlines()[-6:]}
-            _release_memory(device)
-            continue
-        reference = output if reference is None else reference
-        modes[label]["bit_identical_to_none"] = bool(torch.equal(output, reference))
-        del output
-        _release_memory(device)
+    spec = {label: (mode, resident_layers) for label, mode, resident_layers in LAYER_MODES}
+    entries = [(label, unavailable(mode, device, allow_cpu=check.dry_run)
+                if mode.startswith("diffusers") else None) for label, (mode, _) in spec.items()]
+    modes = _compare_modes(check, entries, budget_s=30,
+                           run=lambda label: _layer_mode_run(check, shape, state, args, *spec[label]))
     none_s = modes.get("none", {}).get("median_s")
     compute_covers_copy = sizing["block_compute_s"] >= sizing["block_copy_s"]
     for label, result in modes.items():
