@@ -61,18 +61,37 @@ class TransitionRecord:
         return self.nbytes / self.load_seconds if self.load_seconds > 0 else 0.0
 
 
-class TransitionLog:
-    """The newest `limit` records plus running totals over every transition ever made.
+class _KeptLog:
+    """The newest `limit` entries, newest last, behind a small lock of the log's own.
 
-    Appended to by the scheduler (under its lock) and read by anyone: its own small lock makes a
-    reader's iteration a snapshot, so a loop over ``scheduler.transitions`` while another thread
-    changes phases sees whole records, never a deque mutated under it.
+    Appended to by the scheduler (under its lock) and read by anyone: the log's lock makes a
+    reader's iteration a snapshot, so a loop over the records while another thread changes phases
+    sees whole records, never a deque mutated under it.  Subclasses keep running totals over
+    every entry ever appended, which `clear` leaves alone.
     """
 
-    def __init__(self, limit: int = 10_000) -> None:
+    def __init__(self, limit: int) -> None:
         self._lock = threading.Lock()
-        #: The kept records, newest last.
-        self._records: collections.deque[TransitionRecord] = collections.deque(maxlen=limit)
+        self._records: collections.deque = collections.deque(maxlen=limit)
+
+    def clear(self) -> None:
+        """Forget the kept records (the totals stay)."""
+        with self._lock:
+            self._records.clear()
+
+    def _snapshot(self) -> list:
+        with self._lock:
+            return list(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+class TransitionLog(_KeptLog):
+    """The newest `limit` transition records plus running totals over every transition made."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        super().__init__(limit)
         #: Transitions made since the scheduler was created (not bounded by `limit`).
         self.count = 0
         #: Bytes loaded over all transitions.
@@ -84,17 +103,8 @@ class TransitionLog:
             self.count += 1
             self.nbytes += record.nbytes
 
-    def clear(self) -> None:
-        """Forget the kept records (the totals stay)."""
-        with self._lock:
-            self._records.clear()
-
     def __iter__(self) -> Iterator[TransitionRecord]:
-        with self._lock:
-            return iter(list(self._records))
-
-    def __len__(self) -> int:
-        return len(self._records)
+        return iter(self._snapshot())
 
     def __getitem__(self, index: int) -> TransitionRecord:
         with self._lock:
@@ -126,18 +136,15 @@ class BlockRecord:
     time: float
 
 
-class BlockLog:
+class BlockLog(_KeptLog):
     """The newest `limit` block records, with running totals (shared by a scheduler's groups).
 
-    Appended to under the scheduler lock, as plain tuples (a few per block per step: building a
-    `BlockRecord` each time would cost microseconds on the hot path); iterating builds the records,
-    from a snapshot taken under the log's own lock.
+    Kept as plain tuples of `BlockRecord`'s fields (a few per block per step: building a
+    `BlockRecord` each time would cost microseconds on the hot path); iterating builds the records.
     """
 
     def __init__(self, limit: int = 10_000) -> None:
-        self._lock = threading.Lock()
-        #: BlockRecord fields in order, newest last.
-        self._records: collections.deque[tuple] = collections.deque(maxlen=limit)
+        super().__init__(limit)
         #: Block copies host to device since the scheduler was created, and their bytes.
         self.copies = 0
         self.nbytes = 0
@@ -151,18 +158,8 @@ class BlockLog:
                 self.copies += 1
                 self.nbytes += nbytes
 
-    def clear(self) -> None:
-        """Forget the kept records (the totals stay)."""
-        with self._lock:
-            self._records.clear()
-
     def __iter__(self) -> Iterator[BlockRecord]:
-        with self._lock:
-            kept = list(self._records)
-        return iter([BlockRecord(*fields) for fields in kept])
-
-    def __len__(self) -> int:
-        return len(self._records)
+        return iter([BlockRecord(*fields) for fields in self._snapshot()])
 
     def __repr__(self) -> str:
         return f"<BlockLog {len(self)} kept, {self.copies} block copies, {self.nbytes} bytes>"
