@@ -234,7 +234,7 @@ class Scheduler:
         excluded = as_excluded(name, exclude, roots) + streamed_modules(plans)
         claim = self._claim_for(name, policy, roots, excluded, plans, sharded)
         return self._enroll(self._pack_claimed(
-            claim, roots, excluded, category, detect_edits, sharded, plans
+            claim, roots, excluded, category, detect_edits, plans
         ))
 
     def alias(self, path: str, name: str) -> None:
@@ -263,7 +263,7 @@ class Scheduler:
             self._placement.withdraw(old, evict=False)
             self._registry.unregister(old)
         group = self._pack_claimed(
-            claim, old.modules, excluded, old.category, old.detect_edits, old.sharded, plans
+            claim, old.modules, excluded, old.category, old.detect_edits, plans
         )
         return self._enroll(group, aliases)
 
@@ -444,12 +444,13 @@ class Scheduler:
         return claim
 
     def _pack_claimed(
-        self, claim, roots, excluded, category, detect_edits, sharded, plans
+        self, claim, roots, excluded, category, detect_edits, plans
     ) -> Residency:
         """Pack a claimed group outside the lock (see [Note: packing outside the lock])."""
         # [Note: packing outside the lock] Building a master of many GiB takes seconds; phases of
         # other threads must not wait for it.  The claim keeps the name, modules and tensors
         # from being registered twice meanwhile.
+        sharded = claim.sharded
         pack = functools.partial(self._packer.pack, require_shared=_why_shared(sharded))
         try:
             group = Residency(
