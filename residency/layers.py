@@ -207,7 +207,6 @@ class BlockStream:
         self._running: collections.Counter[int] = collections.Counter()
         self._suspended: collections.Counter[int] = collections.Counter()
         self.active = False
-        self._paths = [block.name for block in blocks]
         self._wrappers = [_BlockForward.install(self, i, b.modules[0]) for i, b in enumerate(blocks)]
 
     def __repr__(self) -> str:
@@ -380,7 +379,7 @@ class BlockStream:
         slot = self._free_slot()
         if slot is None:
             raise PhaseError(
-                f"group {self.name!r}: block {self._paths[index]} was called while two other "
+                f"group {self.name!r}: block {self.blocks[index].name} was called while two other "
                 f"blocks ({self._describe_running()}) were running, nested in each other's "
                 "forwards or on other threads; layer mode streams through two slots, so at most "
                 "two blocks run at once. Run the blocks one after another, or register the group "
@@ -432,10 +431,10 @@ class BlockStream:
         return next((s for s, held in enumerate(self._occupant) if held == index), None)
 
     def _describe_running(self) -> str:
-        return ", ".join(self._paths[i] for i in sorted(self._running))
+        return ", ".join(self.blocks[i].name for i in sorted(self._running))
 
     def _record(self, index: int, kind: str, slot: int, nbytes: int) -> None:
-        self._log.add(self.name, self._paths[index], index, kind, slot, nbytes)
+        self._log.add(self.name, self.blocks[index].name, index, kind, slot, nbytes)
 
 
 def _forget(counter: collections.Counter, index: int) -> None:
