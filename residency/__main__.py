@@ -72,7 +72,7 @@ DEFAULT_PROMPT = "a cat walking on the moon"
 #: Exit statuses, as `--help` lists them.
 EXIT_OK, EXIT_DIFFERS, EXIT_USAGE, EXIT_CRASHED = 0, 1, 2, 3
 EPILOG = """exit status:
-  0  the outputs are bit-identical (or not compared: --no-check)
+  0  the outputs are bit-identical (or not compared: --no-check, or null: offloading off)
   1  the outputs differ
   2  bad usage: an argument, the offload config or the pipeline was refused (nothing was run)
   3  crashed: an unexpected error; its traceback and a one-line summary are on stderr"""
@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m residency",
         description="Run a pipeline with and without model-level offloading; check the outputs "
-        "are bit-identical and print the phase timeline.",
+        "are bit-identical and print the phase timeline.\nThe offload config defaults to module "
+        "mode with dit and text_encoder;\n--diffusion-offload-config null runs the pipeline once "
+        "without offloading.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -389,8 +391,7 @@ def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torc
     seconds = time.perf_counter() - start
     return _finish(
         scheduler, recorder=recorder, spans=recorder.spans, output=output, expected=expected,
-        plain_seconds=plain_seconds,
-        offloaded_seconds=seconds, device=device,
+        plain_seconds=plain_seconds, offloaded_seconds=seconds, device=device,
         title=f"synthetic Wan2.2-T2V-A14B-shaped pipeline, size {args.size!r}, {args.steps} steps",
     )
 
