@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     plain = copy.deepcopy(pipe)
     try:
         scheduler = Scheduler.from_pipeline(pipe, config, device="cpu")
-    except ConfigError as error:  # for example layer mode, which parses but cannot run yet
+    except ConfigError as error:  # e.g. layer mode here: these Linears have no blocks to stream
         parser.error(str(error))
     print("scheduler:", scheduler)
     prompt = torch.randn(2, 32)

@@ -6,7 +6,8 @@ Every rank builds the same synthetic Wan2.2-shaped pipeline, offloads it with a 
 given the job's process group, and checks its video bit for bit against the same pipeline never
 offloaded.  The ranks of the host share one host master per group (they compare their weights
 first; tensor-parallel shards would each keep their own), so host memory per node is the weights
-once, not once per rank.  Each rank prints one line; rank 0 prints the sum of the ranks' memory.
+once, not once per rank.  Each rank prints one line; rank 0 then prints the host memory the ranks'
+masters hold together, against what it would be if each rank kept its own.
 """
 
 from __future__ import annotations
@@ -31,11 +32,26 @@ def main() -> None:
     shared = sorted(n for n in pipe.offload if pipe.offload[n].host_master.shared_group)
     print(f"rank {rank}: bit-identical={same}, groups sharing one host master: {shared}",
           flush=True)
+    report_host_memory(pipe.offload)
     pipe.offload.close()
     dist.barrier()
     dist.destroy_process_group()
     if not same:
         raise SystemExit(1)
+
+
+def report_host_memory(scheduler: Scheduler) -> None:
+    """Rank 0 prints the bytes of every rank's host masters, a shared master counted once."""
+    masters = [scheduler[name].host_master for name in scheduler]
+    own = sum(m.nbytes for m in masters if m.shared_group is None)
+    shared = sum(m.nbytes for m in masters if m.shared_group is not None)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, (own, shared))  # every rank's (own, shared) bytes
+    if dist.get_rank() == 0:
+        held = sum(own for own, _ in ranks) + max(shared for _, shared in ranks)  # one host
+        each_own = sum(own + shared for own, shared in ranks)
+        print(f"host masters of all {len(ranks)} ranks: {held} bytes ({each_own} bytes if "
+              "each rank kept its own)", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,22 +8,27 @@
 It runs the pipeline once without offloading and once under the offload config (default: module
 mode, dit and text_encoder), checks that the outputs are bit-identical, and prints each phase
 change: bytes moved, seconds, GB/s, the floor (a plain copy of the same bytes, measured in the same
-run) and the peak device bytes.  Every argument is checked before any work (the device exists, the
-trace path is writable, the pipeline folder holds a diffusers model, the config validates).  Exit
-status (`EXIT_STATUSES`): 0 when the outputs are identical, 1 when they differ, 2 for bad
-arguments or a refused configuration, 3 when the run crashed (an unexpected exception: its
-traceback, then a one-line summary, go to stderr).  Progress lines go to stderr as the run goes.
+run) and the peak device bytes.  ``--diffusion-offload-config null`` means offloading off: the
+pipeline runs once, nothing offloaded, and the report says so.  Every argument is checked before
+any work (the device exists, the trace path is writable, the pipeline folder holds a diffusers
+model, the config validates).  Exit status (`EXIT_STATUSES`): 0 when the outputs are identical, 1
+when they differ, 2 for bad arguments or a refused configuration, 3 when the run crashed (an
+unexpected exception: its traceback, then a one-line summary, go to stderr).  Progress lines go to
+stderr as the run goes, and so do the library's notes (logger ``residency``, INFO and up).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -34,13 +39,20 @@ import torch
 import torch.distributed as dist
 
 from residency.adapters.cli import add_offload_arguments, offload_config_from_args
-from residency.adapters.diffusers import describe, disable_offload, enable_offload
+from residency.adapters.diffusers import (
+    ENTRY_POINTS,
+    PhaseEntry,
+    describe,
+    disable_offload,
+    enable_offload,
+)
 from residency.config import OffloadConfig
 from residency.errors import ResidencyError
 from residency.scheduler import Scheduler
 from residency.synthetic import SIZES, SyntheticWan22
 from residency.timeline import (
     PhaseRecorder,
+    PhaseSpan,
     format_bytes,
     format_timeline,
     measure_floor,
@@ -53,11 +65,14 @@ __all__ = ["main"]
 
 #: The offload config when no flag gives one.
 DEFAULT_CONFIG = OffloadConfig(mode="module", components=("dit", "text_encoder"))
+#: ``args.diffusion_offload_config`` when the flag is absent (JSON ``null`` parses to None).
+#: (Not a string: argparse would parse a string default as JSON.)
+NOT_GIVEN = object()
 DEFAULT_PROMPT = "a cat walking on the moon"
 #: Exit statuses, as `--help` lists them.
 EXIT_OK, EXIT_DIFFERS, EXIT_USAGE, EXIT_CRASHED = 0, 1, 2, 3
 EPILOG = """exit status:
-  0  the outputs are bit-identical (or not compared: --no-check)
+  0  the outputs are bit-identical (or not compared: --no-check, or null: offloading off)
   1  the outputs differ
   2  bad usage: an argument, the offload config or the pipeline was refused (nothing was run)
   3  crashed: an unexpected error; its traceback and a one-line summary are on stderr"""
@@ -77,6 +92,8 @@ class Run:
     layer_lines: list[str]
     first_index: int
     recorder: PhaseRecorder | None
+    #: The phases of the offloaded run, as the trace's "phases" track shows them.
+    spans: list[PhaseSpan]
     floor: dict[str, float]
     output: torch.Tensor
     expected: torch.Tensor | None
@@ -90,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m residency",
         description="Run a pipeline with and without model-level offloading; check the outputs "
-        "are bit-identical and print the phase timeline.",
+        "are bit-identical and print the phase timeline.\nThe offload config defaults to module "
+        "mode with dit and text_encoder;\n--diffusion-offload-config null runs the pipeline once "
+        "without offloading.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -125,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     diffusers.add_argument("--call-args", metavar="JSON", type=_json_object, default={},
                            help="more keyword arguments for the pipeline call, as a JSON object")
     add_offload_arguments(parser)
+    parser.set_defaults(diffusion_offload_config=NOT_GIVEN)  # tells the default from JSON null
     return parser
 
 
@@ -132,16 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     """Parse and check `argv`, run, print the report; returns the exit status (see `EPILOG`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    config = offload_config_from_args(parser, args) or DEFAULT_CONFIG
+    config = _offload_config(parser, args)
     device = _check_arguments(parser, args)
     if args.nproc > 1:
         return _launch_ranks(args.nproc, sys.argv[1:] if argv is None else argv)
     try:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank that _launch_ranks started
-            _join_ranks()
-            with _leaving_the_job():
-                return _run_and_report(args, config, device)
-        return _run_and_report(args, config, device)
+        with _printing_notes():
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank that _launch_ranks started
+                _join_ranks()
+                with _leaving_the_job():
+                    return _run_and_report(args, config, device)
+            return _run_and_report(args, config, device)
     except ResidencyError as error:
         parser.exit(EXIT_USAGE, f"{parser.prog}: error: {error}\n")
     except Exception as error:  # an unexpected failure: say so, with its own exit status
@@ -152,7 +173,46 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CRASHED
 
 
-def _run_and_report(args: argparse.Namespace, config: OffloadConfig, device: torch.device) -> int:
+def _offload_config(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> OffloadConfig | None:
+    """The config the flags ask for: `DEFAULT_CONFIG` when neither offloading flag is given, None
+    (offloading off) for ``--diffusion-offload-config null``."""
+    given = args.diffusion_offload_config is not NOT_GIVEN
+    if not given and not args.enable_cpu_offload:
+        return DEFAULT_CONFIG
+    flags = argparse.Namespace(**vars(args))
+    if not given:
+        flags.diffusion_offload_config = None
+    return offload_config_from_args(parser, flags)
+
+
+@contextlib.contextmanager
+def _printing_notes() -> Iterator[None]:
+    """Print the library's notes (logger ``residency``, INFO and up) to stderr while the job runs.
+
+    They say which blocks layer mode streams and why, which components were left unclassified,
+    what a stage with nothing to take turns with does: part of what the job reports, and silent
+    without a handler (Python shows only warnings then).  The logger's level and handlers are
+    restored afterwards."""
+    logger = logging.getLogger("residency")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("residency %(levelname)s: %(message)s"))
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _run_and_report(
+    args: argparse.Namespace, config: OffloadConfig | None, device: torch.device
+) -> int:
+    if config is None:
+        return _run_without_offloading(args, device)
     run = (_run_pipeline if args.pipeline else _run_synthetic)(args, config, device)
     if _is_first_rank():
         print(_report(run, config, device))
@@ -164,8 +224,7 @@ def _run_and_report(args: argparse.Namespace, config: OffloadConfig, device: tor
         same = run.expected is None or torch.equal(run.output, run.expected)
         print(f"rank {dist.get_rank()}: output {'bit-identical' if same else 'DIFFERS'}")
     if args.trace is not None:
-        spans = run.recorder.spans if run.recorder is not None else ()
-        write_trace(args.trace, run.records, spans, run.block_records)
+        write_trace(args.trace, run.records, run.spans, run.block_records)
         print(f"trace: {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     run.scheduler.close()
     if run.expected is None or torch.equal(run.output, run.expected):
@@ -331,8 +390,8 @@ def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torc
                   progress=_progress("run with offloading")).cpu()
     seconds = time.perf_counter() - start
     return _finish(
-        scheduler, recorder=recorder, output=output, expected=expected, plain_seconds=plain_seconds,
-        offloaded_seconds=seconds, device=device,
+        scheduler, recorder=recorder, spans=recorder.spans, output=output, expected=expected,
+        plain_seconds=plain_seconds, offloaded_seconds=seconds, device=device,
         title=f"synthetic Wan2.2-T2V-A14B-shaped pipeline, size {args.size!r}, {args.steps} steps",
     )
 
@@ -346,23 +405,13 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
     A diffusers pipeline may carry state between calls, so each copy is loaded fresh and called
     once; the plain copy is dropped before the offloaded one is loaded (never both in memory).
     """
-    kwargs = {"prompt": args.prompt, "num_inference_steps": args.steps, "output_type": "pt"}
-    for name in ("height", "width", "num_frames"):
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
-    kwargs |= args.call_args
-
-    def generate(pipe) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(args.seed)
-        return _first_tensor(pipe(**kwargs, generator=generator)).cpu()
-
     expected, plain_seconds = None, None
     report = _progress(f"pipeline {args.pipeline}")
     if args.check:
         report("loading, then the run without offloading")
         plain = _load_pipeline(args.pipeline).to(device)
         start = time.perf_counter()
-        expected = generate(plain)
+        expected = _generate(plain, args)
         plain_seconds = time.perf_counter() - start
         del plain
         _release_device_memory(device)
@@ -372,15 +421,74 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
     scheduler = enable_offload(pipe, config, device=device)
     _reset_allocator_peak(device)
     start = time.perf_counter()
-    output = generate(pipe)
+    with _recording_phases(pipe) as spans:
+        output = _generate(pipe, args)
     seconds = time.perf_counter() - start
     run = _finish(
-        scheduler, recorder=None, output=output, expected=expected, plain_seconds=plain_seconds,
-        offloaded_seconds=seconds, device=device,
+        scheduler, recorder=None, spans=spans, output=output, expected=expected,
+        plain_seconds=plain_seconds, offloaded_seconds=seconds, device=device,
         title=f"{type(pipe).__name__} from {args.pipeline}, {args.steps} steps",
     )
     disable_offload(pipe)
     return run
+
+
+def _generate(pipe, args: argparse.Namespace) -> torch.Tensor:
+    """One call of the diffusers pipeline `pipe` with the flags' arguments; its output tensor."""
+    kwargs = {"prompt": args.prompt, "num_inference_steps": args.steps, "output_type": "pt"}
+    for name in ("height", "width", "num_frames"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    kwargs |= args.call_args
+    generator = torch.Generator().manual_seed(args.seed)
+    return _first_tensor(pipe(**kwargs, generator=generator)).cpu()
+
+
+@contextlib.contextmanager
+def _recording_phases(pipe) -> Iterator[list[PhaseSpan]]:
+    """Record each call of `pipe`'s offloaded entry points as a phase (the trace's "phases").
+
+    The synthetic pipeline enters its phases through a `PhaseRecorder`; a diffusers pipeline
+    enters them in the adapter's `PhaseEntry` wrappers, so each of those gets a timing wrapper on
+    top for the block's duration, and is put back when it ends.
+    """
+    spans: list[PhaseSpan] = []
+    timed = []
+    for module in pipe.components.values():
+        for attribute in ENTRY_POINTS:
+            entry = vars(module).get(attribute) if isinstance(module, torch.nn.Module) else None
+            if isinstance(entry, PhaseEntry):
+                setattr(module, attribute, _TimedEntry(entry, spans))
+                timed.append((module, attribute, entry))
+    try:
+        yield spans
+    finally:
+        for module, attribute, entry in timed:
+            setattr(module, attribute, entry)
+
+
+class _TimedEntry:
+    """Calls a `PhaseEntry` and appends a `PhaseSpan` for the call (see `_recording_phases`)."""
+
+    def __init__(self, entry: PhaseEntry, spans: list[PhaseSpan]) -> None:
+        functools.update_wrapper(self, entry)  # inspect.signature sees the original's
+        self._entry = entry
+        self._spans = spans
+
+    def __call__(self, *args, **kwargs):
+        log = self._entry.scheduler.transitions
+        count, start = log.count, time.perf_counter()
+        try:
+            return self._entry(*args, **kwargs)
+        finally:
+            # The call's phase change, if it made one: the first transition after `count`.
+            position = count - (log.count - len(log))
+            record = log[position] if log.count > count and position >= 0 else None
+            self._spans.append(PhaseSpan(
+                name=self._entry.group, start=start, end=time.perf_counter(),
+                enter_seconds=record.seconds if record is not None else 0.0,
+                transition=count if log.count > count else None,
+                thread=threading.current_thread().name))
 
 
 def _load_pipeline(path: Path):
@@ -406,6 +514,50 @@ def _first_tensor(output) -> torch.Tensor:
         f"the pipeline returned {type(value).__name__}, not a tensor, so the outputs cannot be "
         "compared bit for bit; pass --call-args '{\"output_type\": \"pt\"}' (or \"np\")"
     )
+
+
+# -- offloading off: --diffusion-offload-config null ----------------------------------------------
+
+
+def _run_without_offloading(args: argparse.Namespace, device: torch.device) -> int:
+    """One run with every component on `device` and nothing offloaded; the report says so.
+
+    There is no second run to compare with, so the output is not compared (exit status 0).  The
+    synthetic pipeline's phases (all doing nothing) still go to ``--trace``.
+    """
+    recorder = None
+    if args.pipeline:
+        report = _progress(f"pipeline {args.pipeline}")
+        report("loading, then the run without offloading")
+        pipe = _load_pipeline(args.pipeline).to(device)
+        title = f"{type(pipe).__name__} from {args.pipeline}, {args.steps} steps"
+        start = time.perf_counter()
+        output = _generate(pipe, args)
+    else:
+        _progress("build")(f"synthetic pipeline, size {args.size!r}")
+        pipe = SyntheticWan22.build(args.size, seed=args.seed)
+        recorder = PhaseRecorder(Scheduler.from_pipeline(pipe, None, device=device))  # NoOffload
+        pipe.offload = recorder
+        title = (f"synthetic Wan2.2-T2V-A14B-shaped pipeline, size {args.size!r}, "
+                 f"{args.steps} steps")
+        start = time.perf_counter()
+        output = pipe(args.prompt, steps=args.steps, seed=args.seed,
+                      progress=_progress("run without offloading")).cpu()
+    seconds = time.perf_counter() - start
+    if not _is_first_rank():
+        print(f"rank {dist.get_rank()}: ran without offloading")
+    else:
+        shape = "x".join(map(str, output.shape))
+        print("\n".join([
+            f"residency: {title}, on {device} (torch {torch.__version__})",
+            "offload config: null (no offloading)",
+            f"run without offloading: {seconds:.3f} s",
+            f"output: {shape} {output.dtype}, not compared (offloading is off: one run only)",
+        ]))
+    if args.trace is not None:
+        write_trace(args.trace, [], recorder.spans if recorder is not None else ())
+        print(f"trace: {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    return EXIT_OK
 
 
 # -- measuring and reporting ----------------------------------------------------------------------
@@ -478,6 +630,7 @@ def _report(run: Run, config: OffloadConfig, device: torch.device) -> str:
             f"run without offloading: {run.plain_seconds:.3f} s; with offloading: "
             f"{run.offloaded_seconds:.3f} s (x{run.offloaded_seconds / run.plain_seconds:.2f})"
         )
+        lines.append(_what_the_ratio_means(device))
     else:
         lines.append(f"run with offloading: {run.offloaded_seconds:.3f} s (--no-check)")
     rows = timeline_rows(run.records, run.floor, run.recorder, first_index=run.first_index)
@@ -488,6 +641,17 @@ def _report(run: Run, config: OffloadConfig, device: torch.device) -> str:
                      "pipeline's timeline synchronises around each phase change)")
     lines.append(_verdict(run))
     return "\n".join(lines)
+
+
+def _what_the_ratio_means(device: torch.device) -> str:
+    """How to read the two runs' seconds on `device`: one line under them."""
+    if device.type == "cpu":
+        return ("  (on the CPU the \"device\" is host memory: offloading saves nothing, and a "
+                "ratio under 1 is no speed-up - the plain run pays its own first-touch costs; on "
+                "an accelerator the ratio is the time offloading costs, for the device bytes it "
+                "saves: peak device bytes below)")
+    return ("  (the ratio is the time offloading costs, for the device bytes it saves: peak "
+            "device bytes below, against the plain run's whole model)")
 
 
 def _verdict(run: Run) -> str:

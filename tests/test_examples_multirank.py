@@ -4,6 +4,7 @@ It is also the test of `Scheduler.from_pipeline(..., process_group=...)` on the 
 """
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -20,3 +21,7 @@ def test_the_torchrun_example_runs_on_two_ranks():
     for rank in (0, 1):
         assert (f"rank {rank}: bit-identical=True, groups sharing one host master: "
                 "['text_encoder', 'transformer', 'transformer_2', 'vae']") in done.stdout
+    # The memory line the docstring promises: every group shared, so the weights once, not twice.
+    held, each_own = re.search(r"host masters of all 2 ranks: (\d+) bytes \((\d+) bytes if "
+                               r"each rank kept its own\)", done.stdout).groups()
+    assert int(held) > 0 and int(each_own) == 2 * int(held)

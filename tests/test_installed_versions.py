@@ -7,6 +7,9 @@ environment drifted from the set the suite is known to pass with.  Move the set 
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -60,6 +63,66 @@ def test_installed_packages_match_the_pinned_set():
     if drifted:
         pytest.fail(
             "the environment is not the pinned set in constraints.txt:\n  " + "\n  ".join(drifted)
-            + "\nInstall with `pip install -e \".[test,diffusers,peers,plot]\" -c constraints.txt`, "
+            + "\nInstall with "
+            "`pip install -e \".[test,diffusers,peers,plot,quant]\" -c constraints.txt`, "
             "or move the set forward with .ci/update-constraints"
         )
+
+
+# -- the README's first command: a clean diffusers import ------------------------------------------
+
+README = CONSTRAINTS.parent / "README.md"
+#: What a user's diffusers script imports first.
+DIFFUSERS_IMPORT = """
+import diffusers.pipelines
+from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+from transformers import UMT5EncoderModel
+"""
+
+
+def first_command_extras() -> set[str]:
+    """The extras of the project that the README's first command installs."""
+    text = README.read_text()
+    block = text[text.index("```bash\n"):]
+    command = block[: block.index("```", 3)]
+    found = re.search(r'-e "\.\[([\w,]*)\]"', command)
+    assert found, f"the README's first command installs no extras of the project:\n{command}"
+    return set(found.group(1).split(","))
+
+
+def installed_closure(name: str, extras: set[str]) -> set[str]:
+    """`name` and everything its requirements with `extras` pull in, as installed here."""
+    seen, todo = set(), [(name, extras)]
+    while todo:
+        name, extras = todo.pop()
+        key = canonicalize_name(name)
+        if key in seen or installed_version(name) is None:
+            continue
+        seen.add(key)
+        for text in metadata.distribution(name).requires or ():
+            requirement = Requirement(text)
+            marker = requirement.marker
+            if marker is None or any(marker.evaluate({"extra": e}) for e in extras | {""}):
+                todo.append((requirement.name, set(requirement.extras)))
+    return seen
+
+
+def test_a_diffusers_import_after_the_readmes_first_command_prints_nothing():
+    """Every line a diffusers import prints on stderr is a line at the top of each user's script.
+
+    The `quant` extra's torchao wheel is a CUDA build: on the CPU torch its kernels fail to load
+    (one of them a cp310 ``.so`` in a 3.11 venv) and it says so at every diffusers or transformers
+    import, whatever version is pinned.  Only the tests need it, so the README's first command
+    leaves it out.  The import runs here with every installed package that command would not
+    install hidden (``sys.modules[name] = None`` makes it absent to ``import`` and ``find_spec``).
+    """
+    kept = installed_closure("residency", first_command_extras())
+    assert {"diffusers", "transformers"} <= kept
+    hidden = sorted(module for module, dists in metadata.packages_distributions().items()
+                    if not {canonicalize_name(d) for d in dists} & kept)
+    hide = "import sys\nfor name in %r:\n    sys.modules[name] = None\n" % hidden
+    done = subprocess.run([sys.executable, "-c", hide + DIFFUSERS_IMPORT], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == "", f"a diffusers import printed, with {sorted(first_command_extras())}:"\
+        f"\n{done.stderr}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -58,6 +59,12 @@ def test_main_job_prints_the_timeline_and_writes_a_perfetto_trace(tmp_path: Path
     out = done.stdout
     assert '"components": ["dit", "text_encoder"]' in out  # the default config
     assert "output: bit-identical to the run without offloading" in out
+    # The seconds of the two runs, then what their ratio means on the CPU.
+    lines = out.splitlines()
+    ratio = next(n for n, line in enumerate(lines) if line.startswith("run without offloading:"))
+    assert lines[ratio + 1].startswith('  (on the CPU the "device" is host memory: offloading '
+                                       'saves nothing, and a ratio under 1 is no speed-up')
+    assert "on an accelerator the ratio is the time offloading costs" in lines[ratio + 1]
     for change in ("- -> vae", "- -> text_encoder", "text_encoder -> transformer",
                    "transformer -> transformer_2"):
         row = timeline_row(out, change)
@@ -90,6 +97,40 @@ def test_a_config_that_offloads_the_vae_swaps_it_in_last(capsys):
     assert "bit-identical" in out
 
 
+def test_a_null_config_runs_without_offloading_and_says_so(tmp_path: Path, capsys):
+    trace = tmp_path / "trace.json"
+    assert main(["--size", "tiny", "--steps", "2", "--diffusion-offload-config", "null",
+                 "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "offload config: null (no offloading)" in out
+    assert "run without offloading: " in out and "with offloading" not in out
+    assert "output: 1x2x3x32x32 torch.float32, not compared (offloading is off: one run only)" \
+        in out
+    assert "groups:" not in out and "phase timeline" not in out  # no scheduler, no transitions
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert [e["name"] for e in events if e.get("cat") == "phase"] == \
+        ["text_encoder", "transformer", "transformer_2", "vae"]
+    assert not [e for e in events if e.get("cat") in ("transfer", "residency")]
+
+
+def test_a_null_config_still_checks_the_arguments_first(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--diffusion-offload-config", "null", "--device", "cuda:99"])
+    assert exit_info.value.code == 2
+    assert "--device cuda:99: there is no such device" in capsys.readouterr().err
+
+
+def test_the_residency_loggers_notes_are_printed_while_the_job_runs(capsys):
+    logger = logging.getLogger("residency")
+    level, handlers = logger.level, list(logger.handlers)
+    assert main(["--size", "tiny", "--steps", "1"]) == 0
+    # An INFO note, which Python's last-resort handler would not show.
+    assert "residency INFO: host masters on cpu are pageable memory" in capsys.readouterr().err
+    assert (logger.level, logger.handlers) == (level, handlers)  # the job's handler is gone
+    logger.info("after the job")
+    assert "after the job" not in capsys.readouterr().err
+
+
 def test_a_bad_config_is_a_usage_error_with_the_config_message(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--size", "tiny", "--diffusion-offload-config",
@@ -103,12 +144,23 @@ def test_pipeline_flag_runs_a_saved_diffusers_pipeline(tmp_path: Path):
     from _tiny_pipelines import tiny_wan22
 
     tiny_wan22().save_pretrained(tmp_path / "wan")
-    done = run_main("--pipeline", str(tmp_path / "wan"), "--steps", "4", *WAN_CALL)
+    trace = tmp_path / "trace.json"
+    done = run_main("--pipeline", str(tmp_path / "wan"), "--steps", "4", *WAN_CALL,
+                    "--trace", str(trace))
     assert done.returncode == 0, done.stderr
     assert "WanPipeline from" in done.stdout
     assert "output: bit-identical to the run without offloading (torch.equal on 1x5x3x16x16" \
         in done.stdout
     timeline_row(done.stdout, "transformer -> transformer_2")
+    # The trace has a "phases" track, as the synthetic job's: each call of an offloaded entry.
+    events = json.loads(trace.read_text())["traceEvents"]
+    phases = [e for e in events if e.get("cat") == "phase"]
+    order = [name for n, name in enumerate(e["name"] for e in phases)
+             if n == 0 or phases[n - 1]["name"] != name]
+    assert order == ["text_encoder", "transformer", "transformer_2", "vae"]
+    assert all(e["dur"] > 0 for e in phases)
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {tracks[e["tid"]] for e in phases} == {"phases"}
 
 
 def test_pipeline_flag_runs_a_saved_sdxl(tmp_path: Path):
