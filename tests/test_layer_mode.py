@@ -40,6 +40,7 @@ from _tiny_pipelines import (  # noqa: E402
     lora_flow,
     tiny_flux_layered,
     tiny_flux_transformer,
+    tiny_wan22,
     tiny_wan22_layered,
     tiny_wan_expert,
     wan22_call,
@@ -353,6 +354,28 @@ def test_flux_streams_its_double_then_single_blocks_in_order_bit_identically(sch
         computed = [r.block for r in scheduler.block_records if r.kind == "compute"]
         assert computed == [f"FluxTransformer2DModel.transformer_blocks.{i}" for i in range(2)] + [
             f"FluxTransformer2DModel.single_transformer_blocks.{i}" for i in range(3)]
+        check_stream(scheduler, "dit")
+        swap_away(scheduler)
+        check_all_offloaded(scheduler, "dit")
+
+
+def test_a_wan_transformer_refused_by_finding_streams_by_its_repeated_blocks_bit_identically(
+    schedulers,
+):
+    """Two blocks under half the bytes (Wan's freq_dim 256): finding refuses the model, its
+    class's diffusers ``_repeated_blocks`` names the list, and it streams."""
+    model = tiny_wan_expert(num_layers=2, freq_dim=256)
+    reference = copy.deepcopy(model)
+    scheduler = layer_scheduler(schedulers, model)
+    plan, = scheduler["dit"].blocks.plans
+    assert (plan.source, plan.lists) == ("repeated_blocks", ("blocks",))
+    for seed in (0, 1):
+        scheduler.block_records.clear()
+        with scheduler.resident("dit"):
+            ours = run_wan(model, wan_inputs(seed))
+        assert torch.equal(ours, run_wan(reference, wan_inputs(seed))), f"call {seed}"
+        computed = [r.block for r in scheduler.block_records if r.kind == "compute"]
+        assert computed == [f"WanTransformer3DModel.blocks.{i}" for i in range(2)]
         check_stream(scheduler, "dit")
         swap_away(scheduler)
         check_all_offloaded(scheduler, "dit")
@@ -1400,6 +1423,27 @@ def test_enable_offload_in_layer_mode_is_bit_identical_call_by_call(build, call,
                    for block in getattr(pipe, name).modules())
     assert torch.equal(getattr(pipe(**call(seed=2)), output),
                        getattr(plain(**call(seed=2)), output))
+
+
+def test_wan22_one_block_experts_stream_by_repeated_blocks_and_the_log_names_the_source(caplog):
+    """The tiny Wan2.2's experts hold one block each: finding refuses them (nothing repeats);
+    ``WanTransformer3DModel._repeated_blocks`` declares the list, and the log says so."""
+    from residency.adapters.diffusers import disable_offload, enable_offload
+
+    plain, pipe = tiny_wan22(), tiny_wan22()
+    with caplog.at_level("INFO", logger="residency"):
+        scheduler = enable_offload(pipe, {"mode": "layer", "components": ["dit"]}, device="cpu")
+    for name in ("transformer", "transformer_2"):
+        assert (f"WanPipeline: {name} streams 1 blocks in layer mode (repeated_blocks): "
+                "WanTransformer3DModel declares _repeated_blocks ['WanTransformerBlock'] "
+                "(diffusers); streaming the lists that hold them: blocks (1 x WanTransformerBlock)"
+                ) in caplog.messages
+    for seed in (0, 1):
+        assert torch.equal(pipe(**wan22_call(seed=seed)).frames,
+                           plain(**wan22_call(seed=seed)).frames), f"call {seed}"
+    assert {r.group for r in scheduler.block_records if r.kind == "compute"} == {
+        "transformer", "transformer_2"}
+    disable_offload(pipe)
 
 
 def test_the_diffusers_lora_flow_in_layer_mode_is_bit_identical_call_by_call():
