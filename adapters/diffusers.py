@@ -206,7 +206,8 @@ def enable_offload(
     Raises `RegistrationError` when the pipeline is already offloaded (by this function or another
     offloader's hooks) and `ConfigError` for an object that is not a diffusers pipeline, a config
     or pipeline the grouping rules refuse, one that offloads none of its components, or one that
-    all-gathers a component while a diffusers cache is enabled ([Note: caches and all-gather]); a refused call changes nothing.
+    all-gathers a component while a diffusers cache is enabled ([Note: caches and all-gather]); a
+    refused call changes nothing.
     """
     owner = type(pipe).__name__
     components = _module_components(pipe, "enable_offload")

@@ -263,9 +263,10 @@ def layer_plans(
     Each selected DiT streams its blocks (`residency.blocks.plan_pipeline_blocks`: declared by
     the pipeline's ``_offload_plan`` or the class - vLLM-Omni's declaration, then diffusers'
     ``_repeated_blocks`` - else found, each plan's source logged at INFO; ``resident_layers``
-    keeps leading blocks); a selected encoder streams where its blocks are declared or found and is otherwise
-    swapped whole with the rest of the encoder group (vLLM-Omni 0.30 refuses a selected text
-    encoder without a declared plan: an extension).  A split model's parts are refused.
+    keeps leading blocks); a selected encoder streams where its blocks are declared or found and
+    is otherwise swapped whole with the rest of the encoder group (vLLM-Omni 0.30 refuses a
+    selected text encoder without a declared plan: an extension).  A split model's parts are
+    refused.
     """
     if config is None or config.mode != "layer":
         return {}
