@@ -381,6 +381,22 @@ def test_a_wan_transformer_refused_by_finding_streams_by_its_repeated_blocks_bit
         check_all_offloaded(scheduler, "dit")
 
 
+def test_a_layer_groups_repr_counts_the_whole_group_then_the_part_outside_its_blocks(schedulers):
+    model = ProbeDiT(depth=4, width=256)
+    scheduler = layer_scheduler(schedulers, model)
+
+    def counted(tensors) -> str:
+        tensors = list(tensors)
+        return f"{len(tensors)} tensors, {sum(t.nbytes for t in tensors) / 2**20:.1f} MiB"
+
+    outside = [*model.embed.parameters(), *model.head.parameters()]
+    assert repr(scheduler["dit"]) == (
+        f"<Residency 'dit' exclusive offloaded: 1 module(s), {counted(model.parameters())}; "
+        f"outside its 4 streamed blocks {counted(outside)}>")
+    assert repr(scheduler["other"]) == (
+        "<Residency 'other' exclusive offloaded: 1 module(s), 2 tensors, 0.0 MiB>")
+
+
 # -- 2 and 3. resident_layers, and the device bytes at every block ---------------------------------
 
 
