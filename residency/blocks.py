@@ -89,9 +89,9 @@ __all__ = [
     "BlockPlan",
     "PipelineBlocks",
     "find_block_lists",
-    "repeated_block_lists",
     "plan_blocks",
     "plan_pipeline_blocks",
+    "repeated_block_lists",
     "replan",
 ]
 

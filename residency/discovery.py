@@ -285,7 +285,7 @@ def layer_plans(
     for path, why in found.whole.items():
         _log.info("%s: %s is swapped whole in layer mode (%s)", plan.owner, path, why)
     for path, streamed in (*found.dits.items(), *found.encoders.items()):
-        _log.info("%s: %s streams %d blocks in layer mode (%s)%s", plan.owner, path,
+        _log.info("%s: %s streams %d block(s) in layer mode (%s)%s", plan.owner, path,
                   len(streamed.blocks), streamed.source,
                   "" if streamed.note is None else f": {streamed.note}")
     plans = {path: (dit_plan,) for path, dit_plan in found.dits.items()}
