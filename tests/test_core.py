@@ -19,6 +19,7 @@ from residency import (
     UnknownGroupError,
 )
 
+from _helpers import in_buffer
 from conftest import CountingTransport, make_block, run_block, twin
 
 
@@ -40,10 +41,6 @@ class TiedLM(nn.Module):
 def in_chunks(tensor: torch.Tensor, chunks: list[torch.Tensor]) -> bool:
     pointer = tensor.data_ptr()
     return any(c.data_ptr() <= pointer < c.data_ptr() + c.numel() for c in chunks)
-
-
-def in_buffer(tensor: torch.Tensor, buffer: torch.Tensor | None) -> bool:
-    return buffer is not None and buffer.data_ptr() <= tensor.data_ptr() < buffer.data_ptr() + buffer.numel()
 
 
 def three_groups(scheduler: Scheduler):

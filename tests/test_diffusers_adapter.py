@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import residency.adapters.diffusers as adapter
+from _helpers import in_buffer
 from _tiny_pipelines import flux_call, tiny_flux, tiny_wan22, wan22_call
 from residency.adapters.diffusers import (
     ENTRY_POINTS,
@@ -37,14 +38,6 @@ def frames(pipe, seed: int, prompt: str = "a cat on the moon") -> torch.Tensor:
 
 def images(pipe, seed: int, prompt: str = "a red dog") -> torch.Tensor:
     return pipe(**flux_call(seed, prompt)).images
-
-
-def in_buffer(tensor: torch.Tensor, buffer: torch.Tensor | None) -> bool:
-    """Whether `tensor`'s data lies inside `buffer` (where its storage really lives)."""
-    if buffer is None:
-        return False
-    start = buffer.data_ptr()
-    return start <= tensor.data_ptr() < start + buffer.numel()
 
 
 def instance_entry_points(pipe) -> list[str]:
@@ -339,8 +332,6 @@ def test_disable_without_enable_is_a_registration_error_saying_how_to_turn_it_on
 
 @pytest.mark.parametrize("verb", ["enable_offload", "disable_offload", "describe"])
 def test_what_is_not_a_pipeline_is_a_config_error_saying_what_to_pass(verb):
-    from residency.adapters import diffusers as adapter
-
     linear = torch.nn.Linear(2, 2)
     weight = linear.weight.data_ptr()
     with pytest.raises(ConfigError) as refused:

@@ -19,6 +19,7 @@ from residency.discovery import (
 )
 from residency.errors import ConfigError, RegistrationError, UnknownGroupError
 
+from _helpers import on_device, on_host_master
 from conftest import make_block, run_block
 
 WIDTH = 16
@@ -66,27 +67,14 @@ class TwoExpertPipeline(SupportsComponentDiscovery, nn.Module):
         return image
 
 
-def _on_device(group) -> bool:
-    storage = group.device_storage  # None while offloaded (or the shared buffer, unfilled)
-    buffer = None if storage is None else storage.buffer
-    if buffer is None:
-        return False
-    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
-    return all(start <= t.data_ptr() < end for t in group.tensors)
-
-
-def _on_host_master(group) -> bool:
-    return [t.data_ptr() for t in group.tensors] == [v.data_ptr() for v in group.host_master.views]
-
-
 def _check_placement(scheduler: Scheduler, expected: set[str]) -> None:
     assert set(scheduler.resident_groups()) == expected
     for name in scheduler:
         group = scheduler[name]
         if name in expected:
-            assert _on_device(group) and not _on_host_master(group), name
+            assert on_device(group) and not on_host_master(group), name
         else:
-            assert _on_host_master(group) and not _on_device(group), name
+            assert on_host_master(group) and not on_device(group), name
 
 
 @pytest.fixture

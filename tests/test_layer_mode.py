@@ -34,6 +34,7 @@ from residency.enums import ResidencyState  # noqa: E402
 from residency.errors import ConfigError, PhaseError, RegistrationError  # noqa: E402
 from residency.layers import _BlockForward  # noqa: E402
 
+from _helpers import in_a_slot, same_state, swap_away  # noqa: E402
 from conftest import CountingTransport  # noqa: E402
 from _tiny_pipelines import (  # noqa: E402
     flux_call,
@@ -173,11 +174,6 @@ def within(tensors, buffer: torch.Tensor) -> bool:
     return all(start <= t.data_ptr() < start + buffer.numel() for t in tensors)
 
 
-def in_a_slot(scheduler: Scheduler, tensor: torch.Tensor) -> bool:
-    return any(slot.buffer is not None and within([tensor], slot.buffer)
-               for slot in scheduler._placement.block_slots)
-
-
 def check_stream(scheduler: Scheduler, name: str) -> None:
     """Between block forwards: every streamed block of `name` is offloaded on its master, or
     parked (resident) in a slot of its own, viewing that slot; at most two are in slots."""
@@ -239,11 +235,6 @@ def part_holding(group, tensor: torch.Tensor):
     raise AssertionError("no part of the group holds the tensor")
 
 
-def same_state(model: nn.Module, reference: nn.Module) -> bool:
-    ours, theirs = model.state_dict(), reference.state_dict()
-    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-
-
 @pytest.fixture
 def schedulers():
     """Make CPU schedulers; each is closed at the end of the test (if the test did not)."""
@@ -265,11 +256,6 @@ def layer_scheduler(schedulers, model: nn.Module, layers=True, name: str = "dit"
     scheduler.add(name, model, layers=layers)
     scheduler.add("other", nn.Linear(4, 4))
     return scheduler
-
-
-def swap_away(scheduler: Scheduler) -> None:
-    with scheduler.resident("other"):
-        pass
 
 
 # -- 1. real diffusers DiTs, bit-identical call by call --------------------------------------------
@@ -1450,7 +1436,7 @@ def test_wan22_one_block_experts_stream_by_repeated_blocks_and_the_log_names_the
     with caplog.at_level("INFO", logger="residency"):
         scheduler = enable_offload(pipe, {"mode": "layer", "components": ["dit"]}, device="cpu")
     for name in ("transformer", "transformer_2"):
-        assert (f"WanPipeline: {name} streams 1 blocks in layer mode (repeated_blocks): "
+        assert (f"WanPipeline: {name} streams 1 block(s) in layer mode (repeated_blocks): "
                 "WanTransformer3DModel declares _repeated_blocks ['WanTransformerBlock'] "
                 "(diffusers); streaming the lists that hold them: blocks (1 x WanTransformerBlock)"
                 ) in caplog.messages
@@ -1492,10 +1478,19 @@ def test_the_main_job_runs_layer_mode_bit_identically():
     assert "output: bit-identical to the run without offloading" in done.stdout
 
 
-def test_the_synthetic_tiny_pipeline_runs_in_layer_mode():
+def test_the_synthetic_tiny_pipeline_streams_its_one_block_experts_bit_identically():
+    """The tiny size has one block per expert: each occupies one slot, and the outputs match."""
     from residency.synthetic import SyntheticWan22
 
-    pipe = SyntheticWan22.build("tiny")
+    plain, pipe = SyntheticWan22.build("tiny"), SyntheticWan22.build("tiny")
     scheduler = Scheduler.from_pipeline(pipe, {"mode": "layer", "components": ["dit"]},
                                         device="cpu")
-    scheduler.close()
+    pipe.offload = scheduler
+    try:
+        for seed in (0, 1):
+            assert torch.equal(pipe("a red dog", steps=4, seed=seed),
+                               plain("a red dog", steps=4, seed=seed)), f"call {seed}"
+        computed = [(r.group, r.index) for r in scheduler.block_records if r.kind == "compute"]
+        assert set(computed) == {("transformer", 0), ("transformer_2", 0)}
+    finally:
+        scheduler.close()
