@@ -43,9 +43,9 @@ class NoOffload:
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
         self.transitions = TransitionLog(0)
-        #: name -> (its modules, its category); names and aliases are pairwise distinct.
+        #: group name -> (its modules, its category).
         self._names: dict[str, tuple[tuple[nn.Module, ...], str | None]] = {}
-        #: alias -> group name; every alias leads to a group in `_names`, or `_names` is empty.
+        #: alias -> the group name it was given for (`remove` drops a group's aliases).
         self._aliases: dict[str, str] = {}
 
     def add(
@@ -71,7 +71,7 @@ class NoOffload:
     def alias(self, path: str, name: str) -> None:
         """Let `path` lead to group `name` as well (`Scheduler.alias`); `UnknownGroupError` when
         groups were added and `name` is not one of them."""
-        if self._names and name not in self._names:
+        if self._names and not (isinstance(name, str) and name in self._names):
             raise UnknownGroupError(self._unknown(name))
         self._aliases[path] = name
 

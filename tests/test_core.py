@@ -444,7 +444,7 @@ def test_a_near_miss_is_answered_with_the_nearest_name_and_no_add_suggestion(sch
         "no group named 'ditt'; did you mean 'dit'? The groups are 'dit', 'enc', 'vae'.")
 
 
-def test_a_name_like_none_suggests_registering_it(scheduler):
+def test_a_name_near_no_group_suggests_registering_it(scheduler):
     three_groups(scheduler)
     with pytest.raises(UnknownGroupError) as refused:
         scheduler["nothing_like_it"]
