@@ -152,7 +152,6 @@ from residency.errors import (
     ModuleChangedError,
     PhaseError,
     RegistrationError,
-    ResidencyError,
 )
 from residency.scheduler import Phase, Scheduler
 
@@ -205,12 +204,13 @@ def enable_offload(
     share host masters; enabling is then collective).  Returns the pipeline's `Scheduler`.
 
     Raises `RegistrationError` when the pipeline is already offloaded (by this function or another
-    offloader's hooks) and `ConfigError` for a config or pipeline the grouping rules refuse, one
-    that offloads none of its components, or one that all-gathers a component while a diffusers
-    cache is enabled ([Note: caches and all-gather]); a refused call changes nothing.
+    offloader's hooks) and `ConfigError` for an object that is not a diffusers pipeline, a config
+    or pipeline the grouping rules refuse, one that offloads none of its components, or one that
+    all-gathers a component while a diffusers cache is enabled ([Note: caches and all-gather]); a
+    refused call changes nothing.
     """
     owner = type(pipe).__name__
-    components = _module_components(pipe)
+    components = _module_components(pipe, "enable_offload")
     if _offload_of(pipe, components) is not None:
         raise RegistrationError(
             f"offloading is already enabled on this {owner}; a second enable_offload would wrap "
@@ -245,11 +245,11 @@ def disable_offload(pipe: object) -> None:
         pipe(prompt)              # the plain pipeline again
 
     The scheduler is closed (its weights return to host memory, then each component moves back to
-    the device it was on before).  Refused, changing nothing, while a phase is active or when
-    offloading is not enabled on `pipe` (also when its components are offloaded through another
-    pipeline sharing them: disable that one).
+    the device it was on before).  Refused, changing nothing, while a phase is active
+    (`PhaseError`) or when offloading is not enabled on `pipe` (`RegistrationError`; also when its
+    components are offloaded through another pipeline sharing them: disable that one).
     """
-    components = _module_components(pipe)
+    components = _module_components(pipe, "disable_offload")
     owner = type(pipe).__name__
     offload = _offload_of(pipe, components)
     if offload is None:
@@ -569,14 +569,14 @@ def _offload_of(pipe: object, components: Mapping[str, nn.Module]) -> _Offload |
     )
 
 
-def _not_enabled(owner: str, components: Mapping[str, nn.Module]) -> ResidencyError:
+def _not_enabled(owner: str, components: Mapping[str, nn.Module]) -> RegistrationError:
     shared = next((name for name, _ in _live_entries(components)), None)
     if shared is None:
-        return ResidencyError(
-            f"offloading is not enabled on this {owner}; there is nothing to disable "
-            "(enable_offload(pipe) turns it on)"
+        return RegistrationError(
+            f"offloading is not enabled on this {owner}, so there is nothing to disable. "
+            "enable_offload(pipe) turns it on; offload_scheduler(pipe) is None while it is off"
         )
-    return ResidencyError(
+    return RegistrationError(
         f"offloading is not enabled on this {owner}, but its component {shared!r} is offloaded "
         "through another pipeline that shares it; call disable_offload on that pipeline"
     )
@@ -593,12 +593,15 @@ def _components_of(pipe: object) -> dict[str, nn.Module] | None:
     return {name: part for name, part in components.items() if isinstance(part, nn.Module)}
 
 
-def _module_components(pipe: object) -> dict[str, nn.Module]:
+def _module_components(pipe: object, verb: str) -> dict[str, nn.Module]:
+    """`pipe`'s module components; `ConfigError` for an object that is not a pipeline."""
     components = _components_of(pipe)
     if components is None:
-        raise ResidencyError(
-            f"{type(pipe).__name__} has no `components` mapping; enable_offload takes a diffusers "
-            "pipeline (DiffusionPipeline). For your own model code, use Scheduler.from_pipeline"
+        raise ConfigError(
+            f"{verb} takes a diffusers pipeline (a DiffusionPipeline, such as the pipe that "
+            f"from_pretrained returns), and a {type(pipe).__name__} is not one: it has no "
+            "`components` mapping. Pass the pipeline, not one of its models; for your own model "
+            "code, use Scheduler.from_pipeline, or Scheduler.add for a single module"
         )
     return components
 
@@ -658,7 +661,7 @@ def describe(
     Changes nothing; raises what `enable_offload` would raise for the config.
     """
     parsed = resolve_config(config) or DEFAULT_CONFIG
-    components = _module_components(pipe)
+    components = _module_components(pipe, "describe")
     plan, roles = _plan(pipe, components, parsed)
     policies = {name: "exclusive" for name in plan.exclusive} | {
         name: "resident" for name in plan.resident}

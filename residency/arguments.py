@@ -6,11 +6,13 @@ given and what is accepted, before anything is built.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import difflib
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
+from residency.config import COMPONENTS
 from residency.enums import Policy
 from residency.errors import ConfigError, RegistrationError
 from residency.transport import default_device
@@ -23,6 +25,7 @@ __all__ = [
     "check_options",
     "parse_device",
     "parse_policy",
+    "unknown_group_message",
 ]
 
 
@@ -37,6 +40,50 @@ def check_name(name: object, taken: Iterable[str]) -> None:
             f"a group named {name!r} is already registered; choose another name, or call "
             f"scheduler.remove({name!r}) first"
         )
+
+
+def unknown_group_message(
+    name: object, groups: Mapping[str, str | None], aliases: Mapping[str, str]
+) -> str:
+    """Why `name` leads to no group and what to do, for `UnknownGroupError`: the one wording of
+    `Scheduler` and `NoOffload` alike.
+
+    `groups` maps each group name to its category (or None), `aliases` each alias to its group.
+    The message suggests the nearest name when there is one ("did you mean ...?"), says how
+    pipeline groups are named when `name` is a category, lists groups and aliases apart, and
+    suggests registering `name` only when it is none of these near misses.
+
+        unknown_group_message("transfomer", {"transformer": "dit"}, {})
+        # "no group named 'transfomer'; did you mean 'transformer'? The groups are 'transformer'."
+    """
+    known = _known_names(groups, aliases)
+    if not isinstance(name, str):
+        return f"group names are strings, not {type(name).__name__} ({name!r}). {known}"
+    if name in COMPONENTS and groups:
+        members = ", ".join(repr(g) for g, category in groups.items() if category == name)
+        return (
+            f"no group named {name!r}. Groups made from a pipeline are named after their "
+            f"components, not by category; the {name!r} components here are "
+            f"{members or 'none (that category was not registered)'}. {known}"
+        )
+    close = difflib.get_close_matches(name, [*groups, *aliases], n=1)
+    if close:
+        return f"no group named {name!r}; did you mean {close[0]!r}? {known}"
+    return (
+        f"no group named {name!r}. {known} To make a group of that name, register its modules "
+        f"first: scheduler.add({name!r}, modules)."
+    )
+
+
+def _known_names(groups: Mapping[str, object], aliases: Mapping[str, str]) -> str:
+    """One sentence listing the groups, and one listing the aliases (when there are any)."""
+    if not groups:
+        return "No groups are registered yet."
+    listed = f"The groups are {', '.join(map(repr, sorted(groups)))}."
+    if not aliases:
+        return listed
+    paths = ", ".join(f"{path!r} (group {group!r})" for path, group in sorted(aliases.items()))
+    return f"{listed} The aliases (module paths that enter a group) are {paths}."
 
 
 def check_flag(name: str, value: object) -> None:

@@ -27,7 +27,16 @@ offload_plan.py``, ``block_discovery.py``, ``plan_resolver.py``):
    ``encoder_dlo_weight_replication`` concerns all-gather and is read by `residency.discovery`.
 2. the model class's ``_layerwise_offload_blocks_attrs: ClassVar[list[str]]`` (dotted attributes
    naming block lists), or the deprecated singular ``_layerwise_offload_blocks_attr``.
-3. found (`find_block_lists`): the outermost ModuleLists of repeated blocks (at least 2
+3. diffusers' own declaration, ``ModelMixin._repeated_blocks`` (the class names of the blocks its
+   regional compilation compiles, e.g. ``["WanTransformerBlock"]``; `repeated_block_lists`): the
+   outermost ``nn.ModuleList``s whose blocks are all of those classes, in registration order,
+   whatever share of the bytes they hold, when they sit in one module (a DiT's stack).  Declared
+   classes held in no such list (HunyuanVideo's ``HunyuanVideoPatchEmbed``) are not streamed.
+   When none is in a list, or the lists are spread over several modules (a UNet's
+   ``BasicTransformerBlock``s, one short list inside each down and up block, registered in another
+   order than they run), the declaration is not read and the lists are found.  ``plan.note``
+   names ``_repeated_blocks`` as the source.
+4. found (`find_block_lists`): the outermost ModuleLists of repeated blocks (at least 2
    children of one class, all but at most one with identical parameter shapes - T5's first block
    and SD3's last differ), those of one module (the model itself, or e.g. T5's ``encoder``)
    holding at least half the model's parameter bytes, the shallowest such module first.
@@ -82,16 +91,19 @@ __all__ = [
     "find_block_lists",
     "plan_blocks",
     "plan_pipeline_blocks",
+    "repeated_block_lists",
     "replan",
 ]
 
 #: Where a plan's block lists came from, in order of precedence.
-SOURCES = ("offload_plan", "class", "found")
+SOURCES = ("offload_plan", "class", "repeated_blocks", "found")
 #: Found lists must hold at least this share of the model's bytes (less saves little).
 MIN_FOUND_SHARE = 0.5
 #: The model class's declaration (vLLM-Omni's), and its deprecated singular form.
 CLASS_DECLARATION = "_layerwise_offload_blocks_attrs"
 OLD_CLASS_DECLARATION = "_layerwise_offload_blocks_attr"
+#: diffusers' declaration (``ModelMixin._repeated_blocks``): the class names of repeated blocks.
+DIFFUSERS_DECLARATION = "_repeated_blocks"
 _LISTS = (nn.ModuleList, nn.Sequential)
 _OUTSIDE = -1
 
@@ -288,6 +300,46 @@ def class_declaration(model: nn.Module) -> tuple[str, ...] | None:
     if old is not None:
         return (old,) if isinstance(old, str) else _declared_attrs(old, cls.__name__, where)
     return None
+
+
+def repeated_block_lists(model: nn.Module) -> tuple[tuple[str, ...], str] | None:
+    """The ModuleLists holding the block classes the model's class names in diffusers'
+    ``_repeated_blocks``, and a line saying so; None when it names none, none is in a list, or
+    the lists sit in more than one module (see the module docstring).
+
+        repeated_block_lists(wan_transformer)
+        # (('blocks',), 'WanTransformer3DModel declares _repeated_blocks ...: blocks (2 x ...)')
+
+    A list counts when it is not inside another counted list and all its blocks are of the
+    named classes (matched by class name, as diffusers' ``compile_repeated_blocks`` does).
+    """
+    cls = type(model)
+    declared = getattr(cls, DIFFUSERS_DECLARATION, None)
+    if not declared:
+        return None
+    if isinstance(declared, str) or not isinstance(declared, Collection) or not all(
+        isinstance(name, str) for name in declared
+    ):
+        raise ConfigError(
+            f"{cls.__name__}.{DIFFUSERS_DECLARATION} is {declared!r}; it must be a list of block "
+            "class names, for example ['WanTransformerBlock']"
+        )
+    names = list(dict.fromkeys(declared))
+    lists: list[str] = []
+    for path, module in model.named_modules():
+        if not path or any(path.startswith(f"{outer}.") for outer in lists):
+            continue
+        if isinstance(module, nn.ModuleList) and len(module) and all(
+            type(block).__name__ in names for block in module
+        ):
+            lists.append(path)
+    if len({path.rpartition(".")[0] for path in lists}) != 1:
+        return None
+    summary = ", ".join(_list_summary(model, path) for path in lists)
+    return tuple(lists), (
+        f"{cls.__name__} declares {DIFFUSERS_DECLARATION} {names} (diffusers); streaming "
+        f"the lists that hold them: {summary}"
+    )
 
 
 # -- finding lists --------------------------------------------------------------------------------
@@ -514,6 +566,11 @@ def _choose_lists(
     from_class = class_declaration(model)
     if from_class is not None:
         return "class", from_class, f"{type(model).__name__}.{CLASS_DECLARATION}", None
+    repeated = repeated_block_lists(model)
+    if repeated is not None:
+        lists, line = repeated
+        return ("repeated_blocks", lists, f"{type(model).__name__}.{DIFFUSERS_DECLARATION}",
+                line)
     try:
         found, line = find_block_lists(model)
     except ConfigError as error:
@@ -531,7 +588,8 @@ def plan_blocks(
     extra: Sequence[str] = (),
     resident_layers: int = 0,
 ) -> BlockPlan:
-    """The blocks `model` streams and keeps: from `declared` lists, its class, or found.
+    """The blocks `model` streams and keeps: from `declared` lists, its class's declaration
+    (vLLM-Omni's, then diffusers' ``_repeated_blocks``), or found.
 
         plan = plan_blocks(transformer, path="transformer", resident_layers=2)
         plan = plan_blocks(dit, declared=["gen_layers"])   # an _offload_plan's block_attrs
@@ -666,7 +724,7 @@ def _encoder_plan(
     if declared is not None:
         declared = _declared_attrs(declared, path, f"_offload_plan.encoder_block_attrs[{path!r}]")
         return plan_blocks(encoder, path=path, declared=declared)
-    if class_declaration(encoder) is None:
+    if class_declaration(encoder) is None and repeated_block_lists(encoder) is None:
         try:
             find_block_lists(encoder)
         except ConfigError as error:

@@ -261,10 +261,12 @@ def layer_plans(
     """Layer mode: group name -> the block plans of its streamed modules (module mode: {}).
 
     Each selected DiT streams its blocks (`residency.blocks.plan_pipeline_blocks`: declared by
-    the pipeline's ``_offload_plan`` or the class, else found; ``resident_layers`` keeps leading
-    blocks); a selected encoder streams where its blocks are declared or found and is otherwise
-    swapped whole with the rest of the encoder group (vLLM-Omni 0.30 refuses a selected text
-    encoder without a declared plan: an extension).  A split model's parts are refused.
+    the pipeline's ``_offload_plan`` or the class - vLLM-Omni's declaration, then diffusers'
+    ``_repeated_blocks`` - else found, each plan's source logged at INFO; ``resident_layers``
+    keeps leading blocks); a selected encoder streams where its blocks are declared or found and
+    is otherwise swapped whole with the rest of the encoder group (vLLM-Omni 0.30 refuses a
+    selected text encoder without a declared plan: an extension).  A split model's parts are
+    refused.
     """
     if config is None or config.mode != "layer":
         return {}
@@ -282,6 +284,10 @@ def layer_plans(
                                  resident_layers=resident, owner=plan.owner)
     for path, why in found.whole.items():
         _log.info("%s: %s is swapped whole in layer mode (%s)", plan.owner, path, why)
+    for path, streamed in (*found.dits.items(), *found.encoders.items()):
+        _log.info("%s: %s streams %d block(s) in layer mode (%s)%s", plan.owner, path,
+                  len(streamed.blocks), streamed.source,
+                  "" if streamed.note is None else f": {streamed.note}")
     plans = {path: (dit_plan,) for path, dit_plan in found.dits.items()}
     if found.encoders:
         plans[ENCODER_GROUP] = tuple(found.encoders.values())

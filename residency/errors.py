@@ -26,7 +26,9 @@ class ResidencyError(Exception):
 
 
 class RegistrationError(ResidencyError, ValueError):
-    """`Scheduler.add` refused its input: bad modules, names, policies or overlapping ownership."""
+    """A registration refused: `Scheduler.add` given bad modules, names, policies or overlapping
+    ownership; `enable_offload` on a pipeline already offloaded, `disable_offload` on one that
+    is not."""
 
 
 class UnknownGroupError(ResidencyError, LookupError):
@@ -45,9 +47,12 @@ class DeadlockError(PhaseError):
 
 
 class ModuleChangedError(ResidencyError, RuntimeError):
-    """A registered module changed shape behind the scheduler's back (dtype, new or replaced tensors).
+    """A diffusers pipeline's component was replaced or added after `enable_offload`: it would run
+    outside every phase.  Raised by the pipeline's next offloaded call; change components with
+    offloading off (`disable_offload`, change, `enable_offload`).
 
-    Raised at the next phase change; `Scheduler.refresh(name)` re-registers the group's tensors.
+    Changes inside a registered module (a new dtype, new or replaced tensors) raise nothing: the
+    scheduler re-packs the group at its next phase change (`Scheduler.refresh(name)` does it now).
     """
 
 

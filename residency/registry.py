@@ -26,7 +26,6 @@ Fields (guarded by the scheduler lock; `Registry` is their one mutator):
 
 from __future__ import annotations
 
-import difflib
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -35,6 +34,7 @@ import attrs
 import torch
 from torch import nn
 
+from residency.arguments import unknown_group_message
 from residency.component import Residency, device_need
 from residency.enums import Policy
 from residency.errors import ConfigError, RegistrationError, UnknownGroupError
@@ -43,7 +43,6 @@ from residency.sharded import ShardedLoad
 from residency.tensors import Inventory, storage_key
 
 __all__ = [
-    "CATEGORIES",
     "Claim",
     "Registry",
     "check_modules_unowned",
@@ -52,9 +51,6 @@ __all__ = [
     "owner_of",
     "repacked_claim",
 ]
-
-#: The component categories of a config; a lookup of one of them names the groups made for it.
-CATEGORIES = ("dit", "text_encoder", "vae")
 
 # See [Note: the one process-wide map].
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, str]] = weakref.WeakKeyDictionary()
@@ -348,31 +344,8 @@ class Registry:
             raise RegistrationError(_taken_message(name, module, owner, self))
 
     def _unknown(self, name: object) -> str:
-        if not isinstance(name, str):
-            return (
-                f"group names are strings, not {type(name).__name__} ({name!r}); known groups: "
-                f"{self._known_list()}"
-            )
-        known = sorted(self._groups) + sorted(self._aliases)
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        if name in CATEGORIES and self._groups:
-            hint = (
-                f" Groups made from a pipeline are named after their components, not by "
-                f"category; {name!r} components here: {self._category_members(name)}"
-            )
-        return (
-            f"no group named {name!r}; known groups: {self._known_list()}.{hint} Register it "
-            f"with scheduler.add({name!r}, modules) first"
-        )
-
-    def _known_list(self) -> str:
-        known = sorted(self._groups) + sorted(self._aliases)
-        return ", ".join(map(repr, known)) or "none"
-
-    def _category_members(self, category: str) -> str:
-        members = [g.name for g in self._groups.values() if g.category == category]
-        return ", ".join(map(repr, members)) or "none (that category was not registered)"
+        groups = {group.name: group.category for group in self._groups.values()}
+        return unknown_group_message(name, groups, self._aliases)
 
 
 def _taken_message(

@@ -15,9 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-import re
-
-from residency import ModuleChangedError, Scheduler
+from residency import Scheduler
 from residency.transport import CpuTransport
 
 
@@ -111,15 +109,3 @@ class CountingTransport(CpuTransport):
         self.to_host_pairs += len(pairs)
         return super().to_host(pairs)
 
-
-def enter_refreshing(scheduler: Scheduler, name: str) -> None:
-    """Make `name` resident; a changed group may be refused if the error says what to refresh."""
-    try:
-        with scheduler.resident(name):
-            return
-    except ModuleChangedError as refused:
-        hint = re.search(r"scheduler\.refresh\('(\w+)'\)", str(refused))
-        assert hint, f"the error does not say which group to refresh: {refused}"
-        scheduler.refresh(hint.group(1))
-    with scheduler.resident(name):
-        pass

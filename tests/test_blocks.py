@@ -20,7 +20,7 @@ from residency.blocks import (
 )
 from residency.errors import ConfigError
 
-from _tiny_pipelines import _sd_unet, tiny_flux, tiny_wan22
+from _tiny_pipelines import _sd_unet, tiny_flux, tiny_wan22, tiny_wan_expert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,18 +135,93 @@ def pipeline_with(plan: OffloadPlan | None, **components: nn.Module) -> Pipeline
     return kind(**components)
 
 
-# -- found lists: diffusers DiTs ------------------------------------------------------------------
+def undeclared(model: nn.Module) -> nn.Module:
+    """`model` rebuilt as a subclass that declares no ``_repeated_blocks``: what finding sees."""
+    kind = type(f"Undeclared{type(model).__name__}", (type(model),), {"_repeated_blocks": []})
+    return kind.from_config(model.config).eval()
 
 
-def test_flux_streams_its_double_then_its_single_blocks_found_in_registration_order(flux):
+# -- diffusers' _repeated_blocks ------------------------------------------------------------------
+
+
+def test_flux_streams_the_two_lists_its_repeated_blocks_name_double_then_single(flux):
     plan = plan_blocks(flux, path="transformer")
-    assert plan.source == "found"
+    assert plan.source == "repeated_blocks"
     assert plan.lists == ("transformer_blocks", "single_transformer_blocks")
     assert [b.path for b in plan.streamed] == [
         "transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.0",
         "single_transformer_blocks.1", "single_transformer_blocks.2",
     ]
     assert all(b.module is flux.get_submodule(b.path) for b in plan.blocks)
+    assert plan.note == (
+        "FluxTransformer2DModel declares _repeated_blocks ['FluxTransformerBlock', "
+        "'FluxSingleTransformerBlock'] (diffusers); streaming the lists that hold them: "
+        "transformer_blocks (2 x FluxTransformerBlock), single_transformer_blocks "
+        "(3 x FluxSingleTransformerBlock)"
+    )
+
+
+def test_a_wan_transformer_whose_two_blocks_hold_under_half_streams_by_its_declaration():
+    """Wan's freq_dim 256: the time embedding outweighs 2 blocks, so finding refuses the model;
+    its class's ``_repeated_blocks = ["WanTransformerBlock"]`` names the list anyway."""
+    model = tiny_wan_expert(num_layers=2, freq_dim=256)
+    with pytest.raises(ConfigError, match=r"found only blocks \(2 x WanTransformerBlock\) "
+                                          r"holding 49%"):
+        find_block_lists(model)
+    plan = plan_blocks(model, path="transformer")
+    assert (plan.source, plan.lists) == ("repeated_blocks", ("blocks",))
+    assert [b.module for b in plan.streamed] == list(model.blocks)
+    assert plan.note == (
+        "WanTransformer3DModel declares _repeated_blocks ['WanTransformerBlock'] (diffusers); "
+        "streaming the lists that hold them: blocks (2 x WanTransformerBlock)"
+    )
+    assert "(repeated_blocks)" in plan.describe() and "note: WanTransformer3DModel declares " \
+        "_repeated_blocks" in plan.describe()
+
+
+def test_the_vllm_omni_class_declaration_wins_over_repeated_blocks():
+    model = tiny_wan_expert(num_layers=2)
+    kind = type("DeclaredWan", (type(model),), {"_layerwise_offload_blocks_attrs": ["blocks"]})
+    plan = plan_blocks(kind.from_config(model.config))
+    assert plan.source == "class" and plan.note is None
+
+
+def test_repeated_blocks_spread_over_several_modules_are_not_read_and_a_unet_is_refused():
+    """UNet2DConditionModel declares ["BasicTransformerBlock"]: one short list in each attention
+    of its down, mid and up blocks, registered in another order than they run."""
+    from residency.blocks import repeated_block_lists
+
+    unet = _sd_unet()
+    assert type(unet)._repeated_blocks == ["BasicTransformerBlock"]
+    assert repeated_block_lists(unet) is None
+    with pytest.raises(ConfigError, match="UNet2DConditionModel has no list of repeated blocks"):
+        plan_blocks(unet, path="unet")
+
+
+def test_a_repeated_blocks_that_is_not_a_list_of_class_names_is_refused():
+    class Odd(Repeated):
+        _repeated_blocks = "Block"
+
+    with pytest.raises(ConfigError, match=re.escape(
+        "Odd._repeated_blocks is 'Block'; it must be a list of block class names, for example "
+        "['WanTransformerBlock']"
+    )):
+        plan_blocks(Odd(blocks=2))
+
+
+# -- found lists: diffusers DiTs ------------------------------------------------------------------
+
+
+def test_flux_without_a_declaration_has_its_double_then_single_blocks_found_in_order(flux):
+    model = undeclared(flux)
+    plan = plan_blocks(model, path="transformer")
+    assert plan.source == "found"
+    assert plan.lists == ("transformer_blocks", "single_transformer_blocks")
+    assert [b.path for b in plan.streamed] == [
+        "transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.0",
+        "single_transformer_blocks.1", "single_transformer_blocks.2",
+    ]
+    assert all(b.module is model.get_submodule(b.path) for b in plan.blocks)
     assert "found 2 lists of repeated blocks: transformer_blocks (2 x FluxTransformerBlock), " \
            "single_transformer_blocks (3 x FluxSingleTransformerBlock)" in plan.note
 
@@ -183,7 +258,7 @@ def test_describe_gives_source_counts_sizes_and_the_slot(flux):
     text = plan_blocks(flux, path="transformer", resident_layers=1).describe()
     assert text.startswith(
         "transformer (FluxTransformer2DModel): 5 blocks in transformer_blocks, "
-        "single_transformer_blocks (found); kept 1, streamed 4"
+        "single_transformer_blocks (repeated_blocks); kept 1, streamed 4"
     )
     assert "slot 148.0 KiB (transformer_blocks.1)" in text and "note: " in text
 
@@ -266,17 +341,22 @@ def test_without_resident_dit_paths_every_dit_keeps_its_leading_blocks(experts):
     blocks = plan_pipeline_blocks(Pipeline(**experts), experts, resident_layers=1)
     assert blocks.keeping == ("transformer", "transformer_2")
     assert [p.kept_count for p in blocks.dits.values()] == [1, 1]
-    assert all(p.source == "found" for p in blocks.dits.values())
+    assert all(p.source == "repeated_blocks" for p in blocks.dits.values())
 
 
-def test_the_tiny_wan22_pipeline_streams_its_one_block_experts_when_declared():
+def test_the_tiny_wan22_pipeline_streams_its_one_block_experts_by_their_declaration():
+    """A list of one block is not found (nothing repeats), but ``_repeated_blocks`` names it."""
     pipe = tiny_wan22()
     dits = {"transformer": pipe.transformer, "transformer_2": pipe.transformer_2}
     with pytest.raises(ConfigError, match="WanTransformer3DModel has no list of repeated blocks"):
-        plan_pipeline_blocks(pipe, dits)
+        find_block_lists(pipe.transformer)
+    blocks = plan_pipeline_blocks(pipe, dits)
+    assert [(p.source, len(p.streamed)) for p in blocks.dits.values()] == [
+        ("repeated_blocks", 1), ("repeated_blocks", 1)]
     plan = OffloadPlan(block_attrs={"transformer": ["blocks"], "transformer_2": ["blocks"]})
     blocks = plan_pipeline_blocks(pipeline_with(plan, **dits), dits, resident_layers=0)
-    assert [len(p.streamed) for p in blocks.dits.values()] == [1, 1]
+    assert [(p.source, len(p.streamed)) for p in blocks.dits.values()] == [
+        ("offload_plan", 1), ("offload_plan", 1)]
 
 
 def test_encoders_stream_where_declared_or_found_and_are_swapped_whole_otherwise(flux):

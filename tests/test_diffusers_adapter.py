@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import residency.adapters.diffusers as adapter
+from _helpers import in_buffer
 from _tiny_pipelines import flux_call, tiny_flux, tiny_wan22, wan22_call
 from residency.adapters.diffusers import (
     ENTRY_POINTS,
@@ -25,7 +26,7 @@ from residency.adapters.diffusers import (
     offload_scheduler,
 )
 
-from residency import ConfigError, PhaseError, RegistrationError, ResidencyError, Scheduler
+from residency import ConfigError, PhaseError, RegistrationError, Scheduler
 
 ALL_COMPONENTS = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
 
@@ -37,14 +38,6 @@ def frames(pipe, seed: int, prompt: str = "a cat on the moon") -> torch.Tensor:
 
 def images(pipe, seed: int, prompt: str = "a red dog") -> torch.Tensor:
     return pipe(**flux_call(seed, prompt)).images
-
-
-def in_buffer(tensor: torch.Tensor, buffer: torch.Tensor | None) -> bool:
-    """Whether `tensor`'s data lies inside `buffer` (where its storage really lives)."""
-    if buffer is None:
-        return False
-    start = buffer.data_ptr()
-    return start <= tensor.data_ptr() < start + buffer.numel()
 
 
 def instance_entry_points(pipe) -> list[str]:
@@ -290,9 +283,9 @@ def test_a_component_shared_with_an_offloaded_pipeline_is_refused():
                        "disable_offload on that pipeline first"):
         enable_offload(sibling, device="cpu")
     assert offload_scheduler(sibling) is None  # the entries it sees are the other pipeline's
-    with pytest.raises(ResidencyError, match="not enabled on this FluxPipeline, but its component "
-                       "'vae' is offloaded through another pipeline that shares it; "
-                       "call disable_offload on that pipeline"):
+    with pytest.raises(RegistrationError, match="^offloading is not enabled on this FluxPipeline, "
+                       "but its component 'vae' is offloaded through another pipeline that "
+                       "shares it; call disable_offload on that pipeline$"):
         disable_offload(sibling)
     assert offload_scheduler(pipe) is scheduler and instance_entry_points(pipe) == entries
     disable_offload(pipe)
@@ -328,14 +321,28 @@ def test_disable_offload_inside_a_phase_is_refused_and_changes_nothing():
     disable_offload(pipe)
 
 
-def test_disable_without_enable_is_refused():
-    with pytest.raises(ResidencyError, match="not enabled on this FluxPipeline"):
+def test_disable_without_enable_is_a_registration_error_saying_how_to_turn_it_on():
+    with pytest.raises(RegistrationError) as refused:
         disable_offload(tiny_flux())
+    assert type(refused.value) is RegistrationError
+    assert str(refused.value) == (
+        "offloading is not enabled on this FluxPipeline, so there is nothing to disable. "
+        "enable_offload(pipe) turns it on; offload_scheduler(pipe) is None while it is off")
 
 
-def test_enable_offload_refuses_what_is_not_a_pipeline():
-    with pytest.raises(ResidencyError, match="no `components` mapping.*Scheduler.from_pipeline"):
-        enable_offload(torch.nn.Linear(2, 2), device="cpu")
+@pytest.mark.parametrize("verb", ["enable_offload", "disable_offload", "describe"])
+def test_what_is_not_a_pipeline_is_a_config_error_saying_what_to_pass(verb):
+    linear = torch.nn.Linear(2, 2)
+    weight = linear.weight.data_ptr()
+    with pytest.raises(ConfigError) as refused:
+        getattr(adapter, verb)(linear)
+    assert type(refused.value) is ConfigError
+    assert str(refused.value) == (
+        f"{verb} takes a diffusers pipeline (a DiffusionPipeline, such as the pipe that "
+        "from_pretrained returns), and a Linear is not one: it has no `components` mapping. "
+        "Pass the pipeline, not one of its models; for your own model code, use "
+        "Scheduler.from_pipeline, or Scheduler.add for a single module")
+    assert linear.weight.data_ptr() == weight and "forward" not in vars(linear)
 
 
 def test_a_dropped_pipeline_leaves_no_adapter_state_behind():

@@ -19,6 +19,7 @@ from residency.discovery import (
 )
 from residency.errors import ConfigError, RegistrationError, UnknownGroupError
 
+from _helpers import on_device, on_host_master
 from conftest import make_block, run_block
 
 WIDTH = 16
@@ -66,27 +67,14 @@ class TwoExpertPipeline(SupportsComponentDiscovery, nn.Module):
         return image
 
 
-def _on_device(group) -> bool:
-    storage = group.device_storage  # None while offloaded (or the shared buffer, unfilled)
-    buffer = None if storage is None else storage.buffer
-    if buffer is None:
-        return False
-    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
-    return all(start <= t.data_ptr() < end for t in group.tensors)
-
-
-def _on_host_master(group) -> bool:
-    return [t.data_ptr() for t in group.tensors] == [v.data_ptr() for v in group.host_master.views]
-
-
 def _check_placement(scheduler: Scheduler, expected: set[str]) -> None:
     assert set(scheduler.resident_groups()) == expected
     for name in scheduler:
         group = scheduler[name]
         if name in expected:
-            assert _on_device(group) and not _on_host_master(group), name
+            assert on_device(group) and not on_host_master(group), name
         else:
-            assert _on_host_master(group) and not _on_device(group), name
+            assert on_host_master(group) and not on_device(group), name
 
 
 @pytest.fixture
@@ -172,8 +160,9 @@ def test_groups_carry_their_category_and_a_category_name_says_which_groups_it_ma
         "transformer": "dit", "transformer_2": "dit", "text_encoder": "text_encoder", "vae": "vae",
         "time_embed": None,
     }
-    with pytest.raises(UnknownGroupError, match=r"no group named 'dit'.*'dit' components here: "
-                                                r"'transformer', 'transformer_2'"):
+    with pytest.raises(UnknownGroupError, match=r"^no group named 'dit'\. Groups made from a "
+                       r"pipeline are named after their components, not by category; the 'dit' "
+                       r"components here are 'transformer', 'transformer_2'\. The groups are "):
         scheduler.resident("dit")
     scheduler.close()
 
@@ -224,6 +213,30 @@ def test_no_config_means_offloading_off(pipe):
     with torch.no_grad():
         assert torch.equal(pipe.generate(prompt, scheduler), plain.generate(prompt, NoOffload()))
     assert [t.data_ptr() for t in pipe.state_dict().values()] == pointers  # nothing moved
+
+
+def test_offloading_off_refuses_a_typo_with_the_error_offloading_on_raises(pipe):
+    """`from_pipeline(pipe, None)` knows the groups: a typo fails with offloading off too."""
+    off = Scheduler.from_pipeline(pipe, None, device="cpu")
+    refusals = {}
+    for name in ("transfomer", "dit", "prompt_adapter.encodr", "nothing_like_it"):
+        with pytest.raises(UnknownGroupError) as refused:
+            off.resident(name)
+        refusals[name] = str(refused.value)
+    with off.resident("prompt_adapter.encoder"), off.resident("transformer_2"):
+        pass  # an alias and a group name are accepted
+    on = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]}, device="cpu")
+    for name, message in refusals.items():
+        with pytest.raises(UnknownGroupError) as refused:
+            on.resident(name)
+        assert str(refused.value) == message, name
+    on.close()
+    assert refusals["transfomer"].startswith(
+        "no group named 'transfomer'; did you mean 'transformer'? The groups are "
+        "'text_encoder', 'time_embed', 'transformer', 'transformer_2', 'vae'. The aliases "
+        "(module paths that enter a group) are 'prompt_adapter.encoder' (group 'text_encoder')")
+    assert "did you mean 'prompt_adapter.encoder'?" in refusals["prompt_adapter.encodr"]
+    assert "scheduler.add" not in refusals["transfomer"] + refusals["dit"]
 
 
 def test_pin_memory_false_gives_pageable_host_masters(pipe):

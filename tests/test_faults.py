@@ -28,7 +28,7 @@ from residency import (
 )
 from residency.transport import Completion, CpuTransport
 
-from conftest import enter_refreshing, make_block, run_block, twin
+from conftest import make_block, run_block, twin
 
 
 class FaultyTransport(CpuTransport):
@@ -390,7 +390,7 @@ def test_moving_a_module_to_the_device_it_is_on_is_harmless(two_groups, while_):
 
 
 @pytest.mark.gpu
-def test_moving_a_registered_module_between_host_and_device_is_handled_or_refused():
+def test_moving_a_registered_module_between_host_and_device_is_adopted():
     device = torch.accelerator.current_accelerator()
     modules = {"a": make_block(32, seed=1), "b": make_block(32, seed=2)}
     plain = {name: twin(m).to(device) for name, m in modules.items()}
@@ -402,10 +402,12 @@ def test_moving_a_registered_module_between_host_and_device_is_handled_or_refuse
     with scheduler.resident("a"):
         pass
     modules["a"].to("cpu")  # while resident: the weights leave the device behind our back
-    enter_refreshing(scheduler, "b")
-    enter_refreshing(scheduler, "a")
+    for name in ("b", "a"):  # each move is adopted at the next phase change, never refused
+        with scheduler.resident(name):
+            pass
     modules["b"].to(device)  # while offloaded: the weights arrive on the device behind our back
-    enter_refreshing(scheduler, "b")
+    with scheduler.resident("b"):
+        pass
     for name in ("a", "b", "a"):
         with scheduler.resident(name):
             group = scheduler[name]

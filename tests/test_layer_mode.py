@@ -34,12 +34,14 @@ from residency.enums import ResidencyState  # noqa: E402
 from residency.errors import ConfigError, PhaseError, RegistrationError  # noqa: E402
 from residency.layers import _BlockForward  # noqa: E402
 
+from _helpers import in_a_slot, same_state, swap_away  # noqa: E402
 from conftest import CountingTransport  # noqa: E402
 from _tiny_pipelines import (  # noqa: E402
     flux_call,
     lora_flow,
     tiny_flux_layered,
     tiny_flux_transformer,
+    tiny_wan22,
     tiny_wan22_layered,
     tiny_wan_expert,
     wan22_call,
@@ -172,11 +174,6 @@ def within(tensors, buffer: torch.Tensor) -> bool:
     return all(start <= t.data_ptr() < start + buffer.numel() for t in tensors)
 
 
-def in_a_slot(scheduler: Scheduler, tensor: torch.Tensor) -> bool:
-    return any(slot.buffer is not None and within([tensor], slot.buffer)
-               for slot in scheduler._placement.block_slots)
-
-
 def check_stream(scheduler: Scheduler, name: str) -> None:
     """Between block forwards: every streamed block of `name` is offloaded on its master, or
     parked (resident) in a slot of its own, viewing that slot; at most two are in slots."""
@@ -238,11 +235,6 @@ def part_holding(group, tensor: torch.Tensor):
     raise AssertionError("no part of the group holds the tensor")
 
 
-def same_state(model: nn.Module, reference: nn.Module) -> bool:
-    ours, theirs = model.state_dict(), reference.state_dict()
-    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-
-
 @pytest.fixture
 def schedulers():
     """Make CPU schedulers; each is closed at the end of the test (if the test did not)."""
@@ -264,11 +256,6 @@ def layer_scheduler(schedulers, model: nn.Module, layers=True, name: str = "dit"
     scheduler.add(name, model, layers=layers)
     scheduler.add("other", nn.Linear(4, 4))
     return scheduler
-
-
-def swap_away(scheduler: Scheduler) -> None:
-    with scheduler.resident("other"):
-        pass
 
 
 # -- 1. real diffusers DiTs, bit-identical call by call --------------------------------------------
@@ -356,6 +343,44 @@ def test_flux_streams_its_double_then_single_blocks_in_order_bit_identically(sch
         check_stream(scheduler, "dit")
         swap_away(scheduler)
         check_all_offloaded(scheduler, "dit")
+
+
+def test_a_wan_transformer_refused_by_finding_streams_by_its_repeated_blocks_bit_identically(
+    schedulers,
+):
+    """Two blocks under half the bytes (Wan's freq_dim 256): finding refuses the model, its
+    class's diffusers ``_repeated_blocks`` names the list, and it streams."""
+    model = tiny_wan_expert(num_layers=2, freq_dim=256)
+    reference = copy.deepcopy(model)
+    scheduler = layer_scheduler(schedulers, model)
+    plan, = scheduler["dit"].blocks.plans
+    assert (plan.source, plan.lists) == ("repeated_blocks", ("blocks",))
+    for seed in (0, 1):
+        scheduler.block_records.clear()
+        with scheduler.resident("dit"):
+            ours = run_wan(model, wan_inputs(seed))
+        assert torch.equal(ours, run_wan(reference, wan_inputs(seed))), f"call {seed}"
+        computed = [r.block for r in scheduler.block_records if r.kind == "compute"]
+        assert computed == [f"WanTransformer3DModel.blocks.{i}" for i in range(2)]
+        check_stream(scheduler, "dit")
+        swap_away(scheduler)
+        check_all_offloaded(scheduler, "dit")
+
+
+def test_a_layer_groups_repr_counts_the_whole_group_then_the_part_outside_its_blocks(schedulers):
+    model = ProbeDiT(depth=4, width=256)
+    scheduler = layer_scheduler(schedulers, model)
+
+    def counted(tensors) -> str:
+        tensors = list(tensors)
+        return f"{len(tensors)} tensors, {sum(t.nbytes for t in tensors) / 2**20:.1f} MiB"
+
+    outside = [*model.embed.parameters(), *model.head.parameters()]
+    assert repr(scheduler["dit"]) == (
+        f"<Residency 'dit' exclusive offloaded: 1 module(s), {counted(model.parameters())}; "
+        f"outside its 4 streamed blocks {counted(outside)}>")
+    assert repr(scheduler["other"]) == (
+        "<Residency 'other' exclusive offloaded: 1 module(s), 2 tensors, 0.0 MiB>")
 
 
 # -- 2 and 3. resident_layers, and the device bytes at every block ---------------------------------
@@ -1402,6 +1427,27 @@ def test_enable_offload_in_layer_mode_is_bit_identical_call_by_call(build, call,
                        getattr(plain(**call(seed=2)), output))
 
 
+def test_wan22_one_block_experts_stream_by_repeated_blocks_and_the_log_names_the_source(caplog):
+    """The tiny Wan2.2's experts hold one block each: finding refuses them (nothing repeats);
+    ``WanTransformer3DModel._repeated_blocks`` declares the list, and the log says so."""
+    from residency.adapters.diffusers import disable_offload, enable_offload
+
+    plain, pipe = tiny_wan22(), tiny_wan22()
+    with caplog.at_level("INFO", logger="residency"):
+        scheduler = enable_offload(pipe, {"mode": "layer", "components": ["dit"]}, device="cpu")
+    for name in ("transformer", "transformer_2"):
+        assert (f"WanPipeline: {name} streams 1 block(s) in layer mode (repeated_blocks): "
+                "WanTransformer3DModel declares _repeated_blocks ['WanTransformerBlock'] "
+                "(diffusers); streaming the lists that hold them: blocks (1 x WanTransformerBlock)"
+                ) in caplog.messages
+    for seed in (0, 1):
+        assert torch.equal(pipe(**wan22_call(seed=seed)).frames,
+                           plain(**wan22_call(seed=seed)).frames), f"call {seed}"
+    assert {r.group for r in scheduler.block_records if r.kind == "compute"} == {
+        "transformer", "transformer_2"}
+    disable_offload(pipe)
+
+
 def test_the_diffusers_lora_flow_in_layer_mode_is_bit_identical_call_by_call():
     from residency.adapters.diffusers import disable_offload, enable_offload
 
@@ -1432,10 +1478,19 @@ def test_the_main_job_runs_layer_mode_bit_identically():
     assert "output: bit-identical to the run without offloading" in done.stdout
 
 
-def test_the_synthetic_tiny_pipeline_runs_in_layer_mode():
+def test_the_synthetic_tiny_pipeline_streams_its_one_block_experts_bit_identically():
+    """The tiny size has one block per expert: each occupies one slot, and the outputs match."""
     from residency.synthetic import SyntheticWan22
 
-    pipe = SyntheticWan22.build("tiny")
+    plain, pipe = SyntheticWan22.build("tiny"), SyntheticWan22.build("tiny")
     scheduler = Scheduler.from_pipeline(pipe, {"mode": "layer", "components": ["dit"]},
                                         device="cpu")
-    scheduler.close()
+    pipe.offload = scheduler
+    try:
+        for seed in (0, 1):
+            assert torch.equal(pipe("a red dog", steps=4, seed=seed),
+                               plain("a red dog", steps=4, seed=seed)), f"call {seed}"
+        computed = [(r.group, r.index) for r in scheduler.block_records if r.kind == "compute"]
+        assert set(computed) == {("transformer", 0), ("transformer_2", 0)}
+    finally:
+        scheduler.close()

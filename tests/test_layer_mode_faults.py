@@ -18,6 +18,8 @@ from torch import nn
 from residency import RegistrationError, Scheduler
 from residency.enums import ResidencyState
 
+from _helpers import in_a_slot, same_state, swap_away
+
 RESIDENT, OFFLOADED = ResidencyState.RESIDENT, ResidencyState.OFFLOADED
 WIDTH = 16
 
@@ -59,20 +61,6 @@ def sample(seed: int = 0) -> torch.Tensor:
     return torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(seed))
 
 
-def same_state(a: nn.Module, b: nn.Module) -> bool:
-    first, second = a.state_dict(), b.state_dict()
-    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
-
-
-def in_a_slot(scheduler: Scheduler, tensor: torch.Tensor) -> bool:
-    for slot in scheduler._placement.block_slots:
-        if slot.buffer is not None:
-            start = slot.buffer.data_ptr()
-            if start <= tensor.data_ptr() < start + slot.buffer.numel():
-                return True
-    return False
-
-
 def layered(depth: int = 4, **options) -> tuple[HookDiT, HookDiT, Scheduler]:
     model = HookDiT(depth)
     reference = copy.deepcopy(model)
@@ -89,11 +77,6 @@ def warmed(**options) -> tuple[HookDiT, HookDiT, Scheduler]:
     with scheduler.resident("dit"):
         model(sample(0))
     return model, reference, scheduler
-
-
-def swap_away(scheduler: Scheduler) -> None:
-    with scheduler.resident("other"):
-        pass
 
 
 def stream_is_consistent(scheduler: Scheduler) -> bool:

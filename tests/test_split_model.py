@@ -20,6 +20,7 @@ from residency.discovery import SupportsComponentDiscovery, apply_plan, plan_com
 from residency.errors import ConfigError, RegistrationError
 from residency.split import SplitModel, split_parts
 
+from _helpers import on_device, on_host_master
 from conftest import make_block, run_block
 
 WIDTH = 16
@@ -123,14 +124,6 @@ def _inside(tensor, group) -> bool:
     return start <= tensor.data_ptr() < start + (buffer.numel() if buffer is not None else 0)
 
 
-def _on_device(group) -> bool:
-    return all(_inside(t, group) for t in group.tensors)
-
-
-def _on_host_master(group) -> bool:
-    return [t.data_ptr() for t in group.tensors] == [v.data_ptr() for v in group.host_master.views]
-
-
 TOKENS = torch.tensor([1, 4, 2, 7])
 
 
@@ -164,7 +157,7 @@ def test_parts_become_exclusive_groups_and_shared_tensors_stay_resident():
     assert shared.excluded == (model.reasoner, model.generator, model.head)
     assert shared.tensors == (model.pos_embed, model.scale_shift_table, model.embed.weight,
                               model.norm.weight, model.norm.bias)
-    assert _on_device(shared)  # the directly held tensors, embeddings and norms: on the device
+    assert on_device(shared)  # the directly held tensors, embeddings and norms: on the device
     with scheduler.resident("transformer.head") as group:
         assert group.name == "generator"
     with scheduler.resident("transformer.reasoner") as group:
@@ -186,8 +179,8 @@ def test_one_part_on_the_device_at_a_time_and_outputs_bit_identical(model_cls):
         assert set(scheduler.resident_groups()) == expected
         for name in scheduler:
             group = scheduler[name]
-            assert _on_device(group) == (name in expected), name
-            assert _on_host_master(group) == (name not in expected), name
+            assert on_device(group) == (name in expected), name
+            assert on_host_master(group) == (name not in expected), name
         assert all(_inside(t, scheduler["transformer"]) for t in held)  # resident throughout
         seen.append(phase)
 

@@ -40,7 +40,8 @@ from torch import nn
 from residency import PhaseError, ResidencyState, Scheduler
 from residency.enums import PhaseStatus
 
-from conftest import enter_refreshing, make_block, run_block, twin
+from _helpers import on_host_master
+from conftest import make_block, run_block, twin
 
 EXCLUSIVE = ("a", "b", "tied")
 RESIDENT = "vae"
@@ -546,21 +547,25 @@ class SharedStorage(nn.Module):
 def test_new_storage_for_one_of_two_tensors_sharing_storage_leaves_the_other_alone(while_):
     """Eager semantics: after ``weight.data = new`` the old view keeps the old values.
 
-    Handled, or refused with a `ModuleChangedError` naming the group to refresh; never mixed up.
+    The untied tensors are adopted at the next phase change - the group is re-packed into a new
+    host master, never refused - and neither tensor's values are mixed up.
     """
     scheduler = Scheduler("cpu")
     shared, other = SharedStorage(), make_block(8, seed=6)
     old_row = shared.first_row.clone()
     scheduler.add("shared", shared)
     scheduler.add("other", other)
+    packed = scheduler["shared"].host_master
     with scheduler.resident("shared" if while_ == "resident" else "other"):
         shared.weight.data = torch.zeros(4, 4)
     for name in ("other", "shared", "other"):
-        enter_refreshing(scheduler, name)
         with scheduler.resident(name):
             assert torch.equal(shared.weight, torch.zeros(4, 4)), "the new storage was lost"
             kept = torch.equal(shared.first_row, old_row)
             assert kept, f"the untouched view changed in {name!r}'s phase"
+    group = scheduler["shared"]
+    assert group.host_master is not packed, "the untied tensors were not adopted (re-packed)"
+    assert on_host_master(group) and shared.weight.data_ptr() != shared.first_row.data_ptr()
     scheduler.close()
 
 
@@ -568,15 +573,16 @@ def test_new_storage_with_other_strides_keeps_its_layout():
     """``weight.data = w.T.contiguous().T``: same shape and values, other strides.
 
     The layout picks the matmul kernel, so a changed layout changes the output's last bits.
-    Handled, or refused with a `ModuleChangedError` naming the group to refresh.
+    The new layout is adopted at the next phase change (the group is re-packed into a new host
+    master with it), never refused.
     """
     scheduler, modules, plain = _two_groups()
+    packed = scheduler["b"].host_master
     new = torch.randn(16, 16).T.contiguous().T
     with scheduler.resident("b"):
         modules["b"][0].weight.data = new
         plain["b"][0].weight.data = new.clone()
     for name in ("a", "b", "a", "b"):
-        enter_refreshing(scheduler, name)
         with scheduler.resident(name):
             ours, theirs = modules["b"][0].weight, plain["b"][0].weight
             assert torch.equal(ours, theirs)
@@ -585,4 +591,5 @@ def test_new_storage_with_other_strides_keeps_its_layout():
                 same = torch.equal(forward(modules["b"], x), forward(plain["b"], x))
                 assert same, f"outputs differ for a batch of {batch}"
             assert ours.stride() == theirs.stride(), "the layout the user chose was changed"
+    assert scheduler["b"].host_master is not packed, "the new layout was not adopted (re-packed)"
     scheduler.close()
