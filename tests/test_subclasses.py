@@ -400,15 +400,27 @@ def test_gguf_quantized_model_is_bit_identical_and_keeps_its_parameters(schedule
 
 
 def _bnb_stored_bytes(model: nn.Module) -> int:
-    """Bytes of the weights, biases and quantization state (CB shares the int8 weight's storage)."""
+    """Bytes of the weights, biases and quantization state (CB shares the int8 weight's storage).
+
+    An nf4 state with compressed statistics nests a second state (``state2``: the absmax's own
+    absmax and code); a CPU with AVX512-BF16 re-packs the weight at the first forward without it.
+    """
     stored = 0
     for layer in (model[0], model[2]):
         stored += layer.weight.nbytes + layer.bias.nbytes
         state = layer.weight.quant_state if hasattr(layer.weight, "quant_state") else layer.state
-        tensors = [state.SCB] if hasattr(state, "SCB") else [
-            t for t in vars(state).values() if isinstance(t, torch.Tensor)
-        ]
-        stored += sum(t.nbytes for t in tensors)
+        stored += state.SCB.nbytes if hasattr(state, "SCB") else _quant_state_bytes(state)
+    return stored
+
+
+def _quant_state_bytes(state) -> int:
+    """Bytes of the tensors of a bitsandbytes QuantState, nested states included."""
+    stored = 0
+    for value in vars(state).values():
+        if isinstance(value, torch.Tensor):
+            stored += value.nbytes
+        elif type(value).__name__ == "QuantState":
+            stored += _quant_state_bytes(value)
     return stored
 
 
