@@ -43,7 +43,7 @@ from torch.profiler import record_function
 
 from residency.component import Residency
 from residency.enums import Policy
-from residency.errors import RegistrationError
+from residency.errors import DeviceMemoryError, RegistrationError
 from residency.locks import CHECKING, check_held
 from residency.memory import DeviceStorage
 from residency.records import TransitionLog, TransitionRecord
@@ -234,7 +234,7 @@ class Placement:
         self.cancel_prefetch()
         try:
             group._begin_load(self._free_storage(group), watch_edits=True)
-        except torch.OutOfMemoryError:  # no memory info to ask first: the allocator said no
+        except DeviceMemoryError:  # no memory info to ask first: the allocator said no
             return False
         self.prefetched = group
         return True

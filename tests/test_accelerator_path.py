@@ -13,7 +13,7 @@ from torch import nn
 from residency import Scheduler, ResidencyState
 from residency.memory import _Progress
 
-from _accelerator import device as accelerator_device, no_host_synchronisation
+from _accelerator import device as accelerator_device, is_simulated, no_host_synchronisation
 from conftest import CountingTransport, make_block, run_block, twin
 
 
@@ -258,3 +258,56 @@ def test_reserved_device_memory_is_flat_over_a_thousand_transitions():
             pass
     torch.accelerator.synchronize()
     assert torch.accelerator.memory_reserved(device) == before
+
+
+# -- prefetch on an accelerator: the device's free memory, or its allocator, decides -----------
+
+
+def _prefetch_pair(device: torch.device):
+    scheduler = Scheduler(device)  # no device_memory_limit: the device itself says what fits
+    a, b = _big_group(depth=2), _big_group(depth=2)
+    plain_b = twin(b).to(device)
+    scheduler.add("a", a)
+    scheduler.add("b", b)
+    return scheduler, b, plain_b
+
+
+@pytest.mark.gpu
+def test_prefetch_without_a_memory_limit_asks_the_device_what_is_free():
+    """It refused on every accelerator but CUDA (main at 6a25d47): `torch.cuda.mem_get_info`."""
+    device = _device()
+    scheduler, b, plain_b = _prefetch_pair(device)
+    x = torch.randn(4, 1024, device=device)
+    with scheduler.resident("a"):
+        assert scheduler.prefetch("b")
+        assert scheduler["b"].state is ResidencyState.LOADING
+    with scheduler.resident("b"):
+        assert torch.equal(b(x), plain_b(x))
+    scheduler.close()
+
+
+@pytest.mark.gpu
+def test_prefetch_where_the_backend_has_no_memory_info_takes_out_of_memory_as_no_room():
+    device = _device()
+    if not is_simulated(device):
+        pytest.skip("needs the simulated device's memory-info and capacity controls")
+    import simdevice
+
+    scheduler, b, plain_b = _prefetch_pair(device)
+    x = torch.randn(4, 1024, device=device)
+    with scheduler.resident("a"):
+        torch.accelerator.synchronize()
+        torch.accelerator.empty_cache()  # no cached block may serve the prefetch's buffer
+        reserved = torch.accelerator.memory_reserved(device)
+        with simdevice.controls(memory_info=False, capacity=reserved + scheduler["b"].nbytes // 2):
+            with pytest.raises(RuntimeError):
+                torch.accelerator.get_memory_info(device.index)  # the backend cannot say
+            assert not scheduler.prefetch("b")  # the allocator said no: nothing started
+        assert scheduler["b"].state is ResidencyState.OFFLOADED
+        assert [t.data_ptr() for t in scheduler["b"].tensors] == [
+            v.data_ptr() for v in scheduler["b"].host_master.views]
+        with simdevice.controls(memory_info=False):
+            assert scheduler.prefetch("b")  # room again: the copy starts
+    with scheduler.resident("b"):
+        assert torch.equal(b(x), plain_b(x))
+    scheduler.close()
