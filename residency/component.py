@@ -507,15 +507,21 @@ def _kind(tensor: torch.Tensor) -> str:
 
 
 def _same_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
-    """Whether each pair holds the same bytes (one host wait for all pairs on an accelerator)."""
-    flags = [
-        torch.equal(_as_bytes(a), _as_bytes(b)) if a.device.type == "cpu"
-        else (_as_bytes(a) == _as_bytes(b)).all()
-        for a, b in pairs
-    ]
-    if flags and isinstance(flags[0], torch.Tensor):
-        return torch.stack(flags).tolist()
-    return flags
+    """Whether each (tensor, device view) pair holds the same bytes.
+
+    Pairs on one accelerator compare there, with one host wait for all of them.  A tensor the
+    user moved to the host (``module.to("cpu")`` while resident) compares on the host: no kernel
+    reads a host and a device tensor together.
+    """
+    on_device = [a.device == b.device != _HOST for a, b in pairs]
+    device_flags = iter(torch.stack([(_as_bytes(a) == _as_bytes(b)).all()
+                                     for (a, b), there in zip(pairs, on_device) if there]).tolist()
+                        if any(on_device) else ())
+    return [next(device_flags) if there else torch.equal(_as_bytes(a).cpu(), _as_bytes(b).cpu())
+            for (a, b), there in zip(pairs, on_device)]
+
+
+_HOST = torch.device("cpu")
 
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

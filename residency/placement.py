@@ -43,7 +43,7 @@ from torch.profiler import record_function
 
 from residency.component import Residency
 from residency.enums import Policy
-from residency.errors import RegistrationError
+from residency.errors import DeviceMemoryError, RegistrationError
 from residency.locks import CHECKING, check_held
 from residency.memory import DeviceStorage
 from residency.records import TransitionLog, TransitionRecord
@@ -232,7 +232,10 @@ class Placement:
         if not self._room_for_prefetch(group):
             return False
         self.cancel_prefetch()
-        group._begin_load(self._free_storage(group), watch_edits=True)
+        try:
+            group._begin_load(self._free_storage(group), watch_edits=True)
+        except DeviceMemoryError:  # no memory info to ask first: the allocator said no
+            return False
         self.prefetched = group
         return True
 
@@ -322,17 +325,19 @@ class Placement:
         return second if occupied is first else first
 
     def _room_for_prefetch(self, group: Residency) -> bool:
-        """Whether the buffer `group` would be copied into fits beside everything already held."""
+        """Whether the buffer `group` would be copied into fits beside everything already held.
+
+        Without `device_memory_limit`, the device's free memory decides; where the backend cannot
+        tell it, the answer is yes, and `prefetch` takes the allocator's out-of-memory as no.
+        """
         storage = self._free_storage(group)
         needed = max(group.inventory.layout.contiguous_nbytes, storage.size_hint)
         growth = 0 if storage.nbytes >= needed and not storage.is_aliased() else needed
         if self.device_memory_limit is not None:
             held = self.device_nbytes - (storage.nbytes if growth else 0)
             return held + growth <= self.device_memory_limit
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return growth <= free
-        return self.device.type == "cpu"
+        free = _free_device_memory(self.device)
+        return free is None or growth <= free
 
     def _update_size_hints(self) -> None:
         """Size the shared buffers for the largest exclusive group, so each is allocated once."""
@@ -367,3 +372,15 @@ class Placement:
                 thread=threading.current_thread().name,
             )
         )
+
+
+def _free_device_memory(device: torch.device) -> int | None:
+    """Free bytes on `device` by the device-generic API; None on the CPU or where the backend
+    has no memory information (a PrivateUse1 allocator may not implement it)."""
+    if device.type == "cpu":
+        return None
+    try:
+        free, _ = torch.accelerator.get_memory_info(device.index)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return free

@@ -15,21 +15,37 @@ import pytest
 import torch
 from torch import nn
 
+import _accelerator
 from residency import Scheduler
 from residency.transport import CpuTransport
 
 
 def pytest_addoption(parser):
     parser.addoption("--soak", action="store_true", help="run the full-length soak tests")
+    _accelerator.add_options(parser)
+
+
+# Where the tests marked gpu run: tests/_accelerator.py ([Note: one child for the accelerator tests]).
+def pytest_configure(config):
+    _accelerator.configure(config)
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.accelerator.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs an accelerator")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    _accelerator.modify_items(config, items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    return True if _accelerator.run_delegated(pyfuncitem) else None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    _accelerator.summarize(terminalreporter, config)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _accelerator.too_few(session.config) and exitstatus == 0:
+        session.exitstatus = 1
 
 
 @pytest.fixture(autouse=True, scope="session")

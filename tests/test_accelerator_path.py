@@ -13,6 +13,7 @@ from torch import nn
 from residency import Scheduler, ResidencyState
 from residency.memory import _Progress
 
+from _accelerator import device as accelerator_device, is_simulated, no_host_synchronisation
 from conftest import CountingTransport, make_block, run_block, twin
 
 
@@ -151,7 +152,7 @@ def test_small_masters_build_silently(caplog):
 
 
 def _device() -> torch.device:
-    return torch.accelerator.current_accelerator()
+    return accelerator_device()
 
 
 def _big_group(width: int = 1024, depth: int = 8) -> nn.Module:
@@ -178,6 +179,12 @@ def test_host_masters_are_pinned_at_about_one_times_the_weights():
 
 @pytest.mark.gpu
 def test_async_copies_into_poisoned_buffers_are_exact():
+    """Whatever the shared buffer holds before a load, the load overwrites every byte of it.
+
+    The buffer is poisoned while its group is still resident (a group stays current after its
+    phase), so the groups promise not to edit (``detect_edits=False``): with detection on, the
+    library would rightly take the poison for an edit and write it back.
+    """
     device = _device()
     scheduler = Scheduler(device)
     a, b = _big_group(), _big_group()
@@ -185,16 +192,14 @@ def test_async_copies_into_poisoned_buffers_are_exact():
         for p in b.parameters():
             p.normal_()
     plain_a, plain_b = twin(a).to(device), twin(b).to(device)
-    scheduler.add("a", a)
-    scheduler.add("b", b)
+    scheduler.add("a", a, detect_edits=False)
+    scheduler.add("b", b, detect_edits=False)
     x = torch.randn(64, 1024, device=device)
     for step in range(6):
         name, module, reference = ("a", a, plain_a) if step % 2 == 0 else ("b", b, plain_b)
         with scheduler.resident(name):
             assert torch.equal(module(x), reference(x))
-        # Poison the shared buffer between phases: the next load must overwrite every byte.
-        buffer = scheduler[name].device_storage.buffer
-        buffer.fill_(0xFF)
+        scheduler[name].device_storage.buffer.fill_(0xFF)  # the next load must overwrite it all
     torch.accelerator.synchronize()
 
 
@@ -207,14 +212,11 @@ def test_steady_state_makes_no_host_synchronisation():
     for name, module in [("a", a), ("b", b)]:  # warm-up: allocations and views
         with scheduler.resident(name):
             module(x)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_synchronisation():
         for _ in range(20):
             for name, module in [("a", a), ("b", b)]:
                 with scheduler.resident(name):
                     module(x)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     torch.accelerator.synchronize()
 
 
@@ -228,13 +230,10 @@ def test_with_edit_detection_re_entry_never_syncs_and_a_transition_reads_one_fla
     for name, module in [("a", a), ("b", b), ("a", a)]:
         with scheduler.resident(name):
             module(x)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_synchronisation():
         for _ in range(20):
             with scheduler.resident("a"):
                 a(x)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         for name in ["b", "a", "b", "a"]:
             with scheduler.resident(name):
@@ -252,9 +251,63 @@ def test_reserved_device_memory_is_flat_over_a_thousand_transitions():
         with scheduler.resident(name):
             pass
     torch.accelerator.synchronize()
-    before = torch.cuda.memory_reserved(device)
+    before = torch.accelerator.memory_reserved(device)
+    assert before >= 2 * scheduler["a"].nbytes  # the shared buffer, at least: the reading is real
     for step in range(1000):
         with scheduler.resident("a" if step % 2 else "b"):
             pass
     torch.accelerator.synchronize()
-    assert torch.cuda.memory_reserved(device) == before
+    assert torch.accelerator.memory_reserved(device) == before
+
+
+# -- prefetch on an accelerator: the device's free memory, or its allocator, decides -----------
+
+
+def _prefetch_pair(device: torch.device):
+    scheduler = Scheduler(device)  # no device_memory_limit: the device itself says what fits
+    a, b = _big_group(depth=2), _big_group(depth=2)
+    plain_b = twin(b).to(device)
+    scheduler.add("a", a)
+    scheduler.add("b", b)
+    return scheduler, b, plain_b
+
+
+@pytest.mark.gpu
+def test_prefetch_without_a_memory_limit_asks_the_device_what_is_free():
+    """It refused on every accelerator but CUDA (main at 6a25d47): `torch.cuda.mem_get_info`."""
+    device = _device()
+    scheduler, b, plain_b = _prefetch_pair(device)
+    x = torch.randn(4, 1024, device=device)
+    with scheduler.resident("a"):
+        assert scheduler.prefetch("b")
+        assert scheduler["b"].state is ResidencyState.LOADING
+    with scheduler.resident("b"):
+        assert torch.equal(b(x), plain_b(x))
+    scheduler.close()
+
+
+@pytest.mark.gpu
+def test_prefetch_where_the_backend_has_no_memory_info_takes_out_of_memory_as_no_room():
+    device = _device()
+    if not is_simulated(device):
+        pytest.skip("needs the simulated device's memory-info and capacity controls")
+    import simdevice
+
+    scheduler, b, plain_b = _prefetch_pair(device)
+    x = torch.randn(4, 1024, device=device)
+    with scheduler.resident("a"):
+        torch.accelerator.synchronize()
+        torch.accelerator.empty_cache()  # no cached block may serve the prefetch's buffer
+        reserved = torch.accelerator.memory_reserved(device)
+        with simdevice.controls(memory_info=False, capacity=reserved + scheduler["b"].nbytes // 2):
+            with pytest.raises(RuntimeError):
+                torch.accelerator.get_memory_info(device.index)  # the backend cannot say
+            assert not scheduler.prefetch("b")  # the allocator said no: nothing started
+        assert scheduler["b"].state is ResidencyState.OFFLOADED
+        assert [t.data_ptr() for t in scheduler["b"].tensors] == [
+            v.data_ptr() for v in scheduler["b"].host_master.views]
+        with simdevice.controls(memory_info=False):
+            assert scheduler.prefetch("b")  # room again: the copy starts
+    with scheduler.resident("b"):
+        assert torch.equal(b(x), plain_b(x))
+    scheduler.close()

@@ -13,6 +13,8 @@ import torch
 
 from residency.digests import ChangeDetector, DigestLayout, chunk_digests
 
+from _accelerator import device as accelerator_device
+
 SMALL = DigestLayout(chunk_nbytes=256, columns=4)  # 8 rows x 4 int64 words per chunk
 #: One integer dtype per element size: a swap of 2-byte elements is the same bytes for int16 and
 #: bfloat16, and integer equality is byte equality (no NaN).
@@ -279,13 +281,14 @@ def test_forget_drops_the_reference_and_repr_says_so():
 
 @pytest.mark.gpu
 def test_device_digests_equal_cpu_digests_and_detect_edits_on_the_device():
-    device = torch.accelerator.current_accelerator()
-    buffer = random_bytes(9 * 2**20 + 13, seed=4)
+    device = accelerator_device()
+    buffer = random_bytes(9 * 2**20 + 13, seed=4)  # an odd length: no dtype view of it all
     for layout in (DigestLayout.for_device(device), DigestLayout.for_device(torch.device("cpu"))):
         on_device = buffer.to(device)
         assert torch.equal(chunk_digests(on_device, layout).cpu(), chunk_digests(buffer, layout))
         detector = remembered(on_device, layout)
         assert detector.changed_chunks(on_device) == []
-        on_device.view(torch.float32)[2**20].add_(1.0)  # in chunk 4 MiB // chunk_nbytes
+        edited = 4 * 2**20  # in chunk 4 MiB // chunk_nbytes
+        on_device[edited:edited + 4].view(torch.float32).add_(1.0)
         chunk = (4 * 2**20) // layout.chunk_nbytes
         assert detector.changed_chunks(on_device) == [chunk_range(chunk, buffer.numel(), layout)]

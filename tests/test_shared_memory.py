@@ -26,6 +26,7 @@ from residency.errors import RegistrationError
 from residency.node import node_view
 from residency.shared_memory import SHM_DIRECTORY, SegmentStage, share_segment
 
+from _accelerator import require_cuda
 from _dist import pss_kib, run_world
 
 #: The node groups' timeout in these tests: how long survivors may wait for a missing rank.
@@ -334,6 +335,7 @@ def _pin_worker(rank: int, world_size: int, args) -> dict:
 
 @pytest.mark.gpu
 def test_each_rank_page_locks_its_mapping(tmp_path):
+    require_cuda("page-locks a node-shared segment with cudaHostRegister")
     results = run_world(_pin_worker, 2, tmp_path)
     assert [(r["pinned"], r["same"]) for r in results] == [(True, True)] * 2, results
     _assert_no_segment_left(results)

@@ -163,8 +163,6 @@ def test_transitions_keep_device_and_pinned_memory_flat_on_an_accelerator(soak_s
 
 
 def _device_allocated(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
     return torch.accelerator.memory_allocated(device)
 
 

@@ -1,0 +1,271 @@
+"""Where the accelerator tests run, and the device-generic checks they share.
+
+Every test marked ``gpu`` needs an accelerator.  Which one it gets (``pytest --accelerator=...``):
+
+* ``auto`` (the default): a real accelerator when this process has one; otherwise the simulated
+  device of ``tests/simdevice`` *in a child pytest process* - loading the simulator renames
+  PrivateUse1 and makes ``torch.accelerator`` report it for the whole process, so ``Scheduler()``
+  and ``default_device()`` would pick it in the CPU tests.  The parent collects the accelerator
+  tests as usual and reports, for each, the outcome the child had (one child for the session,
+  started by the first of them).
+* ``sim``: this process loads the simulator before collection and runs only the accelerator tests
+  (what the child runs).
+* ``none``: the accelerator tests are skipped.
+
+[Note: one child for the accelerator tests]
+The child is ``python -m pytest --accelerator=sim --accelerator-results=FILE <node ids>``; it
+writes one line per test phase to FILE (outcome and the failure's text), and the parent turns each
+into that test's outcome.  A simulator that fails to build skips the accelerator tests with the
+compiler's message, except under CI (``CI=true``), where it is an error: CI must never pass because
+the accelerator half did not run.  ``RESIDENCY_MIN_ACCELERATOR_TESTS=N`` makes the session fail
+when fewer than N accelerator tests passed (``.ci/run`` sets it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+#: How long the child may run before its tests are reported as failed (a hang is a failure).
+CHILD_TIMEOUT_S = 900
+
+_DELEGATED = pytest.StashKey[list]()
+_CHILD = pytest.StashKey["ChildRun"]()
+_SIMULATOR_ERROR = pytest.StashKey[str]()
+
+
+def add_options(parser) -> None:
+    parser.addoption(
+        "--accelerator", choices=["auto", "sim", "none"], default="auto",
+        help="where tests marked gpu run: a real accelerator if present, else the simulated "
+             "device in a child process (auto); the simulated device in this process (sim); "
+             "nowhere (none)")
+    parser.addoption("--accelerator-results", default=None, help=argparse.SUPPRESS)
+
+
+def configure(config) -> None:
+    """In a ``--accelerator=sim`` process, load the simulator before anything is collected."""
+    results = config.getoption("--accelerator-results")
+    if results is not None:
+        config.pluginmanager.register(ResultsWriter(results), "accelerator-results")
+    if config.getoption("--accelerator") != "sim":
+        return
+    sys.path.insert(0, str(TESTS))
+    try:
+        import simdevice
+
+        simdevice.load()
+    except Exception as failure:  # the compiler's message, kept for the skip or the CI error
+        if os.environ.get("CI") == "true":
+            raise
+        config.stash[_SIMULATOR_ERROR] = f"the simulated device did not build: {failure}"
+
+
+def modify_items(config, items) -> None:
+    mode = config.getoption("--accelerator")
+    accelerator_tests = [item for item in items if "gpu" in item.keywords]
+    if mode == "sim":
+        _keep_only(config, items, accelerator_tests)
+        error = config.stash.get(_SIMULATOR_ERROR, None)
+        if error is not None:
+            for item in accelerator_tests:
+                item.add_marker(pytest.mark.skip(reason=error))
+    elif mode == "none":
+        for item in accelerator_tests:
+            item.add_marker(pytest.mark.skip(reason="accelerator tests off (--accelerator=none)"))
+    elif not torch.accelerator.is_available():
+        config.stash[_DELEGATED] = [item.nodeid for item in accelerator_tests]
+
+
+def _keep_only(config, items, kept) -> None:
+    kept_ids = {id(item) for item in kept}
+    dropped = [item for item in items if id(item) not in kept_ids]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def run_delegated(pyfuncitem) -> bool:
+    """Report a delegated accelerator test's outcome from the child; False if it runs here."""
+    config = pyfuncitem.config
+    delegated = config.stash.get(_DELEGATED, None)
+    if delegated is None or pyfuncitem.nodeid not in delegated:
+        return False
+    child = config.stash.get(_CHILD, None)
+    if child is None:
+        child = config.stash[_CHILD] = ChildRun(config, delegated)
+    child.report(pyfuncitem.nodeid)
+    return True
+
+
+class ChildRun:
+    """One ``--accelerator=sim`` pytest process for every delegated test (see the note above)."""
+
+    def __init__(self, config, nodeids: list[str]) -> None:
+        results = Path(config.rootpath) / ".pytest-accelerator-results.jsonl"
+        results.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rN",
+                   "--accelerator=sim", f"--accelerator-results={results}", *_passed_on(config),
+                   *nodeids]
+        try:
+            finished = subprocess.run(command, cwd=config.rootpath, capture_output=True,
+                                      text=True, timeout=CHILD_TIMEOUT_S)
+            self.output = finished.stdout + finished.stderr
+        except subprocess.TimeoutExpired as timeout:
+            self.output = f"the child timed out after {CHILD_TIMEOUT_S} s\n{timeout.stdout or ''}"
+        self.outcomes = _read_outcomes(results)
+        results.unlink(missing_ok=True)
+
+    def report(self, nodeid: str) -> None:
+        outcome = self.outcomes.get(nodeid)
+        if outcome is None:
+            pytest.fail(f"the accelerator test did not report from the simulator's process:\n"
+                        f"{self.output[-6000:]}", pytrace=False)
+        if outcome["outcome"] == "failed":
+            pytest.fail(f"failed on the simulated device:\n{outcome['text']}", pytrace=False)
+        if outcome["outcome"] == "skipped":
+            pytest.skip(outcome["text"])
+
+
+def _passed_on(config) -> list[str]:
+    """The options of this run the child needs too."""
+    options = []
+    if config.getoption("--soak"):
+        options.append("--soak")
+    return options
+
+
+def _read_outcomes(path: Path) -> dict[str, dict]:
+    """One outcome per test: the first phase that failed or skipped, else passed."""
+    outcomes: dict[str, dict] = {}
+    if not path.exists():
+        return outcomes
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        known = outcomes.get(entry["nodeid"])
+        if known is None or known["outcome"] == "passed":
+            outcomes[entry["nodeid"]] = entry
+    return outcomes
+
+
+class ResultsWriter:
+    """In the child: appends each test phase's outcome to the results file, one JSON line each."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when != "call" and report.outcome == "passed":
+            return
+        if report.skipped and isinstance(report.longrepr, tuple):
+            text = report.longrepr[2]
+        else:
+            text = report.longreprtext
+        with open(self.path, "a") as results:
+            results.write(json.dumps({"nodeid": report.nodeid, "outcome": report.outcome,
+                                      "text": text}) + "\n")
+
+
+def counts(config) -> tuple[int, int, int]:
+    """(passed, failed, skipped) accelerator tests of this session so far."""
+    stats = config.pluginmanager.get_plugin("terminalreporter").stats
+
+    def marked(kind: str, when: str | None = None) -> int:
+        return sum(1 for r in stats.get(kind, [])
+                   if "gpu" in r.keywords and (when is None or r.when == when))
+
+    return marked("passed", "call"), marked("failed"), marked("skipped")
+
+
+def summarize(terminalreporter, config) -> None:
+    """Say where the accelerator tests ran, and whether enough of them did."""
+    passed, failed, skipped = counts(config)
+    if passed or failed or skipped:
+        terminalreporter.write_line(f"accelerator tests ({_where(config)}): {passed} passed, "
+                                    f"{failed} failed, {skipped} skipped")
+    minimum = _minimum()
+    if passed < minimum:
+        terminalreporter.write_line(f"FAILED: {passed} accelerator tests passed; "
+                                    f"RESIDENCY_MIN_ACCELERATOR_TESTS asks for {minimum}")
+
+
+def too_few(config) -> bool:
+    """Whether fewer accelerator tests passed than RESIDENCY_MIN_ACCELERATOR_TESTS asks."""
+    return counts(config)[0] < _minimum()
+
+
+def _minimum() -> int:
+    return int(os.environ.get("RESIDENCY_MIN_ACCELERATOR_TESTS", "0"))
+
+
+def _where(config) -> str:
+    if config.stash.get(_DELEGATED, None) is not None:
+        return "simulated device, in a child process"
+    if config.getoption("--accelerator") == "sim":
+        return "simulated device"
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator.type if accelerator is not None else "none"
+
+
+# -- checks the accelerator tests share -------------------------------------------------------
+
+
+def device() -> torch.device:
+    """The accelerator the tests run on (real, or the simulated ``sim`` device)."""
+    accelerator = torch.accelerator.current_accelerator()
+    assert accelerator is not None, "an accelerator test ran without an accelerator"
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def require_cuda(why: str) -> None:
+    """Skip an accelerator test that only CUDA can run, saying why (a test of a CUDA API)."""
+    if device().type != "cuda":
+        pytest.skip(f"CUDA only: {why}")
+
+
+def is_simulated(target: torch.device) -> bool:
+    return target.type == "sim"
+
+
+@contextlib.contextmanager
+def no_host_synchronisation():
+    """Fail if the body makes the host wait for the device.
+
+    CUDA: its sync-debug mode raises at the waiting call.  The simulated device: its counter of
+    host waits (stream, event and device synchronize, reads of device values, copies that are not
+    asynchronous) must not move.
+    """
+    target = device()
+    if target.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return
+    if not is_simulated(target):
+        pytest.skip(f"no way to count host synchronisations on {target.type}")
+    import simdevice
+
+    before = simdevice.host_syncs()
+    yield
+    assert simdevice.host_syncs() == before, (
+        f"{simdevice.host_syncs() - before} host synchronisations where none may happen")
+
+
+def host_synchronisations(body) -> int:
+    """How many times `body()` made the host wait for the device (simulated device only)."""
+    import simdevice
+
+    before = simdevice.host_syncs()
+    body()
+    return simdevice.host_syncs() - before
