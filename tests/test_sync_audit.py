@@ -65,7 +65,8 @@ _CHANGED_CHUNKS = ChangeDetector.changed_chunks.__code__
 
 
 class WrongBits(AssertionError):
-    """A scenario saw bytes that differ from the never-offloaded model's: the race happened."""
+    """A scenario saw bytes that differ from the never-offloaded model's (the race happened), or,
+    for a release, memory still held that should have been handed back."""
 
 
 def same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -164,6 +165,18 @@ def held_until_host_waits(stream: torch.Stream, waiting_in, caller: str, drained
         holding.close()
 
 
+def audit_not_caught(scenario: Callable, remove: Callable) -> None:
+    """The experiment for a point no test catches: `scenario(point)` gives the right bits in every
+    run, the point kept or removed.  Fails the day the point becomes needed there (then it needs
+    a row with a real test)."""
+    for remover in (None, remove):
+        for _ in range(REPEATS):
+            try:
+                scenario(_point(remover))
+            finally:
+                torch.accelerator.synchronize()
+
+
 def audit(scenario: Callable, remove: Callable) -> None:
     """Run `scenario(point)` REPEATS times with the point kept and REPEATS times with it removed:
     the scenario does its racy step inside ``with point():``, where a removed run has the point
@@ -197,6 +210,12 @@ def _point(remove: Callable | None):
 
 @pytest.fixture
 def device():
+    """The simulated device, asynchronous, with no delays (the holds make the races)."""
+    if not torch.accelerator.is_available():
+        # This process has no accelerator: the test is reported from the simulator's process
+        # (tests/_accelerator.py), and its body does not run here.
+        yield None
+        return
     target = accelerator_device()
     if not is_simulated(target):
         pytest.skip("the audit makes races certain with the simulated device's worker hold")
@@ -633,13 +652,14 @@ def table_rows() -> dict[tuple[str, str, str], str]:
 
 def test_every_ordering_call_has_a_row():
     calls, rows = ordering_calls(), table_rows()
-    missing = [f"{file}:{line}: `{call}` in {function}" for (file, function, call), line
-               in sorted(calls.items()) if (file, function, call) not in rows]
+    missing = [f"{file}:{line}: `{call}` in {function}; add the row\n"
+               f"    | `{file}:{function}` | `{call}` | <what it orders> | <the test in "
+               f"tests/test_sync_audit.py that fails without it, or why none can> |"
+               for (file, function, call), line in sorted(calls.items())
+               if (file, function, call) not in rows]
     assert not missing, (
-        "ordering calls with no row in docs/design.md's \"Synchronisation audit\" table "
-        "(under \"Streams (accelerators)\"): add a row `| `FILE:Class.function` | `call` | what it "
-        "orders | test in tests/test_sync_audit.py, or why none can catch it |` for each of:\n  "
-        + "\n  ".join(missing))
+        "ordering calls with no row in the \"Synchronisation audit\" table of docs/design.md "
+        "(section \"Streams (accelerators)\"):\n  " + "\n  ".join(missing))
     stale = [f"{file}:{function} `{call}`" for (file, function, call) in sorted(rows)
              if (file, function, call) not in calls]
     assert not stale, ("rows of docs/design.md's \"Synchronisation audit\" table name calls the "
@@ -652,3 +672,196 @@ def test_every_test_the_table_names_exists():
     named = {name for test in table_rows().values() for name in re.findall(r"`(test_\w+)`", test)}
     assert named, "the audit table names no test"
     assert not named - defined, f"the audit table names tests that do not exist: {sorted(named - defined)}"
+
+
+# -- a replaced tensor: its comparison is read after the kernel that made it ------------------------
+
+_SAME_BYTES = None  # set below, once component is imported
+
+
+def _flags_without_waiting(pairs):
+    """component._same_bytes as it would be if its read did not wait for the comparison: the
+    host sees what the flag memory held before (here an earlier answer, "same")."""
+    from residency.component import _as_bytes
+
+    flags = torch.stack([(_as_bytes(a) == _as_bytes(b)).all() for a, b in pairs])
+    on_host = torch.ones(flags.shape, dtype=torch.bool, pin_memory=True)
+    on_host.copy_(flags, non_blocking=True)
+    return on_host.tolist()
+
+
+@pytest.mark.gpu
+def test_a_replaced_tensor_is_compared_after_it_was_made(device):
+    """component.py:_same_bytes -> .tolist() (an implicit host wait)."""
+    from residency import component
+
+    def scenario(point):
+        with groups(device, detect_edits=False) as g:
+            g.run("b")
+            g.run("a")
+            torch.accelerator.synchronize()
+            weight = g.models["a"][0].weight
+            expected = g.host_copies["a"][0].weight.detach() * 2
+            with held_until_host_waits(compute_stream(), component._same_bytes.__code__,
+                                       "_write_back_replaced"), point():
+                with g.scheduler.resident("a"), torch.no_grad():
+                    weight.data = weight.data * 2  # new storage, new bytes (queued: not made yet)
+                g.scheduler.offload_all()
+            same(weight.detach(), expected, "a's replaced weight in its host master")
+
+    audit(scenario, lambda patch: patch.setattr(component, "_same_bytes", _flags_without_waiting))
+
+
+# -- prefetch: a cancelled copy, an edit during the copy ------------------------------------------------
+
+
+def prefetch_then(device, point, *, then: str) -> None:
+    """b's copy is started beside a (prefetch) while the copy stream is held, b is edited on the
+    host meanwhile, and then either b's phase begins (then="b": the edit is copied again) or
+    another group's does (then="c": b's copy is cancelled, and b loads later).  b's output must
+    show the edit."""
+    import copy as copying
+
+    models = {"a": mlp(1), "b": mlp(2), "c": mlp(4)}
+    edited_b = copying.deepcopy(models["b"])
+    with torch.no_grad():
+        edited_b[0].weight.add_(1)
+    torch.manual_seed(3)
+    x = torch.randn(8, WIDTH, device=device)
+    expected = {"b": edited_b.to(device)(x).cpu(), "c": copying.deepcopy(models["c"]).to(device)(x).cpu()}
+    scheduler = Scheduler(device, device_memory_limit=2**30)
+    for name, model in models.items():
+        scheduler.add(name, model)
+    copy_stream = scheduler._transport.copy_stream
+
+    def run(name):
+        with scheduler.resident(name), torch.no_grad():
+            return models[name](x)
+
+    try:
+        for name in ("a", "b", "c", "a"):
+            run(name)
+        torch.accelerator.synchronize()
+        with held_until_host_waits(copy_stream, _SYNCHRONIZE, "_cancel_load"), point():
+            with scheduler.resident("a"):
+                assert scheduler.prefetch("b")
+                with torch.no_grad():
+                    models["b"][0].weight.add_(1)  # on the host: b's tensors view its master
+            outputs = {then: run(then)}
+            drain(compute_stream())
+        outputs["b"] = run("b")
+        for name, output in outputs.items():
+            same(output, expected[name], f"{name}'s output")
+    finally:
+        torch.accelerator.synchronize()
+        scheduler.close()
+
+
+@pytest.mark.gpu
+def test_an_edit_during_a_prefetch_is_copied_again(device):
+    """component.py:Residency._recopy_edited waited for the first copy before issuing the second,
+    a wait the audit found redundant and removed: the compute stream waits for the second copy's
+    completion (in _finish_load), which implies the first, since the copy stream runs them in
+    order.  b's edited output, with its copy stream held while the phase is queued, shows it."""
+    for _ in range(REPEATS):
+        prefetch_then(device, contextlib.nullcontext, then="b")
+
+
+@pytest.mark.gpu
+def test_a_cancelled_prefetch_needs_no_wait_on_the_simulated_device(device):
+    """component.py:Residency._cancel_load -> completion.synchronize(): not caught here (see the
+    table): nothing reads the abandoned copy's destination before a later copy, queued after it
+    on the copy stream, overwrites it, and the pinned source is not reused before the copy ran."""
+    audit_not_caught(lambda point: prefetch_then(device, point, then="c"),
+                     lambda patch: remove_call(patch, Completion, "synchronize", "_cancel_load"))
+
+
+@pytest.mark.gpu
+def test_a_cancelled_prefetch_needs_no_retire(device):
+    """component.py:Residency._cancel_load -> storage.retire(): not caught (see the table)."""
+    audit_not_caught(lambda point: prefetch_then(device, point, then="c"),
+                     lambda patch: remove_call(patch, DeviceStorage, "retire", "_cancel_load"))
+
+
+# -- releases: the memory goes back to the allocator ---------------------------------------------------
+
+
+def handed_out_again(buffer_ptr: int, nbytes: int, device) -> None:
+    """Raise WrongBits unless the allocator hands out the memory at `buffer_ptr` again (it was
+    freed: the caching allocator reuses the last block of that size freed on this stream)."""
+    probe = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if probe.data_ptr() != buffer_ptr:
+        raise WrongBits(f"the released buffer at {buffer_ptr:#x} is still allocated")
+
+
+def released_by(device, point, *, how: str) -> None:
+    """A buffer is released by placement (`how`) and its memory must be free again."""
+    models = {"m": mlp(1), "t": Tower(2)}
+    scheduler = Scheduler(device)
+    if how == "withdraw":
+        group = scheduler.add("m", models["m"], policy="resident")
+    else:
+        group = scheduler.add("m", models["m"])
+        scheduler.add("t", models["t"], layers=True)
+        with scheduler.resident("m"):
+            pass
+    try:
+        buffer = group.device_storage.buffer
+        ptr, nbytes = buffer.data_ptr(), buffer.numel()
+        del buffer, group
+        with point():
+            if how == "withdraw":
+                removed = scheduler.remove("m")  # the caller may keep what remove returns
+                assert removed.device_storage is not None
+            elif how == "release_shared":
+                scheduler.offload_all()
+            else:
+                with scheduler.resident("t"):  # the other mode's buffers are released first
+                    handed_out_again(ptr, nbytes, device)
+                return
+        handed_out_again(ptr, nbytes, device)
+    finally:
+        torch.accelerator.synchronize()
+        scheduler.close()
+
+
+@pytest.mark.gpu
+def test_removing_a_resident_group_frees_its_buffer(device):
+    """placement.py:Placement.withdraw -> device_storage.release()."""
+    audit(lambda point: released_by(device, point, how="withdraw"),
+          lambda patch: remove_call(patch, DeviceStorage, "release", "withdraw"))
+
+
+@pytest.mark.gpu
+def test_offload_all_frees_the_shared_buffers(device):
+    """placement.py:Placement.release_shared -> storage.release()."""
+    audit(lambda point: released_by(device, point, how="release_shared"),
+          lambda patch: remove_call(patch, DeviceStorage, "release", "release_shared"))
+
+
+@pytest.mark.gpu
+def test_a_layer_phase_frees_the_module_mode_buffers(device):
+    """placement.py:Placement._release_other_mode -> storage.release()."""
+    audit(lambda point: released_by(device, point, how="other_mode"),
+          lambda patch: remove_call(patch, DeviceStorage, "release", "_release_other_mode"))
+
+
+def fresh_buffer_beside_an_alias(device, point) -> None:
+    """The user keeps a device view of a's weight after a's phase; the next load into that storage
+    gets a fresh buffer (the old one is aliased) and must not re-point tensors into the old one."""
+    with groups(device) as g:
+        g.run("a")
+        g.run("b")
+        g.run("a")
+        kept = g.models["a"][0].weight.detach()  # a view of the shared buffer, kept by the user
+        with point():
+            output = g.run("b")
+        same(output, g.expected["b"], "b's output")
+        del kept
+
+
+@pytest.mark.gpu
+def test_a_fresh_buffer_drops_the_views_of_the_old_one(device):
+    """memory.py:DeviceStorage.prepare -> self.release()."""
+    audit(lambda point: fresh_buffer_beside_an_alias(device, point),
+          lambda patch: remove_call(patch, DeviceStorage, "release", "prepare"))
