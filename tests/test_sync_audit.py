@@ -1,9 +1,10 @@
 """The synchronisation audit (issue 19): every ordering point of the library, and a test that fails
 when that one point is removed.
 
-docs/design.md, "Synchronisation audit", is the table: each ordering call in residency/ and adapters/
-(file, enclosing function, call) -> the test below that catches its removal, or why none can.
-`test_every_ordering_call_has_a_row` reads the package's source and keeps the table whole.
+docs/design.md, "Synchronisation audit", is the table: each ordering call in residency/ and
+adapters/ (file, enclosing function, call) -> the test below that catches its removal, or why
+none can.  `test_every_ordering_call_has_a_row` reads the package's source and keeps the table
+whole.
 
 [Note: how a point is removed, and how a race is made certain]
 A point is removed for one caller only: `remove_call` wraps the method so that a call coming from
@@ -17,8 +18,9 @@ the held stream (a write-back's `Completion.synchronize`), `held_until_host_wait
 hold once the main thread is inside that wait, so a kept run does not deadlock and a removed run
 (which never waits there) reads the host master while the stream is still held.
 
-`drain` cannot tell a stream that waits on held work (the kept run) from a slow one, so it gives up
-after `DRAIN_S`; that bound only costs kept runs time: a removed run's stream has nothing to wait for.
+`drain` cannot tell a stream that waits on held work (the kept run) from a slow one, so it gives
+up after `DRAIN_S`; that bound only costs kept runs time: a removed run's stream has nothing to
+wait for.
 
 Each test runs its scenario `REPEATS` times kept and `REPEATS` times removed (2 in CI);
 ``RESIDENCY_AUDIT_REPEATS=20`` runs the acceptance check (20 of 20 failures removed, 20 of 20 passes
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import os
 import re
 import sys
@@ -107,7 +110,8 @@ def remove_stream_call(monkeypatch, name: str, caller: str) -> None:
 
     def audited_caller(self, *args, **kwargs):
         stream = self.copy_stream
-        self.copy_stream = audited_type(stream_id=stream.stream_id, device_index=stream.device_index,
+        self.copy_stream = audited_type(stream_id=stream.stream_id,
+                                        device_index=stream.device_index,
                                         device_type=stream.device_type)
         try:
             return original(self, *args, **kwargs)
@@ -269,8 +273,6 @@ class Groups:
     and an input."""
 
     def __init__(self, device: torch.device, *, detect_edits: bool = True, layers: bool = False):
-        import copy
-
         make = Tower if layers else mlp
         self.models = {"a": make(1), "b": make(2)}
         self.host_copies = {name: copy.deepcopy(m) for name, m in self.models.items()}
@@ -356,7 +358,7 @@ def test_a_load_records_its_end_on_the_copy_stream(device):
 
 @pytest.mark.gpu
 def test_a_streamed_block_waits_for_its_copy(device):
-    """Layer mode: BlockStream._park / _load_on_demand -> Residency._finish_load -> Completion.wait()."""
+    """Layer mode: BlockStream._park -> Residency._finish_load -> Completion.wait()."""
     audit(lambda point: load_then_compute(device, point, layers=True),
           lambda patch: remove_call(patch, Completion, "wait", "_finish_load"))
 
@@ -455,7 +457,7 @@ def test_a_new_buffer_waits_for_compute_queued_before_it(device):
                                     instead=Transport.allocate_device))
 
 
-# -- write-backs: the host reads the master only after the copy --------------------------------------
+# -- write-backs: the host reads the master only after the copy ------------------------------------
 
 
 def edit_then_read_master(device, point, *, detect_edits: bool, hold: str) -> None:
@@ -561,7 +563,7 @@ def test_the_eviction_reads_the_flags_after_the_edit(device):
                                                 _flags_read_without_waiting))
 
 
-# -- release: compute in reused memory comes after the copies into it -------------------------------
+# -- release: compute in reused memory comes after the copies into it ------------------------------
 
 
 def copy_in_flight_then_release(device, point) -> None:
@@ -602,7 +604,7 @@ def test_device_storage_release_forwards_to_the_transport(device):
           lambda patch: remove_call(patch, AcceleratorTransport, "release", "release"))
 
 
-# -- the table stays whole ---------------------------------------------------------------------------
+# -- the table stays whole -------------------------------------------------------------------------
 
 #: Calls that order work between streams or between the host and the device.
 ORDERING_CALLS = frozenset({
@@ -671,13 +673,11 @@ def test_every_test_the_table_names_exists():
                if isinstance(node, ast.FunctionDef)}
     named = {name for test in table_rows().values() for name in re.findall(r"`(test_\w+)`", test)}
     assert named, "the audit table names no test"
-    assert not named - defined, f"the audit table names tests that do not exist: {sorted(named - defined)}"
+    unknown = sorted(named - defined)
+    assert not unknown, f"the audit table names tests that do not exist: {unknown}"
 
 
-# -- a replaced tensor: its comparison is read after the kernel that made it ------------------------
-
-_SAME_BYTES = None  # set below, once component is imported
-
+# -- a replaced tensor: its comparison is read after the kernel that made it -----------------------
 
 def _flags_without_waiting(pairs):
     """component._same_bytes as it would be if its read did not wait for the comparison: the
@@ -712,7 +712,7 @@ def test_a_replaced_tensor_is_compared_after_it_was_made(device):
     audit(scenario, lambda patch: patch.setattr(component, "_same_bytes", _flags_without_waiting))
 
 
-# -- prefetch: a cancelled copy, an edit during the copy ------------------------------------------------
+# -- prefetch: a cancelled copy, an edit during the copy -------------------------------------------
 
 
 def prefetch_then(device, point, *, then: str) -> None:
@@ -720,15 +720,14 @@ def prefetch_then(device, point, *, then: str) -> None:
     host meanwhile, and then either b's phase begins (then="b": the edit is copied again) or
     another group's does (then="c": b's copy is cancelled, and b loads later).  b's output must
     show the edit."""
-    import copy as copying
-
     models = {"a": mlp(1), "b": mlp(2), "c": mlp(4)}
-    edited_b = copying.deepcopy(models["b"])
+    edited_b = copy.deepcopy(models["b"])
     with torch.no_grad():
         edited_b[0].weight.add_(1)
     torch.manual_seed(3)
     x = torch.randn(8, WIDTH, device=device)
-    expected = {"b": edited_b.to(device)(x).cpu(), "c": copying.deepcopy(models["c"]).to(device)(x).cpu()}
+    expected = {"b": edited_b.to(device)(x).cpu(),
+                "c": copy.deepcopy(models["c"]).to(device)(x).cpu()}
     scheduler = Scheduler(device, device_memory_limit=2**30)
     for name, model in models.items():
         scheduler.add(name, model)
@@ -783,7 +782,7 @@ def test_a_cancelled_prefetch_needs_no_retire(device):
                      lambda patch: remove_call(patch, DeviceStorage, "retire", "_cancel_load"))
 
 
-# -- releases: the memory goes back to the allocator ---------------------------------------------------
+# -- releases: the memory goes back to the allocator -----------------------------------------------
 
 
 def handed_out_again(buffer_ptr: int, nbytes: int, device) -> None:
