@@ -274,7 +274,10 @@ class Residency:
             return completion
         homes = self.host_master.views
         edited = sorted({i for i, (v, w) in enumerate(zip(now, watched)) if v != w} | adopted)
-        completion.wait()
+        # [Note: the second copy's completion covers the first]
+        # No wait for the first copy here: the copy stream runs the second after it, so the wait
+        # for the second (in `_finish_load`) orders compute after both.  (The synchronisation
+        # audit found the wait that stood here redundant: docs/design.md.)
         return self._transport.to_device([(views[i], homes[i]) for i in edited])
 
     def _evict(self) -> int:
