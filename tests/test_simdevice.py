@@ -316,7 +316,14 @@ def test_a_small_model_on_the_device_equals_the_cpu_bit_for_bit_in_both_modes():
         model(inp).sum().backward()
         expected_grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
+        conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        image = torch.randn(2, 3, 8, 8)
+        conv_expected = conv(image)
+        conv_expected.square().sum().backward()
+        conv_grad = conv.weight.grad.clone()
+        conv.zero_grad(set_to_none=True)
         model.to(sim)
+        conv.to(sim)
         for asynchronous in (False, True):
             with simdevice.controls(asynchronous=asynchronous, compute_delay=0.0005 if asynchronous else 0.0):
                 out = model(inp.to(sim))
@@ -325,6 +332,11 @@ def test_a_small_model_on_the_device_equals_the_cpu_bit_for_bit_in_both_modes():
                 for p, g in zip(model.parameters(), expected_grads):
                     assert torch.equal(p.grad.cpu(), g), asynchronous
                 model.zero_grad(set_to_none=True)
+                conv_out = conv(image.to(sim))
+                conv_out.square().sum().backward()
+                assert torch.equal(conv_out.cpu(), conv_expected.detach()), asynchronous
+                assert torch.equal(conv.weight.grad.cpu(), conv_grad), asynchronous
+                conv.zero_grad(set_to_none=True)
                 with torch.no_grad():
                     assert torch.equal(torch.nn.functional.linear(inp.to(sim), model[0].weight,
                                                                   model[0].bias).cpu(),

@@ -927,6 +927,7 @@ void sync_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, cons
   for (size_t r = 0; r < results->size(); ++r) {
     int a = aliased_argument(schema, r);
     c10::IValue out = map_tensors((*results)[r], [&](const at::Tensor& t) -> at::Tensor {
+      if (!t.defined()) return t;
       if (a >= 0 && args[a].isTensor()) return args[a].toTensor();
       // A new host result: move it to a fresh sim tensor (queued; the item owns the host tensor).
       at::Tensor dst = empty_strided(t.sizes(), t.strides(), t.scalar_type(), {}, {}, {});
@@ -987,8 +988,8 @@ void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (size_t r = 0; r < meta.size(); ++r) {
     int a = aliased_argument(schema, r);
     const c10::AliasInfo* info = schema.returns()[r].alias_info();
-    std::vector<at::Tensor> flat_fill;
     c10::IValue out = map_tensors(meta[r], [&](const at::Tensor& m) -> at::Tensor {
+      if (!m.defined()) return m;  // e.g. a gradient convolution_backward was not asked for
       if (a >= 0 && info && info->isWrite()) { any_work = true; return args[a].toTensor(); }
       if (a >= 0 && args[a].isTensor()) return view_of(args[a].toTensor(), m);
       at::Tensor dst = empty_strided(m.sizes(), m.strides(), m.scalar_type(), {}, {}, {});
@@ -1009,7 +1010,7 @@ void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       size_t fi = 0;
       for (size_t r = 0; r < cpu_args.size() && fi < fills.size(); ++r) {
         map_tensors(cpu_args[r], [&](const at::Tensor& t) {
-          if (fi < fills.size() && fills[fi].second == r) {
+          if (t.defined() && fi < fills.size() && fills[fi].second == r) {
             if (fills[fi].first.data_ptr() != t.data_ptr()) fills[fi].first.copy_(t);
             ++fi;
           }
@@ -1043,6 +1044,10 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", set_source_tensor);
   m.impl("set_", set_empty);
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
+  // Convolution's composite picks a kernel by device type and has none for PrivateUse1
+  // (convolution_overrideable raises): run the whole op through the fallback, i.e. the CPU's choice.
+  m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>());
+  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>());
   m.impl("record_stream", [](at::Tensor& self, c10::Stream s) {
     g_device_allocator.recordStream(self.storage().data_ptr(), s);
   });
