@@ -299,6 +299,8 @@ def test_protection_kills_a_host_read_of_device_memory():
                 action()
             return counted[0]
         assert count(lambda: x.sum().item()) == 1
+        assert count(lambda: torch.nonzero(x)) == 1                          # data-dependent shape
+        assert count(lambda: torch.equal(x, x)) == 1                         # a host value
         assert count(torch.accelerator.synchronize) == 1
         assert count(stream.synchronize) == 1
         assert count(lambda: (event.record(), event.synchronize())) == 1

@@ -966,7 +966,7 @@ void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (meta_ok) {
     try {
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta);
-    } catch (const c10::Error&) {
+    } catch (const std::exception&) {  // c10::Error, or a Python meta kernel's exception
       meta_ok = false;  // no Meta kernel, or data-dependent output shapes
     }
   }
