@@ -883,7 +883,6 @@ at::Tensor to_alias(const at::Tensor& t) {
   return t.defined() ? t.clone() : t;
 }
 
-
 void check_devices(const c10::OperatorHandle& op, const torch::jit::Stack& args) {
   if (c10::string_view(op.schema().name()).starts_with("aten::index")) return;  // CPU indices allowed
   for (const c10::IValue& v : args)
@@ -934,9 +933,16 @@ void sync_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, cons
   });
   for (size_t r = 0; r < results->size(); ++r) {
     int a = aliased_argument(schema, r);
+    const c10::AliasInfo* info = schema.returns()[r].alias_info();
     c10::IValue out = map_tensors((*results)[r], [&](const at::Tensor& t) -> at::Tensor {
       if (!t.defined()) return t;
-      if (a >= 0 && args[a].isTensor()) return args[a].toTensor();
+      if (a >= 0 && args[a].isTensor()) {
+        const at::Tensor& base = args[a].toTensor();
+        if (info->isWrite()) return base;
+        // A view: its alias's pointer is base's alias pointer (base.data_ptr()) plus the view's offset.
+        int64_t shift = ((char*)t.data_ptr() - (char*)base.data_ptr()) / int64_t(base.element_size());
+        return at::native::as_strided_tensorimpl(base, t.sizes(), t.strides(), base.storage_offset() + shift);
+      }
       // A new host result: move it to a fresh sim tensor (queued; the item owns the host tensor).
       at::Tensor dst = empty_strided(t.sizes(), t.strides(), t.scalar_type(), {}, {}, {});
       at::Tensor alias = cpu_alias(dst);
@@ -950,7 +956,7 @@ void sync_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, cons
 // Ops whose CPU kernel reads only metadata (shapes, dtypes): run on the host, no device work, no wait.
 bool reads_only_metadata(const c10::OperatorName& name) {
   static const std::set<std::string> names = {"aten::_fused_sdp_choice", "aten::is_same_size",
-                                              "aten::is_set_to", "aten::_nested_tensor_from_mask_left_aligned"};
+                                              "aten::is_set_to"};
   return names.count(name.name) > 0;
 }
 
@@ -1007,6 +1013,8 @@ void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     });
     outputs.push_back(out);
   }
+  for (const c10::Argument& argument : schema.arguments())  // an op that writes an argument has work
+    if (argument.alias_info() && argument.alias_info()->isWrite()) any_work = true;
   if (schema.returns().empty()) any_work = true;
 
   if (any_work) {
