@@ -1,7 +1,7 @@
 """The simulated asynchronous accelerator ("sim"), for tests and benchmarks only.
 
-Loading it renames PrivateUse1 to ``sim`` for the whole process and makes it the process's accelerator,
-so load it only in a process that runs accelerator tests (see README.md next to this file)::
+Loading it renames PrivateUse1 to ``sim`` for the whole process and makes it the process's
+accelerator, so load it only in a process that runs accelerator tests (see README.md here)::
 
     from tests import simdevice
     device = simdevice.load(asynchronous=True, compute_delay=0.001)   # torch.device("sim:0")
@@ -12,11 +12,11 @@ so load it only in a process that runs accelerator tests (see README.md next to 
         ...
     before = simdevice.host_syncs()
 
-Controls (all readable with ``get_controls()``):
-  copy_bandwidth  bytes/s a copy moves (0: instant)          copy_delay     seconds added to each copy
-  compute_delay   seconds added to each queued op            asynchronous   ops return before they ran
-  protect         host access to device bytes -> SIGSEGV     memory_info    get_memory_info answers
-  capacity        device bytes the allocator may reserve     wait_timeout   a host wait longer raises
+Controls (all readable with ``get_controls()``; README.md gives defaults):
+  asynchronous    ops return before they ran          compute_delay   seconds added per queued op
+  copy_bandwidth  bytes/s a copy moves (0: instant)   copy_delay      seconds added to each copy
+  protect         host access to device -> SIGSEGV    memory_info     get_memory_info answers
+  capacity        bytes the allocator may reserve     wait_timeout    a longer host wait raises
 """
 
 from __future__ import annotations
@@ -29,7 +29,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SimBuildError", "load", "controls", "get_controls", "hold", "host_syncs", "count_host_syncs"]
+__all__ = [
+    "SimBuildError",
+    "load",
+    "controls",
+    "get_controls",
+    "hold",
+    "host_syncs",
+    "count_host_syncs",
+    "is_device_pointer",
+]
 
 _HERE = Path(__file__).resolve().parent
 _BUILD_DIR = _HERE / "build"
@@ -65,7 +74,7 @@ def _build():
             extra_cflags=["-O2"],
             verbose=False,
         )
-    except Exception as error:  # noqa: BLE001 - the build's own error type varies; its text is what matters
+    except Exception as error:  # the build's error type varies; its text is what matters
         raise SimBuildError(f"the simulated device did not build: {error}") from error
 
 
@@ -78,16 +87,20 @@ def _device_module(ext) -> types.ModuleType:
     module._is_in_bad_fork = lambda: False
     module.is_initialized = lambda: True
     module._lazy_init = lambda: None
-    module.manual_seed = module.manual_seed_all = lambda seed: None  # sim ops draw from the CPU generator
+    # sim ops draw from the CPU generator, which torch.manual_seed seeds
+    module.manual_seed = module.manual_seed_all = lambda seed: None
 
     def set_device(device) -> None:
-        if torch.device("sim", 0) != torch.device(device if not isinstance(device, int) else f"sim:{device}"):
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index not in (None, 0):
             raise ValueError(f"sim has one device, sim:0; got {device}")
 
     module.set_device = set_device
     module.synchronize = lambda device=None: torch.accelerator.synchronize()
     module.current_stream = lambda device=None: torch.accelerator.current_stream()
-    module.default_stream = lambda device=None: torch.Stream(stream_id=0, device_index=0, device_type=_PRIVATEUSE1)
+    module.default_stream = lambda device=None: torch.Stream(
+        stream_id=0, device_index=0, device_type=_PRIVATEUSE1
+    )
     module.Stream = torch.Stream
     module.Event = torch.Event
     module.empty_cache = ext.empty_cache
@@ -99,15 +112,18 @@ def _device_module(ext) -> types.ModuleType:
 
 
 def load(**initial_controls) -> torch.device:
-    """Build (cached under tests/simdevice/build/) and load the simulator; return ``torch.device("sim:0")``.
+    """Build (cached in tests/simdevice/build/), load, return ``torch.device("sim:0")``.
 
-    Idempotent: a second call only applies its controls. Raises SimBuildError with the compiler's message
-    when the extension does not build.
+    Idempotent: a second call only applies its controls. Raises SimBuildError with the compiler's
+    message when the extension does not build::
+
+        device = simdevice.load(asynchronous=True)
     """
     global _extension
     with _lock:
         if _extension is None:
             ext = _build()
+            ext.route_cpu_kernels()
             torch.utils.rename_privateuse1_backend("sim")
             torch._register_device_module("sim", _device_module(ext))
             torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
@@ -132,7 +148,9 @@ def get_controls() -> dict[str, float | bool]:
 def _set(values: dict) -> None:
     unknown = set(values) - set(_CONTROL_NAMES)
     if unknown:
-        raise ValueError(f"unknown simdevice controls {sorted(unknown)}; the controls are {_CONTROL_NAMES}")
+        raise ValueError(
+            f"unknown simdevice controls {sorted(unknown)}; the controls are {_CONTROL_NAMES}"
+        )
     for name, value in values.items():
         _ext().set_control(name, float(value))
 
@@ -154,8 +172,9 @@ def controls(**values) -> Iterator[None]:
 
 @contextlib.contextmanager
 def hold(stream: torch.Stream) -> Iterator[None]:
-    """Hold `stream`'s worker: it starts no further item until the block exits (the item running, if any,
-    finishes). Makes a race deterministic. A host wait on a held stream raises after `wait_timeout`::
+    """Hold `stream`'s worker: it starts no further item until the block exits (an item already
+    running finishes). Makes a race deterministic. A host wait on a held stream raises after
+    `wait_timeout`::
 
     with simdevice.hold(copy_stream):
         dst.copy_(src, non_blocking=True)   # queued on copy_stream, not run yet
@@ -167,8 +186,13 @@ def hold(stream: torch.Stream) -> Iterator[None]:
         _ext().set_held(stream.stream_id, False)
 
 
+def is_device_pointer(address: int) -> bool:
+    """Whether `address` lies in memory the simulator's device allocator handed out."""
+    return _ext().is_device_pointer(address)
+
+
 def host_syncs() -> int:
-    """Host synchronisations so far in this process (every host wait on the device; see README.md)."""
+    """Host synchronisations so far in this process (every host wait on the device; README.md)."""
     return _ext().host_syncs()
 
 
