@@ -15,7 +15,9 @@ Every test marked ``gpu`` needs an accelerator.  Which one it gets (``pytest --a
 [Note: one child for the accelerator tests]
 The child is ``python -m pytest --accelerator=sim --accelerator-results=FILE <node ids>``; it
 writes one line per test phase to FILE (outcome and the failure's text), and the parent turns each
-into that test's outcome.  A simulator that fails to build skips the accelerator tests with the
+into that test's outcome.  The child runs with ``OMP_NUM_THREADS=1``: the simulator's stream
+workers each run CPU kernels, and OpenMP teams on top of them made ops several times slower on
+two cores (tests/simdevice/README.md).  A simulator that fails to build skips the accelerator tests with the
 compiler's message, except under CI (``CI=true``), where it is an error: CI must never pass because
 the accelerator half did not run.  ``RESIDENCY_MIN_ACCELERATOR_TESTS=N`` makes the session fail
 when fewer than N accelerator tests passed (``.ci/run`` sets it).
@@ -118,7 +120,8 @@ class ChildRun:
                    *nodeids]
         try:
             finished = subprocess.run(command, cwd=config.rootpath, capture_output=True,
-                                      text=True, timeout=CHILD_TIMEOUT_S)
+                                      text=True, timeout=CHILD_TIMEOUT_S,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
             self.output = finished.stdout + finished.stderr
         except subprocess.TimeoutExpired as timeout:
             self.output = f"the child timed out after {CHILD_TIMEOUT_S} s\n{timeout.stdout or ''}"
