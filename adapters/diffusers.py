@@ -574,7 +574,7 @@ def _not_enabled(owner: str, components: Mapping[str, nn.Module]) -> Registratio
     if shared is None:
         return RegistrationError(
             f"offloading is not enabled on this {owner}, so there is nothing to disable. "
-            "enable_offload(pipe) turns it on; offload_scheduler(pipe) is None while it is off"
+            "enable_offload(pipe) turns it on; offload_scheduler(pipe) is None while it is off."
         )
     return RegistrationError(
         f"offloading is not enabled on this {owner}, but its component {shared!r} is offloaded "

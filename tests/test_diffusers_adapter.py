@@ -327,7 +327,7 @@ def test_disable_without_enable_is_a_registration_error_saying_how_to_turn_it_on
     assert type(refused.value) is RegistrationError
     assert str(refused.value) == (
         "offloading is not enabled on this FluxPipeline, so there is nothing to disable. "
-        "enable_offload(pipe) turns it on; offload_scheduler(pipe) is None while it is off")
+        "enable_offload(pipe) turns it on; offload_scheduler(pipe) is None while it is off.")
 
 
 @pytest.mark.parametrize("verb", ["enable_offload", "disable_offload", "describe"])
