@@ -89,6 +89,8 @@ def _device_module(ext) -> types.ModuleType:
     module.current_stream = lambda device=None: torch.accelerator.current_stream()
     module.default_stream = lambda device=None: torch.Stream(stream_id=0, device_index=0, device_type=_PRIVATEUSE1)
     module.Stream = torch.Stream
+    # torch.cuda.stream's form (diffusers' group offloading calls it): select `stream` for a block.
+    module.stream = lambda stream: contextlib.nullcontext() if stream is None else stream
     module.Event = torch.Event
     module.empty_cache = ext.empty_cache
     module.memory_allocated = lambda device=None: torch.accelerator.memory_allocated()
