@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SimBuildError", "load", "controls", "get_controls", "hold", "host_syncs", "count_host_syncs"]
+__all__ = ["SimBuildError", "load", "controls", "get_controls", "hold", "host_syncs", "count_host_syncs", "is_device_pointer"]
 
 _HERE = Path(__file__).resolve().parent
 _BUILD_DIR = _HERE / "build"
@@ -110,6 +110,7 @@ def load(**initial_controls) -> torch.device:
     with _lock:
         if _extension is None:
             ext = _build()
+            ext.route_cpu_kernels()
             torch.utils.rename_privateuse1_backend("sim")
             torch._register_device_module("sim", _device_module(ext))
             torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
@@ -167,6 +168,11 @@ def hold(stream: torch.Stream) -> Iterator[None]:
         yield
     finally:
         _ext().set_held(stream.stream_id, False)
+
+
+def is_device_pointer(address: int) -> bool:
+    """Whether `address` lies in memory the simulator's device allocator handed out."""
+    return _ext().is_device_pointer(address)
 
 
 def host_syncs() -> int:

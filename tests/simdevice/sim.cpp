@@ -183,6 +183,9 @@ struct Stream {
         std::lock_guard<std::mutex> g(g_error_mu);
         if (g_device_error.empty()) g_device_error = e.what();
         fprintf(stderr, "sim: a queued item on stream %lld failed: %s\n", (long long)id, e.what());
+      } catch (...) {
+        std::lock_guard<std::mutex> g(g_error_mu);
+        if (g_device_error.empty()) g_device_error = "unknown exception";
       }
       std::lock_guard<std::mutex> g(mu);
       ++completed;
@@ -686,6 +689,12 @@ at::Tensor cpu_alias(const at::Tensor& t) {
   return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), [](void*) {}, opts);
 }
 
+// A CPU tensor over `t`'s host bytes that owns nothing; `t` must outlive every use.
+at::Tensor host_alias(const at::Tensor& t) {
+  if (t.numel() == 0) return at::empty_strided(t.sizes(), t.strides(), t.options());
+  return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), [](void*) {}, t.options());
+}
+
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
                                std::optional<c10::Layout>, std::optional<c10::Device>,
                                std::optional<bool>, std::optional<c10::MemoryFormat> memory_format) {
@@ -734,19 +743,17 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
   bool device_to_device = !src.is_cpu() && !dst.is_cpu();
   bool pinned = !device_to_device && g_host_allocator.is_pinned(host.storage().data());
   bool asynchronous = device_to_device || (pinned && non_blocking);
-  at::Tensor s = src.is_cpu() ? src : cpu_alias(src);
-  at::Tensor d = dst.is_cpu() ? dst : cpu_alias(dst);
-  // A pageable host tensor is waited for below, so referencing it is safe. A pinned one must be kept
-  // for the stream by the caller (record_event), as with CUDA; the item holds only an alias.
-  if (asynchronous && !device_to_device) {
-    s = src.is_cpu() ? at::from_blob(src.data_ptr(), src.sizes(), src.strides(), [](void*) {}, src.options()) : s;
-    d = dst.is_cpu() ? at::from_blob(dst.data_ptr(), dst.sizes(), dst.strides(), [](void*) {}, dst.options()) : d;
-    g_host_allocator.record_event(const_cast<void*>(host.storage().data()), nullptr, c10::Stream(c10::Stream::UNSAFE, {kSim, 0}, t_current_stream));
-  }
+  // The item holds aliases only (see the note on queued items). A pageable host tensor is waited for
+  // below; a pinned one is kept from reuse by the host allocator's record_event, as with CUDA.
+  at::Tensor s = src.is_cpu() ? host_alias(src) : cpu_alias(src);
+  at::Tensor d = dst.is_cpu() ? host_alias(dst) : cpu_alias(dst);
   double delay = copy_seconds(size_t(dst.numel()) * dst.element_size());
   auto work = [s, d]() mutable { d.copy_(s); };
   if (asynchronous) {
     launch(work, delay);
+    if (!device_to_device)  // after queueing: the recorded use includes this copy
+      g_host_allocator.record_event(const_cast<void*>(host.storage().data()), nullptr,
+                                    c10::Stream(c10::Stream::UNSAFE, {kSim, 0}, t_current_stream));
   } else {
     ++g_host_syncs;
     Stream* st = current_stream();
@@ -859,7 +866,15 @@ at::Tensor to_meta(const at::Tensor& t) {
   return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
 }
 
-at::Tensor to_alias(const at::Tensor& t) { return is_sim(t) ? cpu_alias(t) : t; }
+// [Note: what a queued item may hold] Only tensors without a Python object: an item is destroyed on its
+// worker, and dropping a tensor's Python object there would need the GIL (a deadlock while the host waits
+// holding it, a forced thread exit during interpreter shutdown). So sim arguments become aliases and host
+// arguments (scalars, CPU indices) are cloned when queued, which is also what CUDA does with them.
+at::Tensor to_alias(const at::Tensor& t) {
+  if (is_sim(t)) return cpu_alias(t);
+  return t.defined() ? t.clone() : t;
+}
+
 
 void check_devices(const c10::OperatorHandle& op, const torch::jit::Stack& args) {
   if (c10::string_view(op.schema().name()).starts_with("aten::index")) return;  // CPU indices allowed
@@ -923,13 +938,25 @@ void sync_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, cons
   }
 }
 
+// Ops whose CPU kernel reads only metadata (shapes, dtypes): run on the host, no device work, no wait.
+bool reads_only_metadata(const c10::OperatorName& name) {
+  static const std::set<std::string> names = {"aten::_fused_sdp_choice", "aten::is_same_size",
+                                              "aten::is_set_to", "aten::_nested_tensor_from_mask_left_aligned"};
+  return names.count(name.name) > 0;
+}
+
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   size_t n_args = schema.arguments().size();
+  if (reads_only_metadata(schema.operator_name())) {
+    for (auto it = stack->end() - n_args; it != stack->end(); ++it) *it = map_tensors(*it, to_alias);
+    return op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  }
   torch::jit::Stack args(stack->end() - n_args, stack->end());
   torch::jit::drop(*stack, n_args);
   check_devices(op, args);
-  if (std::getenv("SIM_DEBUG")) fprintf(stderr, "sim fallback: %s\n", schema.operator_name().name.c_str());
+  static const bool trace = std::getenv("SIMDEVICE_TRACE") != nullptr;  // print each op the fallback runs
+  if (trace) fprintf(stderr, "sim fallback: %s\n", schema.operator_name().name.c_str());
 
   torch::jit::Stack meta_args;  // kept: the Meta kernel resizes out= arguments in place
   for (const c10::IValue& v : args) meta_args.push_back(map_tensors(v, to_meta));
@@ -1016,6 +1043,36 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", set_source_tensor);
   m.impl("set_", set_empty);
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
+  m.impl("record_stream", [](at::Tensor& self, c10::Stream s) {
+    g_device_allocator.recordStream(self.storage().data_ptr(), s);
+  });
+}
+
+// [Note: CPU kernels over composite ones] An op with both a CPU kernel and a CompositeExplicitAutograd
+// one would take the composite on PrivateUse1 (the dispatcher prefers it to a backend fallback); some
+// composites compute differently (native_layer_norm decomposes into batch norm), so the results would
+// not be bit-identical with the CPU. Every such op is routed to the fallback, hence to its CPU kernel.
+int route_cpu_kernels() {
+  static std::unique_ptr<torch::Library> lib;
+  if (lib) return 0;
+  lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                                         __FILE__, __LINE__);
+  int routed = 0;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findOp(name);
+    if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1))
+      continue;
+    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
+      continue;
+    std::string full = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+    lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>());
+    ++routed;
+  }
+  return routed;
 }
 
 }  // namespace sim
@@ -1047,6 +1104,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK(false, "sim: no control named ", name);
   });
   m.def("host_syncs", [] { return g_host_syncs.load(); });
+  m.def("route_cpu_kernels", &route_cpu_kernels);
   m.def("set_held", [](int64_t stream_id, bool held) { stream_by_id(stream_id)->set_held(held); });
   m.def("synchronize", [] { synchronize_device(true); });
   m.def("empty_cache", [] { g_device_allocator.emptyCache({0, 0}); });
