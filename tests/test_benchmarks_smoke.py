@@ -2,16 +2,21 @@
 
 No figure is asserted here (speed goals live in benchmarks/); these tests check that every case
 runs, records its floor and ratio, that the report writes what it promises, and that the prepared
-GPU script runs every section on the CPU without an error.
+GPU script runs every section without an error: on the CPU (its dry run), and on the simulated
+device of tests/simdevice, in a process of its own (loading the simulator renames PrivateUse1 for
+the whole process).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+
+from residency.tensors import ACCELERATOR_ALIGNMENT
 
 from _benchmarks import ROOT, import_benchmarks
 
@@ -164,12 +169,73 @@ def test_report_without_matplotlib_still_writes_the_summary(tiny_run, tmp_path, 
     assert "plot: skipped: matplotlib is not installed" in capsys.readouterr().out
 
 
-def test_gpu_check_without_cuda_refuses_and_says_how(tmp_path, capsys):
-    if gpu_check.torch.cuda.is_available():
-        pytest.skip("a CUDA device is present")
+def test_gpu_check_without_an_accelerator_refuses_and_says_how(tmp_path, capsys):
+    if gpu_check.torch.accelerator.is_available():
+        pytest.skip("an accelerator is present")
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
-    assert "--dry-run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--dry-run" in err and "--device sim" in err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--dry-run", "--device", "sim"], "cannot be combined with --device sim"),
+    (["--device", "sim", "--sections", "ceiling,nonsense"], "unknown section(s) ['nonsense']"),
+])
+def test_gpu_check_refuses_bad_arguments_before_any_work(argv, message, tmp_path, capsys):
+    assert gpu_check.main([*argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    assert gpu_check.torch.accelerator.current_accelerator() is None or \
+        gpu_check.torch.accelerator.current_accelerator().type != "sim", "the simulator was loaded"
+
+
+def test_gpu_check_runs_every_section_on_the_simulated_device(tiny_suite, tmp_path):
+    """The script an accelerator run will use, end to end on the simulated asynchronous device
+    (in a process of its own: loading it renames PrivateUse1 for the whole process)."""
+    finished = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "sim", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    output = finished.stdout + finished.stderr
+    if finished.returncode == 2 and "simulated device is not available" in output:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the simulator did not build in CI:\n{output[-4000:]}")
+        pytest.skip(output.strip().splitlines()[-1])
+    assert finished.returncode == 0, output[-6000:]
+    (path,) = tmp_path.glob("gpu-check-sim-simulated-*.json")
+    results = json.loads(path.read_text())
+    assert results["simulated"] is True and results["dry_run"] is False
+    assert results["device"] == "sim:0" and "SIMULATED" in results["note"]
+    sections = results["sections"]
+    assert set(sections) == set(gpu_check.SECTIONS)
+    assert not {name: s["error"] for name, s in sections.items() if "error" in s}
+    ceiling = sections["ceiling"]
+    assert ceiling["pinned"] is True and ceiling["h2d_gbps"] > 0 and ceiling["h2d_event_gbps"] > 0
+    for group in sections["onload"]["groups"].values():
+        assert group["registration"]["pinned"] is True and group["peak_device_bytes"] > 0
+    evicted = sections["eviction"]
+    assert evicted["unchanged"]["written_back"] == 0
+    # Every changed chunk: the weights and the padding between them (512-byte boundaries here).
+    padding = evicted["tensors"] * ACCELERATOR_ALIGNMENT.boundary
+    assert evicted["nbytes"] <= evicted["changed"]["written_back"] <= evicted["nbytes"] + padding
+    steady = sections["steady_state"]
+    assert "needs CUDA" in steady["sync_debug"]["skipped"]
+    assert steady["counted_syncs"] == {"host_syncs": 0, "phases": steady["phases"]}
+    assert steady["with_detection_counted_syncs"]["host_syncs_per_detected_eviction"] == 1
+    assert steady["memory_reserved"]["flat"] is True
+    assert results["must_show"]["host_syncs_in_steady_state"]["met"] is True
+    assert sections["edits"]["quantized"]["int8_over_bf16"] < 0.6
+    modes = sections["pipeline"]["modes"]
+    assert not {mode: r["error"] for mode, r in modes.items() if "error" in r}
+    assert modes["residency"]["bit_identical_to_none"] is True
+    layer = sections["layers"]
+    for label, result in layer["modes"].items():
+        if label.startswith("layers"):
+            assert result["bit_identical_to_none"] is True, label
+            assert result["prefetch_order"]["ok"] is True, label
+        else:
+            assert "error" not in result, label
+    assert results["must_show"]["layer_next_copy_issued_before_compute"]["met"] is True
 
 
 def test_prefetch_order_reads_the_block_records():
