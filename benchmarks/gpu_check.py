@@ -171,7 +171,8 @@ def ceiling(check: _Check) -> dict:
     on_stream = _event_seconds(lambda: on_device.copy_(host, non_blocking=pinned), device,
                                check.sizes.repeats)
     if on_stream is not None:  # the device's own clock: no host wake-up in it
-        result.update(h2d_event_seconds=on_stream, h2d_event_gbps=n / statistics.median(on_stream) / 1e9)
+        result.update(h2d_event_seconds=on_stream,
+                      h2d_event_gbps=n / statistics.median(on_stream) / 1e9)
     return result
 
 
@@ -804,8 +805,8 @@ def _open_device(args: argparse.Namespace) -> torch.device | None:
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None:
         print("no accelerator here: run on a GPU machine, pass --device sim for the simulated "
-              "device (tests/simdevice), or pass --dry-run to exercise the code paths on the CPU at "
-              "tiny sizes", file=sys.stderr)
+              "device (tests/simdevice), or pass --dry-run to exercise the code paths on the CPU "
+              "at tiny sizes", file=sys.stderr)
         return None
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
@@ -856,8 +857,8 @@ def _header(check: _Check) -> dict:
         note = (f"{simulator.LABEL}; the dry run's sizes: it exercises an accelerator's code paths "
                 "with real asynchrony; the figures are a simulation's")
     else:
-        note = "medians of repeated runs; host wall clock with the device synchronized around each " \
-               "measured step"
+        note = ("medians of repeated runs; host wall clock with the device synchronized around "
+                "each measured step")
     return {
         "check": "benchmarks/gpu_check.py (issue 4, item 8)",
         "dry_run": check.dry_run, "simulated": simulated,

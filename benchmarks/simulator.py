@@ -40,7 +40,8 @@ def _simdevice():
 
 
 def load(**initial_controls) -> torch.device:
-    """Build (cached under tests/simdevice/build/) and load the simulator; ``torch.device("sim:0")``.
+    """Build (cached under tests/simdevice/build/) and load the simulator; returns
+    ``torch.device("sim:0")``.
 
     Raises ``simdevice.SimBuildError`` with the compiler's message when it does not build.
     """

@@ -39,6 +39,22 @@ def tiny_suite(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def simulated_suite(tmp_path_factory):
+    """Start the accelerator-shaped cases (benchmarks/test_simulated.py) at the tiny scale on the
+    simulated device, in a process of their own (loading it renames PrivateUse1 for the process)."""
+    out = tmp_path_factory.mktemp("sim-bench") / "sim.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "benchmarks/", "-q", "-p", "no:cacheprovider",
+         "--bench-device=sim", "--bench-scale=tiny", f"--benchmark-json={out}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    yield process, out
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
 def tiny_run(tiny_suite) -> dict:
     """The tiny suite's pytest-benchmark JSON (benchmarks enabled, so floors and ratios exist)."""
     process, out = tiny_suite
@@ -190,9 +206,11 @@ def test_gpu_check_refuses_bad_arguments_before_any_work(argv, message, tmp_path
         gpu_check.torch.accelerator.current_accelerator().type != "sim", "the simulator was loaded"
 
 
-def test_gpu_check_runs_every_section_on_the_simulated_device(tiny_suite, tmp_path):
+def test_gpu_check_runs_every_section_on_the_simulated_device(tiny_suite, simulated_suite,
+                                                             tmp_path):
     """The script an accelerator run will use, end to end on the simulated asynchronous device
-    (in a process of its own: loading it renames PrivateUse1 for the whole process)."""
+    (in a process of its own: loading it renames PrivateUse1 for the whole process; the simulated
+    cases run beside it, mostly asleep in the simulator's delays)."""
     finished = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--device", "sim", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -276,3 +294,51 @@ def test_host_memory_report_measures_shared_and_private_masters(tmp_path):
     shared, private = rows
     assert shared["node_bytes"] < private["node_bytes"], "sharing must hold fewer host bytes"
     assert all(len(r["per_rank_bytes"]) == 2 for r in rows)
+
+
+def test_simulated_cases_and_their_report_section(simulated_suite, tmp_path):
+    """The "accelerator-shaped (simulated)" cases run on the simulator at the tiny scale; the
+    report gives them their own section, labelled as a simulation wherever a figure is shown."""
+    process, out = simulated_suite
+    output, _ = process.communicate(timeout=240)
+    built = "--bench-device=sim: the simulated device did not build" not in output
+    if process.returncode != 0 and not built:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the simulator did not build in CI:\n{output[-4000:]}")
+        pytest.skip("the simulated device did not build")
+    assert process.returncode == 0, output[-6000:]
+    run = json.loads(out.read_text())
+    assert run["residency"]["device"] == "sim:0" and "SIMULATED" in run["residency"]["simulated"]
+    cases = {b["name"]: b["extra_info"] for b in run["benchmarks"]}
+    steps = {f"test_simulated_layer_step[{mode}-{bound}]"
+             for mode in ("layers_no_detection", "layers") for bound in ("compute_bound", "copy_bound")}
+    transitions = {f"test_simulated_transition[{p}]" for p in ("no_prefetch", "prefetch")}
+    syncs = {f"test_simulated_host_syncs[{m}]" for m in ("layers_no_detection", "layers")}
+    assert set(cases) == steps | transitions | syncs, "only the simulated cases run on sim"
+    for name in steps:
+        info = cases[name]
+        assert info["bit_identical"] is True and info["compute_s"] > 0 and info["copy_s"] > 0
+        assert info["floor_s"] == pytest.approx(max(info["compute_s"], info["copy_s"]), rel=0.5)
+        assert isinstance(info["host_syncs_per_step"], int), name
+    assert cases["test_simulated_layer_step[layers-compute_bound]"]["goal"]["text"] == \
+        goals.SIM_LAYER_STEP.text
+    assert cases["test_simulated_transition[prefetch]"]["prefetch_started"] is True
+    assert cases["test_simulated_host_syncs[layers]"]["evictions_per_step"] == 2  # tiny: 2 blocks
+
+    assert report.main(["--json", str(out), "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "sim-summary.json").read_text())
+    sim = summary["simulated"]
+    assert "SIMULATED" in sim["label"] and "not GPU figures" in sim["label"]
+    assert len(sim["layer_steps"]) == 4 and len(sim["transitions"]) == 2
+    assert {r["mode"] for r in sim["host_syncs"]} == {"layers_no_detection", "layers"}
+    assert all(g["met"] is None for g in summary["goals"]), "the tiny scale must not judge goals"
+    assert "simulated run" in summary["plot"]["skipped"]
+    table = (tmp_path / "sim-table.md").read_text()
+    assert table.startswith("**SIMULATED accelerator")
+    assert "## Accelerator-shaped (simulated)" in table and "x max(compute, copy)" in table
+
+
+def test_simulated_cases_are_skipped_off_the_simulator_saying_how(tiny_run):
+    skipped = {s["case"]: s["reason"] for s in tiny_run["skipped"]}
+    reason = skipped["test_simulated_transition[prefetch]"]
+    assert "--bench-device=sim" in reason
