@@ -268,8 +268,8 @@ _SIM_CASES = ("sim_layer_step", "sim_transition", "sim_host_syncs")
 
 
 def simulated_summary(run: dict, summary: dict | None = None) -> dict | None:
-    """The cases of ``benchmarks/test_simulated.py`` (None when the run has none), every row
-    carrying the simulation's label and controls.
+    """The cases of ``benchmarks/test_simulated.py`` (None when the run has none) under the
+    simulation's label, each row with the controls it ran under.
 
     * ``layer_steps``: per mode and bound, the step, the unoffloaded step (total compute), the
       copy of every streamed block (total copy), the step / max of the two, bit identity, host
