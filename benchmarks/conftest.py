@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 
+from benchmarks import simulator
 from benchmarks.machine import describe_machine
 from benchmarks.scale import SCALE_NAMES, Scale
 from residency import Scheduler
@@ -23,6 +24,8 @@ from residency.transport import default_device
 
 SCALE_ENV = "RESIDENCY_BENCH_SCALE"
 THREADS_ENV = "RESIDENCY_BENCH_THREADS"
+DEVICE_ENV = "RESIDENCY_BENCH_DEVICE"
+DEVICE_NAMES = ("default", "sim")
 
 
 def pytest_addoption(parser):
@@ -31,6 +34,12 @@ def pytest_addoption(parser):
         "--bench-scale", choices=SCALE_NAMES, default=None,
         help=f"case sizes: tiny (CI), default, full (the 2 GiB ladder; more on a GPU). "
              f"Defaults to ${SCALE_ENV} or 'default'.",
+    )
+    group.addoption(
+        "--bench-device", choices=DEVICE_NAMES, default=None,
+        help=f"default: the accelerator when there is one, else the CPU; sim: load the "
+             f"simulated device (tests/simdevice) and run only the cases marked simulated "
+             f"(elsewhere they are skipped). Defaults to ${DEVICE_ENV} or 'default'.",
     )
     group.addoption(
         "--bench-threads", type=int, default=None,
@@ -42,12 +51,45 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "peer: a third-party offloader measured side by side")
+    config.addinivalue_line("markers", "simulated: runs on the simulated device only "
+                                       "(--bench-device=sim)")
     config.pluginmanager.register(SkipRecorder(), "residency-skip-recorder")
+    if _device_name(config) == "sim":
+        # Before collection: from here on the simulator is this process's accelerator, so
+        # default_device() (the scale's ladders, the device fixture) is sim:0.
+        try:
+            simulator.load(asynchronous=True)
+        except Exception as error:  # SimBuildError: the compiler's message
+            raise pytest.UsageError(f"--bench-device=sim: {error}") from error
     threads = config.getoption("--bench-threads")
     if threads is None:
         threads = int(os.environ.get(THREADS_ENV, "1"))
     if threads > 0:
         torch.set_num_threads(threads)
+
+
+def _device_name(config) -> str:
+    name = config.getoption("--bench-device") or os.environ.get(DEVICE_ENV) or "default"
+    if name not in DEVICE_NAMES:
+        raise pytest.UsageError(f"${DEVICE_ENV}={name!r}; choose one of {', '.join(DEVICE_NAMES)}")
+    return name
+
+
+def pytest_collection_modifyitems(config, items):
+    """On the simulator only the simulated cases run; elsewhere they are skipped, saying how to
+    run them."""
+    simulated = [item for item in items if "simulated" in item.keywords]
+    if _device_name(config) == "sim":
+        kept = {id(item) for item in simulated}
+        dropped = [item for item in items if id(item) not in kept]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = simulated
+        return
+    for item in simulated:
+        item.add_marker(pytest.mark.skip(
+            reason="simulated accelerator cases run with --bench-device=sim (python -m "
+                   "benchmarks.report --run --device sim)"))
 
 
 def _scale_name(config) -> str:
@@ -109,7 +151,10 @@ class SkipRecorder:
     @pytest.hookimpl(optionalhook=True)
     def pytest_benchmark_update_json(self, config, benchmarks, output_json):
         output_json["skipped"] = list(self.skipped)
-        output_json["residency"] = {"scale": _scale_name(config), "device": str(default_device())}
+        device = default_device()
+        output_json["residency"] = {"scale": _scale_name(config), "device": str(device)}
+        if simulator.is_simulated(device):
+            output_json["residency"]["simulated"] = simulator.LABEL
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_benchmark_update_machine_info(self, config, machine_info):

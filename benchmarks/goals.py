@@ -18,6 +18,10 @@ __all__ = [
     "PER_TENSOR",
     "REENTRY",
     "REGISTRATION",
+    "SIM_HOST_SYNCS_PER_EVICTION",
+    "SIM_HOST_SYNCS_STEADY",
+    "SIM_LAYER_STEP",
+    "SIM_PREFETCH",
     "SWAP",
     "Goal",
 ]
@@ -75,3 +79,19 @@ LAYER_BLOCK = Goal(metric="per_tensor_overhead_s", limit=1e-6,
 LAYER_STEP = Goal(metric="ratio", limit=1.05,
                   text="layer mode: a denoising step <= 1.05x the unoffloaded step when a block's "
                        "compute >= its copy (accelerator)")
+
+# Issue 19, on the SIMULATED accelerator (benchmarks/test_simulated.py, ``--bench-device=sim``):
+# sleeps stand in for copies and kernels, so these say whether the library's streams and events
+# overlap what they should and how often the host waits - never what a GPU achieves.
+SIM_LAYER_STEP = Goal(metric="ratio", limit=1.05,
+                      text="SIMULATED accelerator: a layer-mode step <= 1.05x max(total compute, "
+                           "total copy) when a block's copy <= its compute")
+SIM_PREFETCH = Goal(metric="ratio", limit=1.05,
+                    text="SIMULATED accelerator: encoder -> DiT with prefetch <= 1.05x the "
+                         "unoffloaded encoder + DiT when the DiT's copy <= the encoder's compute")
+SIM_HOST_SYNCS_STEADY = Goal(metric="host_syncs_per_step", limit=0,
+                             text="SIMULATED accelerator: no host synchronisation in a "
+                                  "steady-state layer-mode step (detect_edits=False)")
+SIM_HOST_SYNCS_PER_EVICTION = Goal(metric="host_syncs_per_eviction", limit=1,
+                                   text="SIMULATED accelerator: one host synchronisation per block "
+                                        "eviction with edit detection (the flags read)")

@@ -1,19 +1,21 @@
 """``python -m benchmarks.gpu_check``: the prepared check for one GPU (issue 4, item 8).
 
-    python -m benchmarks.gpu_check --out benchmarks/results/      # one CUDA GPU; < 8 min on an H200
+    python -m benchmarks.gpu_check --out benchmarks/results/      # one GPU; < 8 min on an H200
+    python -m benchmarks.gpu_check --device sim --out /tmp/check/ # the simulated device, small sizes
     python -m benchmarks.gpu_check --dry-run --out /tmp/check/    # the CPU, tiny sizes: code paths only
 
-Measures, in one run, on one device:
+Measures, in one run, on one device (the process's accelerator: CUDA, or any other that implements
+torch's device-generic API, ``torch.accelerator``, ``torch.Stream`` and ``torch.Event``):
 
 * ``ceiling``       the pinned host-to-device ceiling: one large bulk copy (and device-to-host);
 * ``onload``        our onload GB/s for 1, 4 and 16 GiB groups, the transition latency against the
                     ceiling, registration (seconds, pinned bytes, peak host RSS), peak device memory;
 * ``eviction``      eviction of unchanged weights per 1,000 tensors; write-back of changed ones;
 * ``reentry``       re-entry of the resident group, beside accelerate's hook on the same model;
-* ``steady_state``  host syncs in a loop of phases (``torch.cuda.set_sync_debug_mode("error")`` and a
-                    profiler count of synchronize calls; groups with ``detect_edits=False``, and the
-                    syncs per transition with detection on), ``memory_reserved`` over 1,000
-                    transitions;
+* ``steady_state``  host syncs in a loop of phases (on CUDA ``torch.cuda.set_sync_debug_mode("error")``
+                    and a profiler count of synchronize calls, on the simulated device its counter
+                    of host waits; groups with ``detect_edits=False``, and the syncs per transition
+                    with detection on), ``memory_reserved`` over 1,000 transitions;
 * ``edits``         issue 12: eviction of an unchanged group (digests on the device) against the
                     copy floor of its bytes; a swap with and without edit detection; bytes moved for
                     an int8 (torchao) group against its bf16 twin;
@@ -33,8 +35,16 @@ Measures, in one run, on one device:
 Writes ``gpu-check-<device>-<date>.json`` under ``--out`` after every section (a run cut short still
 leaves what it measured), with a ``must_show`` block judging issue 4's goals.  Each section catches
 its own errors and records them; the exit code is 1 when any section failed.  ``--budget-s`` (default
-420) skips what would not fit.  In ``--dry-run`` the CPU stands in for the GPU: every code path runs
-at tiny sizes, the CUDA-only checks are recorded as skipped, and the figures mean nothing.
+420) skips what would not fit.  The CUDA-only measurements (sync-debug mode, the profiler's device
+timeline, the pinned allocator's statistics, the device's name) are recorded as skipped, with the
+reason, on any other device.
+
+``--device sim`` runs the check on the simulated asynchronous device of ``tests/simdevice``
+(`benchmarks.simulator`; CI does, in a process of its own) at the dry run's sizes: the very code
+an accelerator run uses - streams, events, pinned masters, device digests - with copies and ops
+queued on worker threads; its figures are a simulation's, labelled so in the JSON.  In
+``--dry-run`` the CPU stands in for the GPU: every code path the CPU has runs at tiny sizes, and
+the figures mean nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +67,7 @@ import attrs
 import torch
 
 from benchmarks import layers as layer_models
-from benchmarks import wan_shaped
+from benchmarks import simulator, wan_shaped
 from benchmarks.floor import synchronize
 from benchmarks.goals import LAYER_STEP
 from benchmarks.machine import describe_machine
@@ -74,7 +84,8 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 @attrs.frozen(kw_only=True)
 class CheckSizes:
-    """How big each section is: `full` for an H200, `dry` for a CPU dry run."""
+    """How big each section is: `full` for an H200, `dry` for a CPU dry run and the simulated
+    device."""
 
     ceiling_nbytes: int
     repeats: int
@@ -126,6 +137,7 @@ class _Check:
 
     device: torch.device
     sizes: CheckSizes
+    #: The CPU stands in for the device (``--dry-run``), or the simulated device does (``sim``).
     dry_run: bool
     deadline: float
     path: Path
@@ -153,8 +165,15 @@ def ceiling(check: _Check) -> dict:
     h2d = _seconds(lambda: on_device.copy_(host, non_blocking=pinned), device, check.sizes.repeats)
     d2h = _seconds(lambda: back.copy_(on_device, non_blocking=pinned), device, check.sizes.repeats)
     check.ceiling_bps = n / statistics.median(h2d)
-    return {"nbytes": n, "pinned": pinned, "h2d_seconds": h2d, "d2h_seconds": d2h,
-            "h2d_gbps": n / statistics.median(h2d) / 1e9, "d2h_gbps": n / statistics.median(d2h) / 1e9}
+    result = {"nbytes": n, "pinned": pinned, "h2d_seconds": h2d, "d2h_seconds": d2h,
+              "h2d_gbps": n / statistics.median(h2d) / 1e9,
+              "d2h_gbps": n / statistics.median(d2h) / 1e9}
+    on_stream = _event_seconds(lambda: on_device.copy_(host, non_blocking=pinned), device,
+                               check.sizes.repeats)
+    if on_stream is not None:  # the device's own clock: no host wake-up in it
+        result.update(h2d_event_seconds=on_stream,
+                      h2d_event_gbps=n / statistics.median(on_stream) / 1e9)
+    return result
 
 
 def onload(check: _Check) -> dict:
@@ -322,12 +341,19 @@ def steady_state(check: _Check) -> dict:
     result = {"phases": sizes.steady_phases, "sync_debug": _sync_debug(phases, sizes.steady_phases,
                                                                         device),
               "profiled_syncs": _profiled_syncs(phases, sizes.steady_phases, device),
+              "counted_syncs": _counted_syncs(phases, sizes.steady_phases, device),
               "memory_reserved": _reserved_over(phases, sizes.reserved_transitions, device)}
 
     detected = alternating("ac")  # "c" detects edits: each eviction of it reads its flags
     detected(4)
     synchronize(device)
     result["with_detection_profiled_syncs"] = _profiled_syncs(detected, sizes.steady_phases, device)
+    counted = _counted_syncs(detected, sizes.steady_phases, device)
+    if "host_syncs" in counted:  # every other phase change evicts "c"
+        evictions = sizes.steady_phases // 2
+        counted.update(evictions_with_detection=evictions,
+                       host_syncs_per_detected_eviction=counted["host_syncs"] / evictions)
+    result["with_detection_counted_syncs"] = counted
     synchronize(device)
     scheduler.close()
     return result
@@ -401,7 +427,8 @@ def _quantized_bytes(check: _Check) -> dict:
 
 def _sync_debug(phases: Callable[[int], None], count: int, device: torch.device) -> dict:
     if device.type != "cuda":
-        return {"skipped": "torch.cuda.set_sync_debug_mode needs CUDA"}
+        return {"skipped": "torch.cuda.set_sync_debug_mode needs CUDA"
+                           + (" (see counted_syncs)" if simulator.is_simulated(device) else "")}
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -422,25 +449,38 @@ def _profiled_syncs(phases: Callable[[int], None], count: int, device: torch.dev
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         phases(count)
-    torch.cuda.synchronize()
+    synchronize(device)
     calls = Counter(e.name for e in profiler.events()
                     if "Synchronize" in e.name or e.name in ("cudaMemcpy", "cudaFree", "cudaMalloc"))
     return {"calls": dict(calls), "host_syncs": sum(n for k, n in calls.items() if "Synchronize" in k)}
 
 
+def _counted_syncs(phases: Callable[[int], None], count: int, device: torch.device) -> dict:
+    """The simulated device's own count of host waits over `count` phases (every stream, event
+    and device synchronize, read of a device value, and copy that is not asynchronous)."""
+    if not simulator.is_simulated(device):
+        return {"skipped": "the simulated device's counter of host waits (sync_debug on CUDA)"}
+    before = simulator.host_syncs()
+    phases(count)
+    host_syncs = simulator.host_syncs() - before
+    synchronize(device)
+    return {"host_syncs": host_syncs, "phases": count}
+
+
 def _reserved_over(phases: Callable[[int], None], transitions: int, device: torch.device) -> dict:
-    if device.type != "cuda":
+    if device.type == "cpu":
         phases(transitions)
-        return {"skipped": "memory_reserved needs CUDA (the loop still ran)", "transitions": transitions}
+        return {"skipped": "memory_reserved needs an accelerator (the loop still ran)",
+                "transitions": transitions}
     marks, done = {}, 0
     for mark in sorted({m for m in (10, 100, transitions) if m <= transitions}):
         phases(mark - done)
         done = mark
-        torch.cuda.synchronize()
-        marks[str(mark)] = torch.cuda.memory_reserved()
+        synchronize(device)
+        marks[str(mark)] = torch.accelerator.memory_reserved(device.index)
     return {"transitions": transitions, "reserved_at": marks,
             "flat": marks[str(transitions)] == next(iter(marks.values())),
-            "max_reserved": torch.cuda.max_memory_reserved()}
+            "max_reserved": torch.accelerator.max_memory_reserved(device.index)}
 
 
 def _compare_modes(check: _Check, entries, *, budget_s: float, run) -> dict:
@@ -681,7 +721,8 @@ def must_show(results: dict) -> dict:
                if "fraction_of_ceiling" in r]
     registrations = [r["registration"] for r in onloads]
     steady = sections.get("steady_state", {})
-    counts = [steady.get(key, {}).get("host_syncs") for key in ("sync_debug", "profiled_syncs")]
+    counts = [steady.get(key, {}).get("host_syncs")
+              for key in ("sync_debug", "profiled_syncs", "counted_syncs")]
     counts = [n for n in counts if n is not None]
     evict = sections.get("eviction", {}).get("unchanged", {}).get("per_1000_tensors_s")
     pipe = sections.get("pipeline", {})
@@ -729,27 +770,50 @@ def _verdict(value, limit, *, at_least: bool = False) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        print("no CUDA device here: run on a GPU machine, or pass --dry-run to exercise the code "
-              "paths on the CPU at tiny sizes", file=sys.stderr)
-        return 2
-    device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
-    threads = torch.get_num_threads()
-    if args.dry_run:
-        torch.set_num_threads(1)  # tiny ops; a second thread only adds wake-up latency on small VMs
-    try:
-        return _check(args, device)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _check(args: argparse.Namespace, device: torch.device) -> int:
-    sizes = CheckSizes.dry() if args.dry_run else CheckSizes.full()
     wanted = args.sections.split(",") if args.sections else list(SECTIONS)
     unknown = [name for name in wanted if name not in SECTIONS]
     if unknown:
         print(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
+    if args.dry_run and args.device != "accelerator":
+        print(f"--dry-run runs on the CPU; it cannot be combined with --device {args.device}",
+              file=sys.stderr)
+        return 2
+    device = _open_device(args)
+    if device is None:
+        return 2
+    threads = torch.get_num_threads()
+    if device.type == "cpu" or simulator.is_simulated(device):
+        torch.set_num_threads(1)  # tiny ops; a second thread only adds wake-up latency on small VMs
+    try:
+        return _check(args, device, wanted)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _open_device(args: argparse.Namespace) -> torch.device | None:
+    """The device the check runs on, or None (with the reason on stderr) when there is none."""
+    if args.dry_run:
+        return torch.device("cpu")
+    if args.device == "sim":
+        try:
+            # Asynchronous, as a GPU is: copies and ops are queued on the streams' worker threads.
+            return simulator.load(asynchronous=True)
+        except Exception as error:  # SimBuildError: the compiler's message says why
+            print(f"the simulated device is not available: {error}", file=sys.stderr)
+            return None
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        print("no accelerator here: run on a GPU machine, pass --device sim for the simulated "
+              "device (tests/simdevice), or pass --dry-run to exercise the code paths on the CPU "
+              "at tiny sizes", file=sys.stderr)
+        return None
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def _check(args: argparse.Namespace, device: torch.device, wanted: list[str]) -> int:
+    small = args.dry_run or simulator.is_simulated(device)
+    sizes = CheckSizes.dry() if small else CheckSizes.full()
     start = time.monotonic()
     check = _Check(device=device, sizes=sizes, dry_run=args.dry_run, deadline=start + args.budget_s,
                    path=_output_path(Path(args.out), device, args.dry_run), results={})
@@ -786,14 +850,20 @@ def _run_sections(check: _Check, wanted: list[str], start: float) -> list[str]:
 
 def _header(check: _Check) -> dict:
     machine = describe_machine()
-    name = torch.cuda.get_device_name(check.device) if check.device.type == "cuda" else "cpu"
+    simulated = simulator.is_simulated(check.device)
+    if check.dry_run:
+        note = "CPU dry run at tiny sizes: it exercises the code paths; the figures mean nothing"
+    elif simulated:
+        note = (f"{simulator.LABEL}; the dry run's sizes: it exercises an accelerator's code paths "
+                "with real asynchrony; the figures are a simulation's")
+    else:
+        note = ("medians of repeated runs; host wall clock with the device synchronized around "
+                "each measured step")
     return {
         "check": "benchmarks/gpu_check.py (issue 4, item 8)",
-        "dry_run": check.dry_run,
-        "note": ("CPU dry run at tiny sizes: it exercises the code paths; the figures mean nothing"
-                 if check.dry_run else "medians of repeated runs; host wall clock with the device "
-                                       "synchronized around each measured step"),
-        "device": str(check.device), "device_name": name,
+        "dry_run": check.dry_run, "simulated": simulated,
+        "note": note,
+        "device": str(check.device), "device_name": _device_name(check.device),
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine, "sizes": attrs.asdict(check.sizes, recurse=False, value_serializer=
@@ -803,9 +873,17 @@ def _header(check: _Check) -> dict:
     }
 
 
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if simulator.is_simulated(device):
+        return "sim (simulated)"
+    return device.type
+
+
 def _output_path(out: Path, device: torch.device, dry_run: bool) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    name = "dry-run-cpu" if dry_run else torch.cuda.get_device_name(device)
+    name = "dry-run-cpu" if dry_run else _device_name(device)
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     return out / f"gpu-check-{slug}-{date}.json"
@@ -816,6 +894,10 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(_ROOT / "benchmarks" / "results"),
                         help="directory for the JSON (default benchmarks/results/)")
+    parser.add_argument("--device", choices=("accelerator", "sim"), default="accelerator",
+                        help="accelerator: the process's own (default); sim: the simulated "
+                             "device of tests/simdevice, at the dry run's sizes (its figures are a "
+                             "simulation's)")
     parser.add_argument("--dry-run", action="store_true",
                         help="run every section on the CPU at tiny sizes (no GPU needed)")
     parser.add_argument("--budget-s", type=float, default=420.0,
@@ -867,20 +949,38 @@ def _size_name(nbytes: int) -> str:
         else f"{nbytes // KiB}KiB"
 
 
+def _event_seconds(work: Callable[[], object], device: torch.device,
+                   repeats: int) -> list[float] | None:
+    """The device's own time for each of `repeats` calls of `work`: between two timing events
+    recorded on the current stream around it (None on the CPU, which has no events)."""
+    if device.type == "cpu":
+        return None
+    seconds = []
+    for _ in range(repeats):
+        start = torch.Event(device=device, enable_timing=True)
+        end = torch.Event(device=device, enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)  # elapsed_time is in milliseconds
+    return seconds
+
+
 def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    if device.type != "cpu":
+        torch.accelerator.reset_peak_memory_stats(device.index)
 
 
 def _peak(device: torch.device) -> int | None:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return None if device.type == "cpu" else torch.accelerator.max_memory_allocated(device.index)
 
 
 def _release_memory(device: torch.device) -> None:
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device.index)
+        torch.accelerator.empty_cache()
 
 
 def _host_allocator_stats(device: torch.device) -> dict | None:

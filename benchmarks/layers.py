@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.floor import synchronize
+from benchmarks.models import drawing_device
 from residency import Scheduler
 from residency.blocks import plan_blocks
 
@@ -258,7 +259,9 @@ def _norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def make_state(shape: DiTShape, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded weights (normal, std 0.02; drawn on `device`, fast on a GPU), returned on the host."""
+    """Seeded weights (normal, std 0.02; drawn on `device`, fast on a GPU, or on the CPU where the
+    device has no generator), returned on the host."""
+    device = drawing_device(device)
     with torch.device("meta"):
         skeleton = WanDiT(shape)
     skeleton.to_empty(device=device)

@@ -13,7 +13,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Leaf", "ManyModules", "Placed", "Stack", "split_evenly"]
+__all__ = ["Leaf", "ManyModules", "Placed", "Stack", "drawing_device", "split_evenly"]
+
+
+def drawing_device(device: torch.device) -> torch.device:
+    """Where seeded weights for `device` are drawn: on it when it has a random generator of its own
+    (fast on a GPU), else on the CPU (the simulated device has none; its ops use the CPU's).
+
+        generator = torch.Generator(device=drawing_device(device)).manual_seed(0)
+    """
+    try:
+        torch.Generator(device=device)
+    except (NotImplementedError, RuntimeError):
+        return torch.device("cpu")
+    return device
 
 
 class Placed(nn.Module):

@@ -3,13 +3,16 @@
     python -m benchmarks.report --run --out benchmarks/results/            # the default scale
     python -m benchmarks.report --run --scale tiny --out /tmp/report/      # seconds, for a check
     python -m benchmarks.report --json bench.json --out benchmarks/results/
+    python -m benchmarks.report --run --device sim --out benchmarks/results/  # SIMULATED accelerator
 
-Writes, under ``--out``, with the device type as prefix (``cpu-``, ``cuda-``):
+Writes, under ``--out``, with the device type as prefix (``cpu-``, ``cuda-``, ``sim-``):
 ``summary.json`` (medians, floors, ratios, goals met or missed, peers, skips, machine and date;
-under ``"layers"`` the layer-mode figures of ``benchmarks/test_layers.py``, see `layer_summary`),
-``latency.png`` (needs matplotlib, the ``plot`` extra; skipped with a message otherwise),
-``table.md`` (the headline table), and with ``--run`` the raw ``pytest-benchmark.json``.
-Exits 0 when the report was written, whether or not the goals were met.
+under ``"layers"`` the layer-mode figures of ``benchmarks/test_layers.py``, see `layer_summary`;
+under ``"simulated"`` the accelerator-shaped cases of ``benchmarks/test_simulated.py``, see
+`simulated_summary`), ``latency.png`` (needs matplotlib, the ``plot`` extra; skipped with a
+message otherwise, and for a simulated run), ``table.md`` (the headline table), and with ``--run``
+the raw ``pytest-benchmark.json``.  Exits 0 when the report was written, whether or not the goals
+were met.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from benchmarks.plot import write_plot
 from benchmarks.scale import SCALE_NAMES
 from benchmarks.summary import markdown_table, summarize_run
 
-__all__ = ["layer_markdown", "layer_summary", "main", "write_report"]
+__all__ = ["layer_markdown", "layer_summary", "main", "simulated_markdown", "simulated_summary",
+           "write_report"]
 
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.run:
         source = out / "pytest-benchmark.json.tmp"
-        code = run_suite(source, scale=args.scale, threads=args.threads, extra=args.pytest_args)
+        code = run_suite(source, scale=args.scale, threads=args.threads, device=args.device,
+                         extra=args.pytest_args)
         if not source.exists():
             print(f"the benchmark suite wrote no JSON (pytest exit code {code})", file=sys.stderr)
             return code or 1
@@ -50,10 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_suite(json_path: Path, *, scale: str | None, threads: int | None, extra: list[str]) -> int:
+def run_suite(json_path: Path, *, scale: str | None, threads: int | None, extra: list[str],
+              device: str | None = None) -> int:
     """Run ``pytest benchmarks/`` writing pytest-benchmark JSON to `json_path`; its exit code."""
     command = [sys.executable, "-m", "pytest", str(_ROOT / "benchmarks"), "-q", "-p",
                "no:cacheprovider", f"--benchmark-json={json_path}"]
+    if device:
+        command.append(f"--bench-device={device}")
     if scale:
         command.append(f"--bench-scale={scale}")
     if threads is not None:
@@ -65,19 +73,30 @@ def write_report(run: dict, out: Path) -> dict[str, Path]:
     """Write summary JSON, table and plot for one pytest-benchmark run; returns their paths."""
     summary = summarize_run(run)
     summary["layers"] = layer_summary(run, summary)
+    summary["simulated"] = simulated_summary(run, summary)
     prefix = str(summary["machine"].get("device") or "cpu").split(":")[0] + "-"
     paths = {"summary": out / f"{prefix}summary.json", "plot": out / f"{prefix}latency.png",
              "table": out / f"{prefix}table.md"}
-    skipped = write_plot(summary, paths["plot"])
+    if summary["machine"].get("simulated"):
+        skipped = "a simulated run: its figures are not drawn beside measured ones"
+    else:
+        skipped = write_plot(summary, paths["plot"])
     summary["plot"] = {"skipped": skipped} if skipped else {"path": paths["plot"].name}
     paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
-    paths["table"].write_text(markdown_table(summary) + layer_markdown(summary["layers"]))
+    paths["table"].write_text(_tables(summary))
     _print(summary, paths, skipped)
     return paths
 
 
+def _tables(summary: dict) -> str:
+    label = summary["machine"].get("simulated")
+    head = f"**{label}**\n\n" if label else ""
+    return (head + markdown_table(summary) + layer_markdown(summary["layers"])
+            + simulated_markdown(summary["simulated"]))
+
+
 def _print(summary: dict, paths: dict[str, Path], plot_skipped: str | None) -> None:
-    print(markdown_table(summary) + layer_markdown(summary["layers"]))
+    print(_tables(summary))
     for goal in summary["goals"]:
         verdict = {True: "met", False: "MISSED", None: "not judged"}[goal["met"]]
         print(f"  {verdict:>12}: {goal['goal']} [{goal['case']}]: {goal['value']}")
@@ -243,6 +262,97 @@ def _mib(nbytes: int | None) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
+# -- accelerator-shaped, simulated (issue 19) -----------------------------------------------------
+
+_SIM_CASES = ("sim_layer_step", "sim_transition", "sim_host_syncs")
+
+
+def simulated_summary(run: dict, summary: dict | None = None) -> dict | None:
+    """The cases of ``benchmarks/test_simulated.py`` (None when the run has none) under the
+    simulation's label, each row with the controls it ran under.
+
+    * ``layer_steps``: per mode and bound, the step, the unoffloaded step (total compute), the
+      copy of every streamed block (total copy), the step / max of the two, bit identity, host
+      syncs per step beyond the unoffloaded step's, and the goal;
+    * ``transitions``: encoder -> DiT with and without prefetch against the unoffloaded pair, the
+      DiT's copy, how much of it stayed exposed;
+    * ``host_syncs``: per mode, host synchronisations per steady-state step and per eviction.
+    """
+    verdicts = {c["name"]: c.get("goal") for c in (summary or summarize_run(run))["cases"]}
+    rows: dict[str, list[dict]] = {case: [] for case in _SIM_CASES}
+    for bench in run.get("benchmarks", []):
+        info = bench.get("extra_info", {})
+        if info.get("case") not in rows:
+            continue
+        figures = derive((bench.get("stats") or {}).get("median"), info)
+        facts = {k: v for k, v in info.items() if k not in ("goal", "label")}
+        row = {"case": bench["name"], **facts, **figures}
+        if verdicts.get(bench["name"]) is not None:
+            row["goal"] = verdicts[bench["name"]]
+        rows[info["case"]].append(row)
+    if not any(rows.values()):
+        return None
+    for row in rows["sim_transition"]:
+        if row.get("overhead_s") is not None and row.get("dit_copy_s"):
+            row["exposed_over_copy"] = row["overhead_s"] / row["dit_copy_s"]
+    label = (run.get("residency") or {}).get("simulated") or "SIMULATED accelerator"
+    return {"label": label, "layer_steps": rows["sim_layer_step"],
+            "transitions": rows["sim_transition"], "host_syncs": rows["sim_host_syncs"]}
+
+
+def simulated_markdown(sim: dict | None) -> str:
+    """The "Accelerator-shaped (simulated)" section of the table (empty without such cases)."""
+    if not sim:
+        return ""
+    lines = ["", "## Accelerator-shaped (simulated)", "", f"**{sim['label']}.**", ""]
+    if sim["layer_steps"]:
+        lines += [("| layer-mode step: mode, bound (block copy / compute) | step | total compute "
+                   "| total copy | x max(compute, copy) | host syncs / step | bit-identical "
+                   "| goal |"), "|---|---:|---:|---:|---:|---:|---|---|"]
+        for row in sim["layer_steps"]:
+            lines.append(f"| {row['mode']}, {row['bound']} ({row['copy_over_compute']}) "
+                         f"| {_us(row.get('median_s'))} | {_us(row.get('compute_s'))} "
+                         f"| {_us(row.get('copy_s'))} | {_ratio(row.get('ratio'))} "
+                         f"| {row.get('host_syncs_per_step')} | {row.get('bit_identical')} "
+                         f"| {_goal(row)} |")
+    if sim["transitions"]:
+        lines += ["", ("| encoder -> DiT | cycle | unoffloaded | x unoffloaded | DiT copy "
+                       "| exposed / copy | host syncs | goal |"),
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for row in sim["transitions"]:
+            exposed = row.get("exposed_over_copy")
+            lines.append(f"| {row['prefetch']} | {_us(row.get('median_s'))} "
+                         f"| {_us(row.get('floor_s'))} | {_ratio(row.get('ratio'))} "
+                         f"| {_us(row.get('dit_copy_s'))} "
+                         f"| {'' if exposed is None else f'{exposed:.2f}'} "
+                         f"| {row.get('host_syncs_per_cycle')} | {_goal(row)} |")
+    if sim["host_syncs"]:
+        lines += ["", "| host syncs, steady-state layer step | per step | evictions / step "
+                      "| per eviction | goal |", "|---|---:|---:|---:|---|"]
+        for row in sim["host_syncs"]:
+            per_eviction = row.get("host_syncs_per_eviction")
+            lines.append(f"| {row['mode']} ({row['blocks']} blocks) "
+                         f"| {row.get('host_syncs_per_step')} | {row.get('evictions_per_step')} "
+                         f"| {'' if per_eviction is None else f'{per_eviction:.2f}'} "
+                         f"| {_goal(row)} |")
+    controls = sorted({(r.get("compute_delay_s"), r.get("copy_bandwidth_bps"))
+                       for r in sim["layer_steps"] + sim["transitions"]})
+    if controls:
+        lines += ["", "Controls: " + "; ".join(
+            f"compute delay {_us(delay)} per op, copy bandwidth {bandwidth / 1e6:.3g} MB/s"
+            for delay, bandwidth in controls) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}x"
+
+
+def _goal(row: dict) -> str:
+    goal = row.get("goal")
+    return "" if goal is None else f"<= {goal['limit']:g}: {_VERDICTS[goal['met']]}"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -255,6 +365,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --run: case sizes (default: the suite's default)")
     parser.add_argument("--threads", type=int, default=None,
                         help="with --run: torch intra-op threads (default: the suite's, 1)")
+    parser.add_argument("--device", choices=("default", "sim"), default=None,
+                        help="with --run: sim runs the accelerator-shaped cases on the SIMULATED "
+                             "device (benchmarks/test_simulated.py); default: the suite's device")
     parser.add_argument("pytest_args", nargs="*", help="with --run: extra pytest arguments")
     return parser
 

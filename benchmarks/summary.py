@@ -15,7 +15,8 @@ from benchmarks.goals import Goal
 __all__ = ["markdown_table", "summarize_run"]
 
 _FACTS = ("case", "nbytes", "tensors", "offloader", "model_nbytes", "modules", "written_back",
-          "load_median_s", "evict_median_s", "pinned", "master_nbytes", "floor", "fresh_copy_s")
+          "load_median_s", "evict_median_s", "pinned", "master_nbytes", "floor", "fresh_copy_s",
+          "host_syncs_per_step", "host_syncs_per_eviction")
 
 
 def summarize_run(run: dict) -> dict:

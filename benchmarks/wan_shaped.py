@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.models import Placed
+from benchmarks.models import Placed, drawing_device
 
 __all__ = ["COMPONENTS", "WanShaped", "build", "make_state", "run"]
 
@@ -134,7 +134,9 @@ def _skeleton(c: WanShaped) -> dict[str, nn.Module]:
 
 
 def make_state(c: WanShaped, device: torch.device, seed: int = 0) -> dict[str, dict]:
-    """Seeded weights (normal, std 0.02) drawn on `device` (fast on a GPU), returned on the host."""
+    """Seeded weights (normal, std 0.02) drawn on `device` (fast on a GPU; on the CPU where the
+    device has no generator), returned on the host."""
+    device = drawing_device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, module in _skeleton(c).items():

@@ -2,16 +2,21 @@
 
 No figure is asserted here (speed goals live in benchmarks/); these tests check that every case
 runs, records its floor and ratio, that the report writes what it promises, and that the prepared
-GPU script runs every section on the CPU without an error.
+GPU script runs every section without an error: on the CPU (its dry run), and on the simulated
+device of tests/simdevice, in a process of its own (loading the simulator renames PrivateUse1 for
+the whole process).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+
+from residency.tensors import ACCELERATOR_ALIGNMENT
 
 from _benchmarks import ROOT, import_benchmarks
 
@@ -25,6 +30,22 @@ def tiny_suite(tmp_path_factory):
     process = subprocess.Popen(
         [sys.executable, "-m", "pytest", "benchmarks/", "-q", "-p", "no:cacheprovider",
          "--bench-scale=tiny", f"--benchmark-json={out}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    yield process, out
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def simulated_suite(tmp_path_factory):
+    """Start the accelerator-shaped cases (benchmarks/test_simulated.py) at the tiny scale on the
+    simulated device, in a process of their own (loading it renames PrivateUse1 for the process)."""
+    out = tmp_path_factory.mktemp("sim-bench") / "sim.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "benchmarks/", "-q", "-p", "no:cacheprovider",
+         "--bench-device=sim", "--bench-scale=tiny", f"--benchmark-json={out}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     yield process, out
@@ -164,12 +185,75 @@ def test_report_without_matplotlib_still_writes_the_summary(tiny_run, tmp_path, 
     assert "plot: skipped: matplotlib is not installed" in capsys.readouterr().out
 
 
-def test_gpu_check_without_cuda_refuses_and_says_how(tmp_path, capsys):
-    if gpu_check.torch.cuda.is_available():
-        pytest.skip("a CUDA device is present")
+def test_gpu_check_without_an_accelerator_refuses_and_says_how(tmp_path, capsys):
+    if gpu_check.torch.accelerator.is_available():
+        pytest.skip("an accelerator is present")
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
-    assert "--dry-run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--dry-run" in err and "--device sim" in err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--dry-run", "--device", "sim"], "cannot be combined with --device sim"),
+    (["--device", "sim", "--sections", "ceiling,nonsense"], "unknown section(s) ['nonsense']"),
+])
+def test_gpu_check_refuses_bad_arguments_before_any_work(argv, message, tmp_path, capsys):
+    assert gpu_check.main([*argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    assert gpu_check.torch.accelerator.current_accelerator() is None or \
+        gpu_check.torch.accelerator.current_accelerator().type != "sim", "the simulator was loaded"
+
+
+def test_gpu_check_runs_every_section_on_the_simulated_device(tiny_suite, simulated_suite,
+                                                             tmp_path):
+    """The script an accelerator run will use, end to end on the simulated asynchronous device
+    (in a process of its own: loading it renames PrivateUse1 for the whole process; the simulated
+    cases run beside it, mostly asleep in the simulator's delays)."""
+    finished = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "sim", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    output = finished.stdout + finished.stderr
+    if finished.returncode == 2 and "simulated device is not available" in output:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the simulator did not build in CI:\n{output[-4000:]}")
+        pytest.skip(output.strip().splitlines()[-1])
+    assert finished.returncode == 0, output[-6000:]
+    (path,) = tmp_path.glob("gpu-check-sim-simulated-*.json")
+    results = json.loads(path.read_text())
+    assert results["simulated"] is True and results["dry_run"] is False
+    assert results["device"] == "sim:0" and "SIMULATED" in results["note"]
+    sections = results["sections"]
+    assert set(sections) == set(gpu_check.SECTIONS)
+    assert not {name: s["error"] for name, s in sections.items() if "error" in s}
+    ceiling = sections["ceiling"]
+    assert ceiling["pinned"] is True and ceiling["h2d_gbps"] > 0 and ceiling["h2d_event_gbps"] > 0
+    for group in sections["onload"]["groups"].values():
+        assert group["registration"]["pinned"] is True and group["peak_device_bytes"] > 0
+    evicted = sections["eviction"]
+    assert evicted["unchanged"]["written_back"] == 0
+    # Every changed chunk: the weights and the padding between them (512-byte boundaries here).
+    padding = evicted["tensors"] * ACCELERATOR_ALIGNMENT.boundary
+    assert evicted["nbytes"] <= evicted["changed"]["written_back"] <= evicted["nbytes"] + padding
+    steady = sections["steady_state"]
+    assert "needs CUDA" in steady["sync_debug"]["skipped"]
+    assert steady["counted_syncs"] == {"host_syncs": 0, "phases": steady["phases"]}
+    assert steady["with_detection_counted_syncs"]["host_syncs_per_detected_eviction"] == 1
+    assert steady["memory_reserved"]["flat"] is True
+    assert results["must_show"]["host_syncs_in_steady_state"]["met"] is True
+    assert sections["edits"]["quantized"]["int8_over_bf16"] < 0.6
+    modes = sections["pipeline"]["modes"]
+    assert not {mode: r["error"] for mode, r in modes.items() if "error" in r}
+    assert modes["residency"]["bit_identical_to_none"] is True
+    layer = sections["layers"]
+    for label, result in layer["modes"].items():
+        if label.startswith("layers"):
+            assert result["bit_identical_to_none"] is True, label
+            assert result["prefetch_order"]["ok"] is True, label
+        else:
+            assert "error" not in result, label
+    assert results["must_show"]["layer_next_copy_issued_before_compute"]["met"] is True
 
 
 def test_prefetch_order_reads_the_block_records():
@@ -210,3 +294,51 @@ def test_host_memory_report_measures_shared_and_private_masters(tmp_path):
     shared, private = rows
     assert shared["node_bytes"] < private["node_bytes"], "sharing must hold fewer host bytes"
     assert all(len(r["per_rank_bytes"]) == 2 for r in rows)
+
+
+def test_simulated_cases_and_their_report_section(simulated_suite, tmp_path):
+    """The "accelerator-shaped (simulated)" cases run on the simulator at the tiny scale; the
+    report gives them their own section, labelled as a simulation wherever a figure is shown."""
+    process, out = simulated_suite
+    output, _ = process.communicate(timeout=240)
+    built = "--bench-device=sim: the simulated device did not build" not in output
+    if process.returncode != 0 and not built:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the simulator did not build in CI:\n{output[-4000:]}")
+        pytest.skip("the simulated device did not build")
+    assert process.returncode == 0, output[-6000:]
+    run = json.loads(out.read_text())
+    assert run["residency"]["device"] == "sim:0" and "SIMULATED" in run["residency"]["simulated"]
+    cases = {b["name"]: b["extra_info"] for b in run["benchmarks"]}
+    steps = {f"test_simulated_layer_step[{mode}-{bound}]"
+             for mode in ("layers_no_detection", "layers") for bound in ("compute_bound", "copy_bound")}
+    transitions = {f"test_simulated_transition[{p}]" for p in ("no_prefetch", "prefetch")}
+    syncs = {f"test_simulated_host_syncs[{m}]" for m in ("layers_no_detection", "layers")}
+    assert set(cases) == steps | transitions | syncs, "only the simulated cases run on sim"
+    for name in steps:
+        info = cases[name]
+        assert info["bit_identical"] is True and info["compute_s"] > 0 and info["copy_s"] > 0
+        assert info["floor_s"] == pytest.approx(max(info["compute_s"], info["copy_s"]), rel=0.5)
+        assert isinstance(info["host_syncs_per_step"], int), name
+    assert cases["test_simulated_layer_step[layers-compute_bound]"]["goal"]["text"] == \
+        goals.SIM_LAYER_STEP.text
+    assert cases["test_simulated_transition[prefetch]"]["prefetch_started"] is True
+    assert cases["test_simulated_host_syncs[layers]"]["evictions_per_step"] == 2  # tiny: 2 blocks
+
+    assert report.main(["--json", str(out), "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "sim-summary.json").read_text())
+    sim = summary["simulated"]
+    assert "SIMULATED" in sim["label"] and "not GPU figures" in sim["label"]
+    assert len(sim["layer_steps"]) == 4 and len(sim["transitions"]) == 2
+    assert {r["mode"] for r in sim["host_syncs"]} == {"layers_no_detection", "layers"}
+    assert all(g["met"] is None for g in summary["goals"]), "the tiny scale must not judge goals"
+    assert "simulated run" in summary["plot"]["skipped"]
+    table = (tmp_path / "sim-table.md").read_text()
+    assert table.startswith("**SIMULATED accelerator")
+    assert "## Accelerator-shaped (simulated)" in table and "x max(compute, copy)" in table
+
+
+def test_simulated_cases_are_skipped_off_the_simulator_saying_how(tiny_run):
+    skipped = {s["case"]: s["reason"] for s in tiny_run["skipped"]}
+    reason = skipped["test_simulated_transition[prefetch]"]
+    assert "--bench-device=sim" in reason

@@ -102,6 +102,7 @@ def _device_module(ext) -> types.ModuleType:
         stream_id=0, device_index=0, device_type=_PRIVATEUSE1
     )
     module.Stream = torch.Stream
+    module.stream = _stream_context  # torch.cuda.stream's form (diffusers' group offloading)
     module.Event = torch.Event
     module.empty_cache = ext.empty_cache
     module.memory_allocated = lambda device=None: torch.accelerator.memory_allocated()
@@ -109,6 +110,21 @@ def _device_module(ext) -> types.ModuleType:
     module.max_memory_allocated = lambda device=None: torch.accelerator.max_memory_allocated()
     module.mem_get_info = lambda device=None: torch.accelerator.get_memory_info()
     return module
+
+
+@contextlib.contextmanager
+def _stream_context(stream: torch.Stream | None) -> Iterator[None]:
+    """Make `stream` current for the block (None: no-op), restoring the previous one, as
+    ``torch.cuda.stream`` does; a fresh context per call, so nesting is safe."""
+    if stream is None:
+        yield
+        return
+    previous = torch.accelerator.current_stream()
+    torch.accelerator.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_stream(previous)
 
 
 def load(**initial_controls) -> torch.device:
