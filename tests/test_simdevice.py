@@ -200,6 +200,27 @@ def test_events_query_synchronize_and_time():
 
 
 @sim_check("""
+        stream = torch.accelerator.current_stream()
+        host = torch.ones(2**20, dtype=torch.uint8).pin_memory()
+        on_device = host.to(sim)
+        def timed(copy) -> float:
+            start, end = torch.Event("sim", enable_timing=True), torch.Event("sim", enable_timing=True)
+            start.record(stream)
+            copy()
+            end.record(stream)
+            end.synchronize()
+            return start.elapsed_time(end)
+        with simdevice.controls(copy_bandwidth=2**20 / 0.1, device_copy_bandwidth=2**20 / 0.01):
+            over_the_link = timed(lambda: on_device.copy_(host, non_blocking=True))   # 100 ms
+            within_the_device = timed(lambda: on_device.clone())                      # 10 ms
+        assert over_the_link >= 90.0, over_the_link
+        assert 9.0 <= within_the_device < 60.0, within_the_device
+    """)
+def test_copies_within_the_device_have_their_own_bandwidth():
+    pass
+
+
+@sim_check("""
         side = torch.Stream("sim")
         a = torch.empty(4096, device=sim); pa = a.data_ptr(); del a
         b = torch.empty(4096, device=sim)

@@ -14,7 +14,8 @@ accelerator, so load it only in a process that runs accelerator tests (see READM
 
 Controls (all readable with ``get_controls()``; README.md gives defaults):
   asynchronous    ops return before they ran          compute_delay   seconds added per queued op
-  copy_bandwidth  bytes/s a copy moves (0: instant)   copy_delay      seconds added to each copy
+  copy_bandwidth  bytes/s a host<->device copy moves (0: instant)      copy_delay  seconds added to each copy
+  device_copy_bandwidth  bytes/s a copy within the device moves (0: instant)
   protect         host access to device -> SIGSEGV    memory_info     get_memory_info answers
   capacity        bytes the allocator may reserve     wait_timeout    a longer host wait raises
 """
@@ -44,6 +45,7 @@ _HERE = Path(__file__).resolve().parent
 _BUILD_DIR = _HERE / "build"
 _CONTROL_NAMES = (
     "copy_bandwidth",
+    "device_copy_bandwidth",
     "copy_delay",
     "compute_delay",
     "protect",

@@ -56,7 +56,8 @@ constexpr c10::DeviceType kSim = c10::DeviceType::PrivateUse1;
 // ---------------------------------------------------------------------------------------------------
 // Controls. Read by every thread, written by Python between (or during) runs: atomics, no lock.
 struct Controls {
-  std::atomic<double> copy_bandwidth{0.0};  // bytes per second a copy moves; 0 = instant
+  std::atomic<double> copy_bandwidth{0.0};  // bytes per second a host<->device copy moves; 0 = instant
+  std::atomic<double> device_copy_bandwidth{0.0};  // the same within the device (HBM); 0 = instant
   std::atomic<double> copy_delay{0.0};      // seconds added to every copy
   std::atomic<double> compute_delay{0.0};   // seconds added to every queued op
   std::atomic<bool> protect{false};         // PROT_NONE device memory outside the device window
@@ -72,8 +73,10 @@ void sleep_for_seconds(double s) {
   if (s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(s));
 }
 
-double copy_seconds(size_t nbytes) {
-  double bw = g_controls.copy_bandwidth.load();
+// A copy within the device runs at device memory speed, not at the host link's (on an H200, HBM's
+// 4.8 TB/s against PCIe Gen5's 64 GB/s): its own rate.
+double copy_seconds(size_t nbytes, bool within_device = false) {
+  double bw = (within_device ? g_controls.device_copy_bandwidth : g_controls.copy_bandwidth).load();
   return g_controls.copy_delay.load() + (bw > 0 ? double(nbytes) / bw : 0.0);
 }
 
@@ -755,7 +758,7 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
   // below; a pinned one is kept from reuse by the host allocator's record_event, as with CUDA.
   at::Tensor s = src.is_cpu() ? host_alias(src) : cpu_alias(src);
   at::Tensor d = dst.is_cpu() ? host_alias(dst) : cpu_alias(dst);
-  double delay = copy_seconds(size_t(dst.numel()) * dst.element_size());
+  double delay = copy_seconds(size_t(dst.numel()) * dst.element_size(), device_to_device);
   auto work = [s, d]() mutable { d.copy_(s); };
   if (asynchronous) {
     launch(work, delay);
@@ -788,7 +791,7 @@ const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size_sym,
     size_t old = storage->nbytes();
     void* from = storage->mutable_data();
     void* to = fresh.get();
-    if (old > 0) launch([=] { std::memcpy(to, from, old); }, copy_seconds(old));
+    if (old > 0) launch([=] { std::memcpy(to, from, old); }, copy_seconds(old, true));
     storage->set_data_ptr_noswap(std::move(fresh));  // the old block returns to its stream's pool
     storage->set_nbytes(need);
   }
@@ -1104,6 +1107,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace sim;
   m.def("set_control", [](const std::string& name, double value) {
     if (name == "copy_bandwidth") g_controls.copy_bandwidth = value;
+    else if (name == "device_copy_bandwidth") g_controls.device_copy_bandwidth = value;
     else if (name == "copy_delay") g_controls.copy_delay = value;
     else if (name == "compute_delay") g_controls.compute_delay = value;
     else if (name == "protect") set_protect(value != 0);
@@ -1115,6 +1119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("get_control", [](const std::string& name) -> double {
     if (name == "copy_bandwidth") return g_controls.copy_bandwidth;
+    if (name == "device_copy_bandwidth") return g_controls.device_copy_bandwidth;
     if (name == "copy_delay") return g_controls.copy_delay;
     if (name == "compute_delay") return g_controls.compute_delay;
     if (name == "protect") return g_controls.protect;
