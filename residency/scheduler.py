@@ -33,7 +33,7 @@ from residency.enums import PhaseStatus, Policy
 from residency.errors import PhaseError, RegistrationError, SchedulerClosedError
 from residency.holds import Holds
 from residency.agreement import PhaseLedger
-from residency.locks import new_lock
+from residency.locks import locked, new_lock
 from residency.node import node_view
 from residency.sharded import ShardedLoad
 from residency.no_offload import NoOffload
@@ -81,17 +81,28 @@ class Phase:
                 f"this phase of {self.group.name!r} was already entered; a phase is not "
                 f"reusable: write `with scheduler.resident({self.group.name!r}):` again"
             )
-        self._scheduler._enter(self)
-        return self.group
+        scheduler = self._scheduler
+        try:
+            locked(scheduler._lock, scheduler._enter, self)
+            return self.group
+        except BaseException:  # undone, whatever it reached (see [Note: interrupts])
+            locked(scheduler._lock, scheduler._settle_phase, self)
+            raise
 
     def __exit__(self, *exc_info) -> None:
-        status = self.status
-        if status is _ACTIVE or status is PhaseStatus.LEAVING:
-            self._scheduler._exit(self)
-        elif status is PhaseStatus.EXITED_LATE:  # see [Note: misnested exits]
-            self.status = PhaseStatus.EXITED
-        else:
-            raise PhaseError(f"the phase of {self.group.name!r} is {status.value}, not active")
+        try:
+            status = self.status
+            if status is _ACTIVE or status is PhaseStatus.LEAVING:
+                locked(self._scheduler._lock, self._scheduler._exit, self)
+            elif status is PhaseStatus.EXITED_LATE:  # see [Note: misnested exits]
+                self.status = PhaseStatus.EXITED
+            else:
+                raise PhaseError(f"the phase of {self.group.name!r} is {status.value}, not active")
+        except PhaseError:  # refused: nothing changed
+            raise
+        except BaseException:  # completed (see [Note: interrupts])
+            locked(self._scheduler._lock, self._scheduler._settle_phase, self)
+            raise
 
 
 class Scheduler:
@@ -232,10 +243,8 @@ class Scheduler:
         roots = as_modules(name, modules)
         plans = as_block_plans(name, roots, layers, policy)
         excluded = as_excluded(name, exclude, roots) + streamed_modules(plans)
-        claim = self._claim_for(name, policy, roots, excluded, plans, sharded)
-        return self._enroll(self._pack_claimed(
-            claim, roots, excluded, category, detect_edits, plans
-        ))
+        return self._register(name, roots, policy, excluded, category, detect_edits, plans,
+                              sharded)
 
     def alias(self, path: str, name: str) -> None:
         """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline).
@@ -243,8 +252,10 @@ class Scheduler:
         Refused (changing nothing) for a path that is not a non-empty string, that names a group,
         or that already leads to another group.
         """
-        with self._lock:
-            self._registry.alias(path, self._registry.lookup(name))
+        locked(self._lock, self._alias, path, name)
+
+    def _alias(self, path: str, name: str) -> None:
+        self._registry.alias(path, self._registry.lookup(name))
 
     def refresh(self, name: str) -> Residency:
         """Re-register group `name` after its modules changed (new, replaced or re-typed tensors).
@@ -253,19 +264,25 @@ class Scheduler:
         (resident-policy groups are placed again).  Phases of the group are refused meanwhile.
         """
         self._check_open()
-        with self._lock:
-            old = self._registry.lookup(name)
-            self._check_not_in_a_phase(old, "refresh")
-            plans, excluded = restream(old)
-            aliases = self._registry.aliases_of(old)
-            claim = self._claim_for(old.name, old.policy, old.modules, excluded, plans,
-                                    old.sharded, old)
-            self._placement.withdraw(old, evict=False)
-            self._registry.unregister(old)
-        group = self._pack_claimed(
-            claim, old.modules, excluded, old.category, old.detect_edits, plans
-        )
-        return self._enroll(group, aliases)
+        old, plans, excluded, aliases = locked(self._lock, self._plan_refresh, name)
+        try:
+            return self._refresh(old, plans, excluded, aliases)
+        except BaseException:  # rolled forward once (see [Note: interrupts])
+            if name not in self._registry:
+                self._refresh(old, plans, excluded, aliases)
+            raise
+
+    def _plan_refresh(self, name: str) -> tuple:
+        old = self._registry.lookup(name)
+        self._check_not_in_a_phase(old, "refresh")
+        return (old, *restream(old), self._registry.aliases_of(old))
+
+    def _refresh(self, old: Residency, plans, excluded, aliases) -> Residency:
+        """Withdraw `old` (its edits written back, its tensors on its host master), then register
+        its modules again as they are.  Repeatable: each step reads where the last one ended."""
+        locked(self._lock, self._retire, old, "refresh")
+        return self._register(old.name, old.modules, old.policy, excluded, old.category,
+                              old.detect_edits, plans, old.sharded, aliases)
 
     def remove(self, name: str) -> Residency:
         """Unregister group `name`; its modules keep their weights in host memory.
@@ -274,12 +291,27 @@ class Scheduler:
         while the group was resident are left as the user made them (moved to the host).
         """
         self._check_open()
-        with self._lock:
-            group = self._registry.lookup(name)
-            self._check_not_in_a_phase(group, "remove")
+        return locked(self._lock, self._remove, name)
+
+    def _remove(self, name: str) -> Residency:
+        group = self._registry.lookup(name)
+        self._retire(group, "remove")
+        return group
+
+    def _retire(self, group: Residency, action: str) -> None:
+        """Evict `group` and forget it; refused while a phase of it is active, or when its
+        eviction is refused (then nothing changed).  Completes an interrupted retire."""
+        if self._registry.get(group.name) is not group:
+            return  # retired already (an interrupted refresh's second try)
+        self._check_not_in_a_phase(group, action)
+        try:
             self._placement.withdraw(group, evict=True)
             self._registry.unregister(group)
-        return group
+        except BaseException:  # rolled forward unless the eviction was refused
+            if not group.is_resident or group.exclusive and self._placement.current is not group:
+                self._placement.withdraw(group, evict=False)
+                self._registry.unregister(group)
+            raise
 
     def close(self) -> None:
         """Return every group's weights to host memory and release device storage.
@@ -289,19 +321,26 @@ class Scheduler:
         the ranks disagree on), the error propagates with the groups not yet closed still
         registered: fix the cause and close again.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._check_no_holders("close the scheduler")
-            for group in self._registry:
-                self._check_not_in_a_phase(group, "close the scheduler with")
-            for group in self._registry:
-                self._placement.withdraw(group, evict=True)
-                self._registry.unregister(group)
+        locked(self._lock, self._close)
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._check_no_holders("close the scheduler")
+        for group in self._registry:
+            self._check_not_in_a_phase(group, "close the scheduler with")
+        for group in self._registry:
+            self._retire(group, "close the scheduler with")
+        try:
             self._closed = True
             self._placement.release_shared()
             self._registry.close()
             self._holds.close()  # waiters wake up to SchedulerClosedError
+        except BaseException:  # rolled forward: every group is retired already
+            self._placement.release_shared()
+            self._registry.close()
+            self._holds.close()
+            raise
 
     def __enter__(self) -> Scheduler:
         return self
@@ -342,13 +381,11 @@ class Scheduler:
     @property
     def device_nbytes(self) -> int:
         """Bytes of device storage the scheduler holds now (shared exclusive buffers included)."""
-        with self._lock:
-            return self._placement.device_nbytes
+        return locked(self._lock, getattr, self._placement, "device_nbytes")
 
     def resident_groups(self) -> list[str]:
         """Names of every group whose weights are on the device now (a consistent snapshot)."""
-        with self._lock:
-            return self._placement.resident_names()
+        return locked(self._lock, self._placement.resident_names)
 
     # -- phases --------------------------------------------------------------------------------
 
@@ -370,9 +407,11 @@ class Scheduler:
         Resident-policy groups stay.  Refused (changing nothing) while any phase is active.
         """
         self._check_open()
-        with self._lock:
-            self._check_no_holders("offload all groups")
-            self._placement.offload_all(self._adopt_changes)
+        locked(self._lock, self._offload_all)
+
+    def _offload_all(self) -> None:
+        self._check_no_holders("offload all groups")
+        self._placement.offload_all(self._adopt_changes)
 
     def prefetch(self, name: str) -> bool:
         """Start copying group `name` to the device now, beside the resident group; opt-in.
@@ -390,36 +429,44 @@ class Scheduler:
         phase begins.
         """
         self._check_open()
-        with self._lock:
-            return self._placement.prefetch(self._registry.lookup(name))
+        return locked(self._lock, self._prefetch, name)
+
+    def _prefetch(self, name: str) -> bool:
+        return self._placement.prefetch(self._registry.lookup(name))
 
     def _enter(self, phase: Phase) -> None:
-        with self._lock:
-            if self._closed:
-                self._check_open()
-            if phase.group.blocks is not None:
-                phase.group.blocks.rewrap()
-            entry = self._holds.try_join(phase)
-            if entry is None:  # joined at once: no tensor work
-                return
-            group = phase.group
-            needs = group if group.exclusive else entry.needs()
-            if not group.exclusive:
-                self._registry.check_registered(group)
-            if needs is not entry.held:
-                self._holds.move(entry, needs, self._make_current, restore_on_failure=True)
-            self._holds.push(entry, phase, needs)
+        if self._closed:
+            self._check_open()
+        if phase.group.blocks is not None:
+            phase.group.blocks.rewrap()
+        entry = self._holds.try_join(phase)
+        if entry is None:  # joined at once: no tensor work
+            return
+        self._holds.collect_abandoned()
+        group = phase.group
+        needs = group if group.exclusive else entry.needs()
+        if not group.exclusive:
+            self._registry.check_registered(group)
+        if needs is not entry.held:
+            self._holds.move(entry, needs, self._make_current, restore_on_failure=True)
+        self._holds.push(entry, phase, needs)
 
     def _exit(self, phase: Phase) -> None:
-        with self._lock:
-            move = self._holds.leave(phase)
-            if move is None:
-                return
+        move = self._holds.leave(phase)
+        if move is not None:
             entry, needs = move
-            try:
-                self._holds.move(entry, needs, self._make_current, restore_on_failure=False)
-            finally:
-                self._holds.forget_if_idle(entry)
+            self._holds.move(entry, needs, self._make_current, restore_on_failure=False)
+            self._holds.forget_if_idle(entry)
+
+    def _settle_phase(self, phase: Phase) -> None:
+        """After `phase`'s entry or exit stopped half-way (see [Note: interrupts]): close it if
+        it is open, and give the thread the hold its innermost open phase needs."""
+        if self._closed:
+            return
+        entry, needs = self._holds.settle(phase)
+        if needs is not entry.held:
+            self._holds.move(entry, needs, self._make_current, restore_on_failure=False)
+        self._holds.forget_if_idle(entry)
 
     def _make_current(self, group: Residency) -> None:
         """Swap `group` in (the lock held, nobody holding the current group)."""
@@ -429,19 +476,34 @@ class Scheduler:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _claim_for(self, name, policy, roots, excluded, plans, sharded, replacing=None) -> Claim:
-        """Inventory a group (its own part, then each streamed block), check it against
-        everything registered and reserve it."""
+    def _register(self, name, roots, policy, excluded, category, detect_edits, plans, sharded,
+                  aliases=()) -> Residency:
+        """Claim, pack and enroll a group (`add`, `refresh`); on any exception, whatever step it
+        reached is undone (see [Note: interrupts])."""
         blocks = tuple(self._packer.inventory((m,), ()) for m in streamed_modules(plans))
         inventory = self._packer.inventory(roots, excluded, allow_empty=bool(blocks))
-        claim = Claim(name, policy, inventory, blocks, sharded)
-        with self._lock:
-            self._check_open()
-            self._registry.check_claimable(claim, self._placement.spans(), replacing=replacing)
-            needs = self._registry.needs(name, policy, claim.device_need, ignore=replacing)
-            self._placement.check_budget(name, needs)
-            self._registry.claim(claim)
-        return claim
+        claim, group = Claim(name, policy, inventory, blocks, sharded), None
+        try:
+            locked(self._lock, self._reserve, claim)
+            group = self._pack_claimed(claim, roots, excluded, category, detect_edits, plans)
+            return locked(self._lock, self._enroll, group, claim, aliases)
+        except BaseException:
+            locked(self._lock, self._abandon, claim, group)
+            raise
+
+    def _reserve(self, claim: Claim) -> None:
+        """Check a claim against everything registered and reserve it."""
+        self._check_open()
+        self._registry.check_claimable(claim, self._placement.spans())
+        needs = self._registry.needs(claim.name, claim.policy, claim.device_need)
+        self._placement.check_budget(claim.name, needs)
+        self._registry.claim(claim)
+
+    def _abandon(self, claim: Claim, group: Residency | None) -> None:
+        """Undo a registration that did not complete: its claim, the wrappers of its stream."""
+        self._registry.release_claim(claim)
+        if group is not None and group.blocks is not None and group not in self._registry:
+            group.blocks.close()
 
     def _pack_claimed(
         self, claim, roots, excluded, category, detect_edits, plans
@@ -452,37 +514,36 @@ class Scheduler:
         # from being registered twice meanwhile.
         sharded = claim.sharded
         pack = functools.partial(self._packer.pack, require_shared=_why_shared(sharded))
+        group = Residency(
+            claim.name, roots, claim.policy, claim.inventory, pack(claim.name, claim.inventory),
+            self._transport, excluded=excluded, category=category, detect_edits=detect_edits,
+            sharded=sharded,
+        )
         try:
-            group = Residency(
-                claim.name, roots, claim.policy, claim.inventory, pack(claim.name, claim.inventory),
-                self._transport, excluded=excluded, category=category, detect_edits=detect_edits,
-                sharded=sharded,
-            )
             if plans:
                 group.blocks = build_stream(
                     group, plans, claim.blocks, pack=pack, slots=self._placement.block_slots,
                     lock=self._lock, log=self.block_records,
                     adopt=functools.partial(self._adopt_changes, group),
                 )
+            return group
         except BaseException:
-            with self._lock:
-                self._registry.release_claim(claim.name)
+            if group.blocks is not None:
+                group.blocks.close()
             raise
-        return group
 
-    def _enroll(self, group: Residency, aliases: Iterable[str] = ()) -> Residency:
-        """Register a packed group and give it its place (an always-resident one loads now)."""
-        with self._lock:
-            if self._closed:
-                self._registry.release_claim(group.name)
-                self._check_open()
+    def _enroll(self, group: Residency, claim: Claim, aliases: Iterable[str]) -> Residency:
+        """Register a packed group and give it its place (an always-resident one loads now);
+        undone on any exception."""
+        self._check_open()
+        try:
             self._registry.enroll(group, aliases)
-            try:
-                self._placement.admit(group)
-            except BaseException:
-                self._registry.unregister(group)
-                raise
-        return group
+            self._placement.admit(group)
+            return group
+        except BaseException:
+            self._placement.withdraw(group, evict=True)
+            self._registry.unregister(group)
+            raise
 
     def _adopt_changes(self, group: Residency, part: Residency | None = None) -> None:
         """Re-pack offloaded `group` (or `part`, one of its streamed blocks) if its modules
@@ -503,8 +564,13 @@ class Scheduler:
         master = self._packer.pack(part.name, inventory, require_shared=_why_shared(part.sharded))
         self._placement.forget_views(part)
         owned = owned_modules(group)
-        part._adopt(inventory, master)
-        self._registry.retake(group, owned)
+        try:
+            part._adopt(inventory, master)
+            self._registry.retake(group, owned)
+        except BaseException:  # adopted: the ownership follows (see [Note: interrupts])
+            if part.inventory is inventory:
+                self._registry.retake(group, owned)
+            raise
         _log.info("group %r changed (%s); re-packed %d tensors of %s (%.1f MiB)", group.name,
                   change, inventory.tensor_count, part.name, inventory.nbytes / 2**20)
 
@@ -535,6 +601,7 @@ class Scheduler:
             )
 
     def _check_not_in_a_phase(self, group: Residency, action: str) -> None:
+        self._holds.collect_abandoned()
         if self._holds.involves(group):
             raise PhaseError(
                 f"cannot {action} group {group.name!r} while a phase of it is active "
@@ -542,6 +609,7 @@ class Scheduler:
             )
 
     def _check_no_holders(self, action: str) -> None:
+        self._holds.collect_abandoned()
         if self._holds.has_holders():
             raise PhaseError(
                 f"cannot {action} while a phase is active; "
