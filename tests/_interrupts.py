@@ -141,6 +141,8 @@ def sweep(
             failures.append(f"point {at} at {interrupter.where}: {error!r}"[:1500])
             if len(failures) >= limit:
                 break
+    tried = len(range(1, counter.count + 1, stride))
+    print(f"\ninterrupt sweep: {counter.count} points, {tried} interrupted, {len(failures)} failing")
     assert not failures, (f"{len(failures)}{'+' if len(failures) >= limit else ''} of "
                           f"{counter.count} points fail:\n" + "\n".join(failures))
     return counter.count

@@ -37,14 +37,15 @@ from _interrupts import (
     tiny_mlp,
 )
 
-#: Points are counted per operation; these are the strides of the operations not swept fully.
-STRIDES = {"prefetch": 3, "refresh": 7, "close": 5, "enable": 997, "disable": 211}
+#: The strides of the sweeps that do not interrupt every point (``--interrupt-sweep=full``: all).
+STRIDES = {"registration-resident": 7, "registration-layers": 13, "leaving-layers": 10,
+           "prefetch": 3, "refresh": 41, "close": 11, "enable": 1999, "disable": 211}
 
 
 @pytest.fixture
 def stride(request):
     full = request.config.getoption("--interrupt-sweep") == "full"
-    return lambda operation: 1 if full else STRIDES[operation]
+    return lambda operation: 1 if full or operation is None else STRIDES[operation]
 
 
 class World:
@@ -119,16 +120,17 @@ def _entered(world: World, name: str):
 # -- every point ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["b", "r", "t"])
-def test_registration(name):
+@pytest.mark.parametrize(("name", "sweep_kind"), [
+    ("b", None), ("r", "registration-resident"), ("t", "registration-layers")])
+def test_registration(name, sweep_kind, stride):
+    """Add a module-mode group (every point), a resident-policy one, a layer-mode one."""
     def build():
         return World(("a", name)).add("a")
 
     def add(world):
         world.add(name)
 
-    points = sweep(build, add, World.check)
-    assert points > 100
+    assert sweep(build, add, World.check, stride=stride(sweep_kind)) > 1000
 
 
 def _edited_then_in(name: str, layered=False):
@@ -222,7 +224,7 @@ def _queued(world: World, count: int = 1) -> None:
 
 
 @pytest.mark.parametrize("layered", [False, True], ids=["module", "layer"])
-def test_leaving_while_another_thread_waits(layered):
+def test_leaving_while_another_thread_waits(layered, stride):
     """The first thread's phase (a step in layer mode) ends while a second waits for "b"."""
     name = "t" if layered else "a"
 
@@ -250,7 +252,8 @@ def test_leaving_while_another_thread_waits(layered):
         world.other.done()
         world.check()
 
-    assert sweep(build, leave, check, after=after) > 20
+    kind = "leaving-layers" if layered else None
+    assert sweep(build, leave, check, after=after, stride=stride(kind)) > 20
 
 
 def test_entering_while_another_thread_holds():
@@ -375,11 +378,6 @@ class Pipeline:
         for name, module in self.twin.components.items():
             if isinstance(module, torch.nn.Module):
                 assert_same_weights(self.pipe.components[name], module, name)
-
-
-@pytest.fixture(scope="module")
-def reference_images():
-    return Pipeline().call(Pipeline().twin)
 
 
 def test_enable_offload(stride):
