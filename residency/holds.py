@@ -241,6 +241,8 @@ class Holds:
         if CHECKING:
             check_held(self._lock)
         for entry in list(self._threads.values()):
+            if not entry.thread.is_alive():  # a thread that ended inside: `DeadlockError`
+                continue
             if self._drop_abandoned(entry) and not entry.frames and entry.held is not None:
                 self._drop_hold(entry)
 
@@ -251,15 +253,19 @@ class Holds:
         entry.frames[:] = [frame for frame in entry.frames if id(frame) not in dropped]
         for frame in dropped.values():
             frame[0].status = PhaseStatus.EXITED
+            _log.info("closed an abandoned phase of %r on thread %r (its `with` ended without "
+                      "a completed exit: interrupted)", frame[0].group.name, entry.thread.name)
         return True
 
-    def settle(self, phase) -> tuple[ThreadHolds, Residency | None]:
+    def settle(self, phase, make_current: Callable[[Residency], None]) -> None:
         """After an entry or exit of `phase` on this thread stopped half-way (see [Note:
         interrupts] in `residency.scheduler`): close `phase` if it is open, drop the thread's
-        tickets and count the holders again.  Returns (the entry, the group its innermost frame
-        needs): the facade moves the hold there."""
+        tickets, count the holders again, and give the thread the hold its innermost open
+        phase needs (``make_current``: the facade's swap)."""
         if CHECKING:
             check_held(self._lock)
+        if self._closed:
+            return
         entry = getattr(self._local, "entry", None) or self._local_entry()
         frames = entry.frames
         if frames and frames[-1][0] is phase:
@@ -278,7 +284,9 @@ class Holds:
             self._threads.pop(entry.thread, None)
         self._holder_count = sum(e.held is not None for e in self._threads.values())
         self._wakeup.notify_all()
-        return entry, entry.needs()
+        if entry.needs() is not entry.held:
+            self.move(entry, entry.needs(), make_current, restore_on_failure=False)
+        self.forget_if_idle(entry)
 
     def forget_if_idle(self, entry: ThreadHolds) -> None:
         """Drop `entry` from the table once it has no frame and no hold."""

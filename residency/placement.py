@@ -159,7 +159,11 @@ class Placement:
         """
         if CHECKING:
             check_held(self._lock)
-        self._settled(self._withdraw, group, evict)
+        try:
+            self._withdraw(group, evict)
+        except BaseException:  # see [Note: interrupts] in residency.scheduler
+            self.settle()
+            raise
 
     def _withdraw(self, group: Residency, evict: bool) -> None:
         self.cancel_prefetch()
@@ -193,7 +197,11 @@ class Placement:
         """
         if CHECKING:
             check_held(self._lock)
-        self._settled(self._switch, group, adopt)
+        try:
+            self._switch(group, adopt)
+        except BaseException:  # see [Note: interrupts] in residency.scheduler
+            self.settle()
+            raise
 
     def _switch(self, group: Residency | None, adopt: Callable[[Residency], None]) -> None:
         previous, start, written = self.current, time.perf_counter(), 0
@@ -213,14 +221,6 @@ class Placement:
                                 self._load_and_stream, group)
             self.current = group
         self._record(previous, group, nbytes, written, start, evicted)
-
-    def _settled(self, step: Callable, *args) -> None:
-        """Run `step`; if it stops half-way, make the fields agree with the groups first."""
-        try:
-            return step(*args)
-        except BaseException:
-            self.settle()
-            raise
 
     def settle(self) -> None:
         """Make ``current`` and ``prefetched`` agree with the groups' own states after a step
@@ -254,7 +254,11 @@ class Placement:
         `Scheduler.prefetch`); returns whether a copy was started."""
         if CHECKING:
             check_held(self._lock)
-        return self._settled(self._prefetch, group)
+        try:
+            return self._prefetch(group)
+        except BaseException:  # see [Note: interrupts] in residency.scheduler
+            self.settle()
+            raise
 
     def _prefetch(self, group: Residency) -> bool:
         if not group.exclusive or group is self.current or group is self.prefetched:
@@ -285,7 +289,11 @@ class Placement:
         `switch_to`)."""
         if CHECKING:
             check_held(self._lock)
-        self._settled(self._offload_all, adopt)
+        try:
+            self._offload_all(adopt)
+        except BaseException:  # see [Note: interrupts] in residency.scheduler
+            self.settle()
+            raise
 
     def _offload_all(self, adopt: Callable[[Residency], None]) -> None:
         self.cancel_prefetch()

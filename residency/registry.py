@@ -269,11 +269,12 @@ class Registry:
         kept = {id(module) for module in now}
         self._give_up_modules([module for module in before if id(module) not in kept])
 
-    def alias(self, path: object, group: Residency) -> None:
-        """Let `path` lead to `group`; refused (changing nothing) when it names or leads
-        elsewhere."""
+    def alias(self, path: object, name: str) -> None:
+        """Let `path` lead to group `name` (or the group an alias `name` leads to); refused
+        (changing nothing) when it names or leads elsewhere."""
         if CHECKING:
             check_held(self._lock)
+        group = self.lookup(name)
         if not isinstance(path, str) or not path:
             raise RegistrationError(f"an alias must be a non-empty string, not {path!r}")
         if path in self._groups and self._groups[path] is not group:

@@ -86,7 +86,7 @@ class Phase:
             locked(scheduler._lock, scheduler._enter, self)
             return self.group
         except BaseException:  # undone, whatever it reached (see [Note: interrupts])
-            locked(scheduler._lock, scheduler._settle_phase, self)
+            locked(scheduler._lock, scheduler._holds.settle, self, scheduler._make_current)
             raise
 
     def __exit__(self, *exc_info) -> None:
@@ -101,7 +101,8 @@ class Phase:
         except PhaseError:  # refused: nothing changed
             raise
         except BaseException:  # completed (see [Note: interrupts])
-            locked(self._scheduler._lock, self._scheduler._settle_phase, self)
+            scheduler = self._scheduler
+            locked(scheduler._lock, scheduler._holds.settle, self, scheduler._make_current)
             raise
 
 
@@ -235,11 +236,11 @@ class Scheduler:
             scheduler.add("shared", model, policy="resident", exclude=[model.reasoner, model.generator])
             scheduler.add("transformer", dit, layers=plan_blocks(dit, resident_layers=2))
         """
-        self._check_open()
+        _check_open(self._closed)
         policy = parse_policy(policy)
         check_name(name, ())
         check_flag("detect_edits", detect_edits)
-        sharded = self._sharded_load(name, weight_transfer)
+        sharded = _sharded_load(self._packer.node, self._ledger, name, weight_transfer)
         roots = as_modules(name, modules)
         plans = as_block_plans(name, roots, layers, policy)
         excluded = as_excluded(name, exclude, roots) + streamed_modules(plans)
@@ -252,10 +253,7 @@ class Scheduler:
         Refused (changing nothing) for a path that is not a non-empty string, that names a group,
         or that already leads to another group.
         """
-        locked(self._lock, self._alias, path, name)
-
-    def _alias(self, path: str, name: str) -> None:
-        self._registry.alias(path, self._registry.lookup(name))
+        locked(self._lock, self._registry.alias, path, name)
 
     def refresh(self, name: str) -> Residency:
         """Re-register group `name` after its modules changed (new, replaced or re-typed tensors).
@@ -263,7 +261,7 @@ class Scheduler:
         The modules' current tensors are packed into a fresh host master; the group ends offloaded
         (resident-policy groups are placed again).  Phases of the group are refused meanwhile.
         """
-        self._check_open()
+        _check_open(self._closed)
         old, plans, excluded, aliases = locked(self._lock, self._plan_refresh, name)
         try:
             return self._refresh(old, plans, excluded, aliases)
@@ -273,8 +271,7 @@ class Scheduler:
             raise
 
     def _plan_refresh(self, name: str) -> tuple:
-        old = self._registry.lookup(name)
-        self._check_not_in_a_phase(old, "refresh")
+        old = self._registry.lookup(name)  # a phase of it refuses the refresh in `_retire`
         return (old, *restream(old), self._registry.aliases_of(old))
 
     def _refresh(self, old: Residency, plans, excluded, aliases) -> Residency:
@@ -290,19 +287,16 @@ class Scheduler:
         Refused while a phase of the group is active.  Tensors the user re-typed or re-shaped
         while the group was resident are left as the user made them (moved to the host).
         """
-        self._check_open()
-        return locked(self._lock, self._remove, name)
+        _check_open(self._closed)
+        return locked(self._lock, self._retire, name, "remove")
 
-    def _remove(self, name: str) -> Residency:
-        group = self._registry.lookup(name)
-        self._retire(group, "remove")
-        return group
-
-    def _retire(self, group: Residency, action: str) -> None:
-        """Evict `group` and forget it; refused while a phase of it is active, or when its
-        eviction is refused (then nothing changed).  Completes an interrupted retire."""
+    def _retire(self, group: Residency | str, action: str) -> Residency:
+        """Evict `group` (or the group named so) and forget it; refused while a phase of it is
+        active, or when its eviction is refused (then nothing changed).  Completes an
+        interrupted retire."""
+        group = self._registry.lookup(group) if isinstance(group, str) else group
         if self._registry.get(group.name) is not group:
-            return  # retired already (an interrupted refresh's second try)
+            return group  # retired already (an interrupted refresh's second try)
         self._check_not_in_a_phase(group, action)
         try:
             self._placement.withdraw(group, evict=True)
@@ -312,6 +306,7 @@ class Scheduler:
                 self._placement.withdraw(group, evict=False)
                 self._registry.unregister(group)
             raise
+        return group
 
     def close(self) -> None:
         """Return every group's weights to host memory and release device storage.
@@ -331,16 +326,17 @@ class Scheduler:
             self._check_not_in_a_phase(group, "close the scheduler with")
         for group in self._registry:
             self._retire(group, "close the scheduler with")
-        try:
-            self._closed = True
-            self._placement.release_shared()
-            self._registry.close()
-            self._holds.close()  # waiters wake up to SchedulerClosedError
-        except BaseException:  # rolled forward: every group is retired already
-            self._placement.release_shared()
-            self._registry.close()
-            self._holds.close()
+        self._closed = True
+        try:  # repeatable: an interrupted step is done again
+            self._close_owners()
+        except BaseException:
+            self._close_owners()
             raise
+
+    def _close_owners(self) -> None:
+        self._placement.release_shared()
+        self._registry.close()
+        self._holds.close()  # waiters wake up to SchedulerClosedError
 
     def __enter__(self) -> Scheduler:
         return self
@@ -351,7 +347,7 @@ class Scheduler:
     # -- reading -----------------------------------------------------------------------------
 
     def __getitem__(self, name: str) -> Residency:
-        self._check_open()
+        _check_open(self._closed)
         return self._registry.lookup(name)
 
     def __contains__(self, name: object) -> bool:
@@ -370,8 +366,7 @@ class Scheduler:
     @property
     def current(self) -> str | None:
         """Name of the exclusive group on the device now, or None."""
-        group = self._placement.current
-        return None if group is None else group.name
+        return getattr(self._placement.current, "name", None)
 
     @property
     def device_memory_limit(self) -> int | None:
@@ -397,7 +392,7 @@ class Scheduler:
         """
         group = self._registry.get(name)
         if group is None:
-            self._check_open()
+            _check_open(self._closed)
             group = self._registry.lookup(name)
         return Phase(self, group)
 
@@ -406,7 +401,7 @@ class Scheduler:
 
         Resident-policy groups stay.  Refused (changing nothing) while any phase is active.
         """
-        self._check_open()
+        _check_open(self._closed)
         locked(self._lock, self._offload_all)
 
     def _offload_all(self) -> None:
@@ -428,7 +423,7 @@ class Scheduler:
         or no room).  The prefetched group's tensors keep reading the host master until its
         phase begins.
         """
-        self._check_open()
+        _check_open(self._closed)
         return locked(self._lock, self._prefetch, name)
 
     def _prefetch(self, name: str) -> bool:
@@ -436,7 +431,7 @@ class Scheduler:
 
     def _enter(self, phase: Phase) -> None:
         if self._closed:
-            self._check_open()
+            _check_open(self._closed)
         if phase.group.blocks is not None:
             phase.group.blocks.rewrap()
         entry = self._holds.try_join(phase)
@@ -457,16 +452,6 @@ class Scheduler:
             entry, needs = move
             self._holds.move(entry, needs, self._make_current, restore_on_failure=False)
             self._holds.forget_if_idle(entry)
-
-    def _settle_phase(self, phase: Phase) -> None:
-        """After `phase`'s entry or exit stopped half-way (see [Note: interrupts]): close it if
-        it is open, and give the thread the hold its innermost open phase needs."""
-        if self._closed:
-            return
-        entry, needs = self._holds.settle(phase)
-        if needs is not entry.held:
-            self._holds.move(entry, needs, self._make_current, restore_on_failure=False)
-        self._holds.forget_if_idle(entry)
 
     def _make_current(self, group: Residency) -> None:
         """Swap `group` in (the lock held, nobody holding the current group)."""
@@ -493,16 +478,16 @@ class Scheduler:
 
     def _reserve(self, claim: Claim) -> None:
         """Check a claim against everything registered and reserve it."""
-        self._check_open()
+        _check_open(self._closed)
         self._registry.check_claimable(claim, self._placement.spans())
-        needs = self._registry.needs(claim.name, claim.policy, claim.device_need)
-        self._placement.check_budget(claim.name, needs)
+        self._placement.check_budget(
+            claim.name, self._registry.needs(claim.name, claim.policy, claim.device_need))
         self._registry.claim(claim)
 
     def _abandon(self, claim: Claim, group: Residency | None) -> None:
         """Undo a registration that did not complete: its claim, the wrappers of its stream."""
         self._registry.release_claim(claim)
-        if group is not None and group.blocks is not None and group not in self._registry:
+        if group is not None and group.blocks is not None and group not in list(self._registry):
             group.blocks.close()
 
     def _pack_claimed(
@@ -535,7 +520,7 @@ class Scheduler:
     def _enroll(self, group: Residency, claim: Claim, aliases: Iterable[str]) -> Residency:
         """Register a packed group and give it its place (an always-resident one loads now);
         undone on any exception."""
-        self._check_open()
+        _check_open(self._closed)
         try:
             self._registry.enroll(group, aliases)
             self._placement.admit(group)
@@ -574,32 +559,6 @@ class Scheduler:
         _log.info("group %r changed (%s); re-packed %d tensors of %s (%.1f MiB)", group.name,
                   change, inventory.tensor_count, part.name, inventory.nbytes / 2**20)
 
-    def _sharded_load(self, name: str, weight_transfer: object) -> ShardedLoad | None:
-        """How group `name` loads: None for ``"rank-local"``; refused without a node to share."""
-        if weight_transfer == "rank-local":
-            return None
-        if weight_transfer != "allgather":
-            raise RegistrationError(
-                f"group {name!r}: weight_transfer={weight_transfer!r}; give 'rank-local' (every "
-                "rank copies all bytes) or 'allgather' (the ranks of a node split the copy)"
-            )
-        node = self._packer.node
-        if node is None:
-            raise RegistrationError(
-                f"group {name!r}: weight_transfer='allgather' splits the copy among the ranks of "
-                "a node, and this scheduler has none; create it with "
-                "Scheduler(process_group=...) in a job with several ranks per host"
-            )
-        return ShardedLoad(group=node.group, local_rank=node.local_rank,
-                           local_world=node.local_world_size, ledger=self._ledger)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SchedulerClosedError(
-                "this scheduler was closed; its modules are back in host memory. Create a new "
-                "Scheduler and add the modules again to keep offloading"
-            )
-
     def _check_not_in_a_phase(self, group: Residency, action: str) -> None:
         self._holds.collect_abandoned()
         if self._holds.involves(group):
@@ -615,6 +574,33 @@ class Scheduler:
                 f"cannot {action} while a phase is active; "
                 f"{self._holds.describe_holders(self._placement.current)}. Call it between phases"
             )
+
+
+def _sharded_load(node, ledger, name: str, weight_transfer: object) -> ShardedLoad | None:
+    """How group `name` loads: None for ``"rank-local"``; refused without a node to share."""
+    if weight_transfer == "rank-local":
+        return None
+    if weight_transfer != "allgather":
+        raise RegistrationError(
+            f"group {name!r}: weight_transfer={weight_transfer!r}; give 'rank-local' (every "
+            "rank copies all bytes) or 'allgather' (the ranks of a node split the copy)"
+        )
+    if node is None:
+        raise RegistrationError(
+            f"group {name!r}: weight_transfer='allgather' splits the copy among the ranks of "
+            "a node, and this scheduler has none; create it with "
+            "Scheduler(process_group=...) in a job with several ranks per host"
+        )
+    return ShardedLoad(group=node.group, local_rank=node.local_rank,
+                       local_world=node.local_world_size, ledger=ledger)
+
+
+def _check_open(closed: bool) -> None:
+    if closed:
+        raise SchedulerClosedError(
+            "this scheduler was closed; its modules are back in host memory. Create a new "
+            "Scheduler and add the modules again to keep offloading"
+        )
 
 
 def _why_shared(sharded: ShardedLoad | None) -> str | None:
