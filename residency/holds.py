@@ -145,13 +145,14 @@ class Holds:
 
     # -- frames ------------------------------------------------------------------------------
 
-    def push(self, entry: ThreadHolds, phase, needs: Residency | None) -> None:
-        """Open `phase` as `entry`'s innermost frame."""
+    def push(self, entry: ThreadHolds, phase, needs: Residency | None) -> Residency:
+        """Open `phase` as `entry`'s innermost frame; returns its group."""
         if CHECKING:
             check_held(self._lock)
         entry.frames.append((phase, needs))
         phase.status = PhaseStatus.ACTIVE
         self._threads[entry.thread] = entry
+        return phase.group
 
     def try_join(self, phase) -> ThreadHolds | None:
         """Open `phase` at once when that needs no swap and no wait; else return the calling

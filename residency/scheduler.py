@@ -14,6 +14,33 @@ This file only wires and checks; each question has its answer elsewhere (docs/de
 who may run -> `residency.holds`; whose module or tensor is this -> `residency.registry`; what is on
 the device -> `residency.placement`; how bytes move -> `residency.transport`.  One lock guards all
 three owners (see [Note: one lock, checked where state changes] in `residency.locks`).
+
+[Note: interrupts]
+A `KeyboardInterrupt` (or SystemExit, or any exception a trace or profile callback raises) can
+arrive at any line of the package, and a user does not choose where Ctrl-C lands.  Whatever it
+interrupts, the owners agree afterwards, nothing is lost and nothing waits for ever, with no user
+action beyond catching it (tests/test_interrupts.py injects one at every line).  Deferring
+SIGINT cannot be the answer (a trace callback's exception cannot be deferred), so the rules are:
+
+* Each owner's state is written last, in one line where several fields change together
+  (``self._pending, self.state = None, OFFLOADED``): stores of one line cannot be separated.
+  A group's ``state`` is its truth; the owners above it read it to decide.
+* A step of several statements is undone or rolled forward in ``except BaseException`` (then
+  re-raised): a load that did not commit is cancelled (`Residency._finish_load`); an eviction
+  whose re-pointing happened is completed (`Residency._evict`); `Placement.settle` makes
+  ``current``, ``prefetched`` and each block stream agree with the groups' states; a phase entry
+  is undone and a phase exit completed (`Holds.settle`, which also moves the thread's hold back
+  to what its innermost phase needs); a registration is undone (`Scheduler._register`); a
+  ``refresh`` and a ``close`` are completed.  Undo code may be slow (a swap back); it runs once.
+* No ``finally`` and no multi-line ``with`` on a normal path: their cleanup starts on a line of
+  its own, where an interrupt skips it.  Cleanup is in the ``try`` body and again in the
+  handler, made repeatable (a block forward's exit takes a token, once); contexts are entered on
+  one line ([Note: a context on one line] in `residency.locks`).
+* Where no undo is possible - an interrupt at the first line of ``Phase.__exit__``, before any
+  of its code, after which its ``with`` statement is over - the step is completed at the next
+  call at the latest: a phase nothing refers to any more but its frame is closed by the next
+  phase change, exit, `close` or waiting thread (`Holds.collect_abandoned`).  A traceback kept
+  alive (``sys.last_traceback`` in a notebook) keeps that phase open until it is released.
 """
 
 from __future__ import annotations
@@ -82,28 +109,32 @@ class Phase:
                 f"reusable: write `with scheduler.resident({self.group.name!r}):` again"
             )
         scheduler = self._scheduler
-        try:
-            locked(scheduler._lock, scheduler._enter, self)
-            return self.group
+        try:  # the lock on one line: see [Note: a context on one line] in residency.locks
+            with scheduler._lock: return scheduler._enter(self)  # noqa: E701
         except BaseException:  # undone, whatever it reached (see [Note: interrupts])
             locked(scheduler._lock, scheduler._holds.settle, self, scheduler._make_current)
             raise
 
     def __exit__(self, *exc_info) -> None:
+        scheduler = self._scheduler
         try:
-            status = self.status
-            if status is _ACTIVE or status is PhaseStatus.LEAVING:
-                locked(self._scheduler._lock, self._scheduler._exit, self)
-            elif status is PhaseStatus.EXITED_LATE:  # see [Note: misnested exits]
-                self.status = PhaseStatus.EXITED
-            else:
-                raise PhaseError(f"the phase of {self.group.name!r} is {status.value}, not active")
+            if self.status is _ACTIVE:
+                with scheduler._lock: return scheduler._exit(self)  # noqa: E701
+            self._exit_inactive()
         except PhaseError:  # refused: nothing changed
             raise
         except BaseException:  # completed (see [Note: interrupts])
-            scheduler = self._scheduler
             locked(scheduler._lock, scheduler._holds.settle, self, scheduler._make_current)
             raise
+
+    def _exit_inactive(self) -> None:
+        status = self.status
+        if status is PhaseStatus.LEAVING:
+            locked(self._scheduler._lock, self._scheduler._exit, self)
+        elif status is PhaseStatus.EXITED_LATE:  # see [Note: misnested exits]
+            self.status = PhaseStatus.EXITED
+        else:
+            raise PhaseError(f"the phase of {self.group.name!r} is {status.value}, not active")
 
 
 class Scheduler:
@@ -429,14 +460,14 @@ class Scheduler:
     def _prefetch(self, name: str) -> bool:
         return self._placement.prefetch(self._registry.lookup(name))
 
-    def _enter(self, phase: Phase) -> None:
+    def _enter(self, phase: Phase) -> Residency:
         if self._closed:
             _check_open(self._closed)
         if phase.group.blocks is not None:
             phase.group.blocks.rewrap()
         entry = self._holds.try_join(phase)
         if entry is None:  # joined at once: no tensor work
-            return
+            return phase.group
         self._holds.collect_abandoned()
         group = phase.group
         needs = group if group.exclusive else entry.needs()
@@ -444,7 +475,7 @@ class Scheduler:
             self._registry.check_registered(group)
         if needs is not entry.held:
             self._holds.move(entry, needs, self._make_current, restore_on_failure=True)
-        self._holds.push(entry, phase, needs)
+        return self._holds.push(entry, phase, needs)
 
     def _exit(self, phase: Phase) -> None:
         move = self._holds.leave(phase)
