@@ -23,6 +23,11 @@ can enter any group.  Leaving it again afterwards does nothing (a ``with`` state
 ``__exit__`` twice, so a caller that retries must not be punished).  Leaving a phase on a thread
 that did not enter it raises and changes nothing: that thread's frames are not ours to touch.
 
+A phase whose ``with`` statement ended without a completed exit (an interrupt at the first line
+of ``Phase.__exit__``) is *abandoned*: nothing refers to it but its frame.  It is closed by the
+next call that meets it (`collect_abandoned`; see [Note: interrupts] in `residency.scheduler`),
+and its thread's hold goes with it.
+
 Fields (every one guarded by the scheduler lock; `Holds` is their one mutator):
 
 * ``_threads``: thread -> `ThreadHolds`, for each thread with an open phase or a hold.  Invariant:
