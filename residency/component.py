@@ -113,7 +113,7 @@ class Residency:
         #: user promised not to edit (``detect_edits=False``) and the master is not shared: then
         #: only version counters and data pointers tell.
         self._detector: ChangeDetector | None = None
-        self._detect_for(host_master)
+        self._detector = self._detector_for(host_master)
         #: While LOADING: the copy under way.
         self._pending: _PendingLoad | None = None
         #: Layer mode: the streamed blocks (`residency.layers.BlockStream`), outside this
@@ -194,8 +194,13 @@ class Residency:
 
         On any failure (including a ``KeyboardInterrupt``) the group is left cleanly offloaded.
         """
-        self._begin_load(storage)
-        return self._finish_load()
+        try:
+            self._begin_load(storage)
+            return self._finish_load()
+        except BaseException:  # see [Note: interrupts] in residency.scheduler: undone
+            if self.state is ResidencyState.LOADING:
+                self._cancel_load()
+            raise
 
     def _begin_load(self, storage: DeviceStorage, *, watch_edits: bool = False) -> int:
         """Issue the copy into device storage; the tensors keep reading the host master.
@@ -208,8 +213,8 @@ class Residency:
         self._require(ResidencyState.OFFLOADED, "load")
         # The placement adopted any change first (`pending_change` is None here): see `_adopt`.
         self._adopt_replaced_offloaded()
-        self.state = ResidencyState.LOADING
         try:
+            self.state = ResidencyState.LOADING
             nbytes = self.inventory.layout.contiguous_nbytes
             sharded = self.sharded
             self._prepare_storage(storage, sharded.buffer_nbytes(nbytes) if sharded else nbytes)
@@ -223,62 +228,73 @@ class Residency:
                     self.name, self._transport, copies, storage.buffer, nbytes
                 )
             self._pending = _PendingLoad(storage, views, completion, watched, moved)
-        except BaseException:
+            return moved
+        except BaseException:  # see [Note: interrupts]: undone
+            if self._pending is not None:
+                self._cancel_load()
             self.state = ResidencyState.OFFLOADED
             raise
-        return moved
 
     def _finish_load(self) -> int:
         """Order compute after the copy and re-point the tensors to device storage."""
         self._require(ResidencyState.LOADING, "finish loading")
         pending = self._pending
         try:
+            if pending.watched_versions is not None:
+                pending = self._recopy_edited(pending)
             completion = pending.completion
-            watched = pending.watched_versions
-            if watched is not None:
-                completion = self._recopy_edited(pending.views, watched, completion)
             completion.wait()
             device_ptrs = pending.storage.pointers_for(self)
             if self._detector is not None:  # ordered after the copy by completion.wait()
                 self._detector.remember(self._device_bytes(pending.storage))
-            repoint_group(self.inventory, pending.views)  # last: nothing after it can fail
-        except BaseException:
-            self._cancel_load()
+            repoint_group(self.inventory, pending.views)
+            # The commit: one line, so no interrupt lands between these stores.
+            self._pending, self.device_storage, self._device_ptrs, self.state = (
+                None, pending.storage, device_ptrs, ResidencyState.RESIDENT)
+            return pending.nbytes
+        except BaseException:  # undone unless committed (see [Note: interrupts])
+            if self.state is ResidencyState.LOADING:
+                self._cancel_load()
             raise
-        self._pending = None
-        self.device_storage = pending.storage
-        self._device_ptrs = device_ptrs
-        self.state = ResidencyState.RESIDENT
-        return pending.nbytes
 
     def _cancel_load(self) -> None:
         """Abandon a load begun with `_begin_load`; the group ends offloaded, on host views.
 
         Storage the user gave a tensor meanwhile (``.data = ...``) is adopted into the master.
+        Idempotent until its last line, so an interrupted cancel is completed by the next one.
         """
         self._require(ResidencyState.LOADING, "cancel loading")
         pending = self._pending
-        # The copy may still be reading the host master, whose memory may be released next
-        # (remove, refresh, close): wait for it.  Prefetches are cancelled rarely.
-        pending.completion.synchronize()
-        self._pending = None
-        self.state = ResidencyState.OFFLOADED
-        pending.storage.retire()
+        if pending is not None:
+            # The copy may still be reading the host master, whose memory may be released next
+            # (remove, refresh, close): wait for it.  Prefetches are cancelled rarely.
+            pending.completion.synchronize()
+            if data_ptrs(self.inventory.tensors) == data_ptrs(pending.views):
+                repoint_group(self.inventory, self.host_master.views)  # an interrupted finish
+            pending.storage.retire()
         self._adopt_replaced_offloaded()
+        self._pending, self.state = None, ResidencyState.OFFLOADED
 
-    def _recopy_edited(self, views, watched: list[int], completion: Completion) -> Completion:
-        """After a prefetch: copy again every tensor edited on the host since the copy began."""
+    def _recopy_edited(self, pending: _PendingLoad) -> _PendingLoad:
+        """After a prefetch: copy again every tensor edited on the host since the copy began.
+
+        The second copy's end becomes the pending load's end, so a cancel waits for it too.
+        """
         adopted = self._adopt_replaced_offloaded()
         now = versions(self.inventory.tensors)
-        if now == watched and not adopted:
-            return completion
+        if now == pending.watched_versions and not adopted:
+            return pending
         homes = self.host_master.views
-        edited = sorted({i for i, (v, w) in enumerate(zip(now, watched)) if v != w} | adopted)
+        edited = sorted({i for i, (v, w) in enumerate(zip(now, pending.watched_versions))
+                         if v != w} | adopted)
+        pairs = [(pending.views[i], homes[i]) for i in edited]
         # [Note: the second copy's completion covers the first]
         # No wait for the first copy here: the copy stream runs the second after it, so the wait
         # for the second (in `_finish_load`) orders compute after both.  (The synchronisation
-        # audit found the wait that stood here redundant: docs/design.md.)
-        return self._transport.to_device([(views[i], homes[i]) for i in edited])
+        # audit found the wait that stood here redundant: docs/design.md.)  One line: the copy's
+        # completion is the pending load's before any interrupt can land.
+        self._pending = attrs.evolve(pending, completion=self._transport.to_device(pairs))
+        return self._pending
 
     def _evict(self) -> int:
         """Re-point the tensors to the host master, writing back what changed; returns bytes written.
@@ -300,15 +316,23 @@ class Residency:
         homes = list(self.host_master.views)
         for i in left:
             homes[i] = tensors[i].detach().to("cpu")
-        self.left_misfits = bool(left)
-        repoint_group(self.inventory, homes)
+        try:
+            repoint_group(self.inventory, homes)
+            self._leave_device(now_versions, bool(left))
+        except BaseException:  # re-pointed: rolled forward; else still resident, nothing lost
+            if data_ptrs(tensors) == data_ptrs(homes):
+                self._leave_device(now_versions, bool(left))
+            raise
+        return written
+
+    def _leave_device(self, now_versions: list[int], left_misfits: bool) -> None:
+        """The end of an eviction, the tensors on their homes already; repeatable until its
+        last line (the commit)."""
         self.device_storage.retire()
         if self._detector is not None:
             self._detector.forget()
-        self._loaded_versions = now_versions
-        self._marked_dirty = False
-        self.state = ResidencyState.OFFLOADED
-        return written
+        self._loaded_versions, self._marked_dirty, self.left_misfits, self.state = (
+            now_versions, False, left_misfits, ResidencyState.OFFLOADED)
 
     def pending_change(self) -> str | None:
         """Why the group must be re-packed before it can load, or None (it is offloaded).
@@ -333,20 +357,18 @@ class Residency:
     def _adopt(self, inventory: Inventory, host_master: HostMaster) -> None:
         """Take over a new inventory and master (packed from the modules as they are now)."""
         self._require(ResidencyState.OFFLOADED, "re-pack")
-        self.inventory = inventory
-        self.host_master = host_master
-        self._detect_for(host_master)
-        self._host_ptrs = data_ptrs(host_master.views)
-        self._loaded_versions = versions(inventory.tensors)
-        self._device_ptrs = []
-        self._marked_dirty = False
-        self.left_misfits = False
+        detector, host_ptrs = self._detector_for(host_master), data_ptrs(host_master.views)
+        (self.inventory, self.host_master, self._detector, self._host_ptrs, self._loaded_versions,
+         self._device_ptrs, self._marked_dirty, self.left_misfits) = (
+            inventory, host_master, detector, host_ptrs, versions(inventory.tensors), [], False,
+            False)  # one line: see [Note: interrupts]
 
-    def _detect_for(self, host_master: HostMaster) -> None:
+    def _detector_for(self, host_master: HostMaster) -> ChangeDetector | None:
         """Keep digests when the user did not opt out, or when the master is shared (its ranks
         must agree on every write: `_write_back_agreed`)."""
         if self._detector is None and (self.detect_edits or host_master.shared_group is not None):
-            self._detector = ChangeDetector()
+            return ChangeDetector()
+        return self._detector
 
     def _write_back_replaced(self, indices: list[int]) -> int:
         """Write back tensors given new storage, unless their bytes equal those loaded.

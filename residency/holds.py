@@ -23,6 +23,11 @@ can enter any group.  Leaving it again afterwards does nothing (a ``with`` state
 ``__exit__`` twice, so a caller that retries must not be punished).  Leaving a phase on a thread
 that did not enter it raises and changes nothing: that thread's frames are not ours to touch.
 
+A phase whose ``with`` statement ended without a completed exit (an interrupt at the first line
+of ``Phase.__exit__``) is *abandoned*: nothing refers to it but its frame.  It is closed by the
+next call that meets it (`collect_abandoned`; see [Note: interrupts] in `residency.scheduler`),
+and its thread's hold goes with it.
+
 Fields (every one guarded by the scheduler lock; `Holds` is their one mutator):
 
 * ``_threads``: thread -> `ThreadHolds`, for each thread with an open phase or a hold.  Invariant:
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -76,10 +82,11 @@ class ThreadHolds:
 class Ticket:
     """A thread's place in the queue for `group`."""
 
-    __slots__ = ("group",)
+    __slots__ = ("group", "thread")
 
-    def __init__(self, group: Residency) -> None:
+    def __init__(self, group: Residency, thread: threading.Thread) -> None:
         self.group = group
+        self.thread = thread
 
 
 class Holds:
@@ -143,13 +150,14 @@ class Holds:
 
     # -- frames ------------------------------------------------------------------------------
 
-    def push(self, entry: ThreadHolds, phase, needs: Residency | None) -> None:
-        """Open `phase` as `entry`'s innermost frame."""
+    def push(self, entry: ThreadHolds, phase, needs: Residency | None) -> Residency:
+        """Open `phase` as `entry`'s innermost frame; returns its group."""
         if CHECKING:
             check_held(self._lock)
         entry.frames.append((phase, needs))
         phase.status = PhaseStatus.ACTIVE
         self._threads[entry.thread] = entry
+        return phase.group
 
     def try_join(self, phase) -> ThreadHolds | None:
         """Open `phase` at once when that needs no swap and no wait; else return the calling
@@ -191,6 +199,8 @@ class Holds:
             self._drop_hold(entry)
             return None
         needs = self.pop(entry, phase)
+        if frames and self._drop_abandoned(entry):
+            needs = entry.needs()
         if needs is entry.held:
             self.forget_if_idle(entry)
             return None
@@ -209,8 +219,9 @@ class Holds:
         if CHECKING:
             check_held(self._lock)
         frames = entry.frames
-        if not frames or frames[-1][0] is not phase:
-            self._refuse_exit(entry, phase)
+        if not frames or frames[-1][0] is not phase:  # unless phases inside were abandoned
+            if not (self._drop_abandoned(entry) and frames and frames[-1][0] is phase):
+                self._refuse_exit(entry, phase)
         frames.pop()
         phase.status = PhaseStatus.EXITED
         while frames and frames[-1][0].status is PhaseStatus.LEAVING:
@@ -227,6 +238,61 @@ class Holds:
                 f"active ({inner}); it will close when they are left. Use `with`, and leave "
                 "phases in the reverse order of entering them"
             )
+
+    def collect_abandoned(self) -> None:
+        """Close every phase whose ``with`` statement has ended without a completed exit (an
+        interrupt at the first line of ``Phase.__exit__``): nothing refers to it but its frame
+        (see [Note: interrupts] in `residency.scheduler`).  A thread left with no frame gives up
+        its hold; the calling thread's own hold is the facade's to move."""
+        if CHECKING:
+            check_held(self._lock)
+        for entry in list(self._threads.values()):
+            if not entry.thread.is_alive():  # a thread that ended inside: `DeadlockError`
+                continue
+            if self._drop_abandoned(entry) and not entry.frames and entry.held is not None:
+                self._drop_hold(entry)
+
+    def _drop_abandoned(self, entry: ThreadHolds) -> bool:
+        dropped = {id(frame): frame for frame in entry.frames if _abandoned(frame)}
+        if not dropped:
+            return False
+        entry.frames[:] = [frame for frame in entry.frames if id(frame) not in dropped]
+        for frame in dropped.values():
+            frame[0].status = PhaseStatus.EXITED
+            _log.info("closed an abandoned phase of %r on thread %r (its `with` ended without "
+                      "a completed exit: interrupted)", frame[0].group.name, entry.thread.name)
+        return True
+
+    def settle(self, phase, make_current: Callable[[Residency], None]) -> None:
+        """After an entry or exit of `phase` on this thread stopped half-way (see [Note:
+        interrupts] in `residency.scheduler`): close `phase` if it is open, drop the thread's
+        tickets, count the holders again, and give the thread the hold its innermost open
+        phase needs (``make_current``: the facade's swap)."""
+        if CHECKING:
+            check_held(self._lock)
+        if self._closed:
+            return
+        entry = getattr(self._local, "entry", None) or self._local_entry()
+        frames = entry.frames
+        if frames and frames[-1][0] is phase:
+            frames.pop()
+        self._drop_abandoned(entry)
+        if phase.status is _ACTIVE or phase.status is PhaseStatus.NEW:
+            phase.status = PhaseStatus.EXITED
+        while frames and frames[-1][0].status is PhaseStatus.LEAVING:
+            frames.pop()[0].status = PhaseStatus.EXITED_LATE
+        if entry.held is not None and entry.held is not self._current_group():
+            entry.held = None
+        self._queue = collections.deque(t for t in self._queue if t.thread is not entry.thread)
+        if frames or entry.held is not None:
+            self._threads[entry.thread] = entry
+        else:
+            self._threads.pop(entry.thread, None)
+        self._holder_count = sum(e.held is not None for e in self._threads.values())
+        self._wakeup.notify_all()
+        if entry.needs() is not entry.held:
+            self.move(entry, entry.needs(), make_current, restore_on_failure=False)
+        self.forget_if_idle(entry)
 
     def forget_if_idle(self, entry: ThreadHolds) -> None:
         """Drop `entry` from the table once it has no frame and no hold."""
@@ -270,12 +336,10 @@ class Holds:
 
     # -- waiting -----------------------------------------------------------------------------
 
-    def enqueue(self, group: Residency) -> Ticket:
+    def enqueue(self, ticket: Ticket) -> None:
         if CHECKING:
             check_held(self._lock)
-        ticket = Ticket(group)
         self._queue.append(ticket)
-        return ticket
 
     def dequeue(self, ticket: Ticket) -> None:
         if CHECKING:
@@ -319,14 +383,20 @@ class Holds:
     def _acquire(
         self, entry: ThreadHolds, group: Residency, make_current: Callable[[Residency], None]
     ) -> None:
-        if not self.may_join(group, self._current_group()):
-            ticket = self.enqueue(group)
-            try:
-                self._wait_for_turn(ticket)
-                make_current(group)
-            finally:
+        if self.may_join(group, self._current_group()):
+            self.take(entry, group)
+            return
+        ticket = Ticket(group, entry.thread)
+        try:  # no `finally`: its first line would be a place an interrupt skips it
+            self.enqueue(ticket)
+            self._wait_for_turn(ticket)
+            make_current(group)
+            self.take(entry, group)
+            self.dequeue(ticket)
+        except BaseException:
+            if ticket in self._queue:
                 self.dequeue(ticket)
-        self.take(entry, group)
+            raise
 
     def _restore(self, entry, previous, make_current, error: BaseException) -> None:
         try:
@@ -351,6 +421,7 @@ class Holds:
                     "the scheduler was closed while this phase waited for its group; create a new "
                     "Scheduler and add the modules again to keep offloading"
                 )
+            self.collect_abandoned()
             self._release_dead_holders(ticket.group, self._current_group())
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlockError(
@@ -390,6 +461,14 @@ class Holds:
 
     def __iter__(self) -> Iterator[ThreadHolds]:
         return iter(list(self._threads.values()))
+
+
+def _abandoned(frame: tuple) -> bool:
+    """Whether nothing refers to the frame's phase but the frame: the ``with`` statement (or
+    whoever entered it) let go of it without a completed exit."""
+    phase = frame[0]
+    # The references: the frame's tuple, `phase` here, and getrefcount's own argument.
+    return sys.getrefcount(phase) <= 3
 
 
 def _depth_of(entry: ThreadHolds, phase) -> int:

@@ -55,7 +55,6 @@ again at the group's next phase entry (`BlockStream.rewrap`).
 
 from __future__ import annotations
 
-import collections
 import copy
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -68,6 +67,7 @@ from residency.blocks import BlockPlan, plan_blocks, replan
 from residency.component import Residency, slot_nbytes
 from residency.enums import Policy, ResidencyState
 from residency.errors import PhaseError, RegistrationError
+from residency.locks import in_context, locked
 from residency.memory import DeviceStorage, HostMaster
 from residency.records import BlockLog
 from residency.tensors import Inventory
@@ -176,8 +176,10 @@ class BlockStream:
     * ``_occupant``: the block index each slot holds (LOADING or RESIDENT in it), or None.
       Invariant: a block is LOADING or RESIDENT exactly when it is some slot's occupant, and its
       ``device_storage`` (once RESIDENT) is that slot.
-    * ``_running``: how many forwards are inside each block now, over all threads (at most two
-      blocks: one per slot).  A block leaves its slot when its last forward ends.
+    * ``_running``: the forwards inside a block now, over all threads: token -> block index (at
+      most two blocks: one per slot).  A block leaves its slot when its last forward ends.  The
+      token `enter` hands out is what `exit` takes back, once: an exit repeated after an
+      interrupt changes nothing.
     * ``_suspended``: forwards that were inside a block when `stop` ran (a nested phase of another
       group); `start` loads those blocks again.  Every forward is counted in exactly one of the
       two from its `enter` to its `exit`.
@@ -204,10 +206,18 @@ class BlockStream:
         self._log = log
         self._adopt = adopt
         self._occupant: list[int | None] = [None, None]
-        self._running: collections.Counter[int] = collections.Counter()
-        self._suspended: collections.Counter[int] = collections.Counter()
+        self._running: dict[object, int] = {}
+        self._suspended: dict[object, int] = {}
         self.active = False
-        self._wrappers = [_BlockForward.install(self, i, b.modules[0]) for i, b in enumerate(blocks)]
+        self._wrappers: list[_BlockForward] = []
+        try:
+            for index, block in enumerate(blocks):
+                self._wrappers.append(_BlockForward(self, index, block.modules[0]))
+                self._wrappers[-1].install()
+        except BaseException:  # none left behind (see [Note: interrupts] in residency.scheduler)
+            for wrapper in self._wrappers:
+                wrapper.remove()
+            raise
 
     def __repr__(self) -> str:
         return f"<BlockStream {self.name!r}: {len(self.blocks)} blocks, active={self.active}>"
@@ -232,13 +242,13 @@ class BlockStream:
         again first, so they finish on their own bytes in a slot.
         """
         self.active = True
-        suspended, self._suspended = self._suspended, collections.Counter()
-        for index, count in suspended.items():
+        suspended, self._suspended = self._suspended, {}
+        self._running.update(suspended)
+        for index in sorted(set(suspended.values())):
             if self.blocks[index].state is _OFFLOADED:
                 self._load_on_demand(index)
             elif self.blocks[index].state is _LOADING:
                 self._park(index)
-            self._running[index] += count
         if self.blocks:
             self._prefetch(0)
             if self.blocks[0].state is _LOADING:
@@ -263,9 +273,29 @@ class BlockStream:
             elif block.state is _RESIDENT:
                 written += self._evict(index, slot, repack=repack)
         self.active = False
-        self._suspended += self._running
+        self._suspended.update(self._running)
         self._running.clear()
         return written
+
+    def settle(self, *, running: bool) -> None:
+        """After a move stopped half-way: the slots' marks follow the blocks' states, and the
+        stream runs exactly when its group is current (`running`)."""
+        self._match_slots()
+        if not running and (self.active or self._occupant != [None, None]):
+            self.stop(repack=False)
+        elif running and not self.active:
+            self.start()
+
+    def _match_slots(self) -> None:
+        """Mark each slot with the block whose state says it is there (see [Note: a slot's
+        occupant is written before a move and cleared by its failure])."""
+        for slot, index in enumerate(self._occupant):
+            if index is not None and self.blocks[index].state is _OFFLOADED:
+                self._occupant[slot] = None
+        for index, block in enumerate(self.blocks):
+            if block.state is not _OFFLOADED and index not in self._occupant:
+                storage = block.device_storage if block.is_resident else block._pending.storage
+                self._occupant[self._slots.index(storage)] = index
 
     def rewrap(self) -> None:
         """Set a block's forward again where another library dropped it: a wrapper set below
@@ -274,8 +304,10 @@ class BlockStream:
         each forward's ``__wrapped__`` chain (about 0.3 us per block)."""
         for index, wrapper in enumerate(self._wrappers):
             if not wrapper.reachable():
+                replacement = _BlockForward(self, index, wrapper.module)
+                self._wrappers[index] = replacement  # an interrupt after it: set at the next entry
+                replacement.install()
                 wrapper.remove()
-                self._wrappers[index] = _BlockForward.install(self, index, wrapper.module)
 
     def close(self) -> None:
         """Stop, take the wrappers off the blocks and drop the slots' views of them."""
@@ -289,40 +321,50 @@ class BlockStream:
 
     # -- around one block's forward (called by its wrapper) --------------------------------------
 
-    def enter(self, index: int) -> bool:
-        """Make block `index` resident for its forward; False when the group is not current."""
-        with self._lock:
-            if not self.active:
-                return False
-            block = self.blocks[index]
+    def enter(self, index: int) -> object | None:
+        """Make block `index` resident for its forward; returns the forward's token for `exit`,
+        or None when the group is not current."""
+        return locked(self._lock, self._enter, index)
+
+    def _enter(self, index: int) -> object | None:
+        if not self.active:
+            return None
+        block, token = self.blocks[index], object()
+        try:
             if block.state is _LOADING:
                 self._park(index)
             if block.state is _OFFLOADED:  # not prefetched, or its copy abandoned at parking
                 self._load_on_demand(index)
-            self._running[index] += 1
-            try:
-                self._prefetch((index + 1) % len(self.blocks))
-            except BaseException:  # the forward will not run, so no exit will come
-                _forget(self._running, index)
-                raise
+            self._running[token] = index
+            self._prefetch((index + 1) % len(self.blocks))
             self._record(index, "compute", self._slot_of(index), 0)
-            return True
+            return token
+        except BaseException:  # the forward will not run, so no exit will come
+            self._running.pop(token, None)
+            self._match_slots()
+            raise
 
-    def exit(self, index: int) -> None:
-        """A forward of block `index` ended (normally or not): the last one out evicts it; a
-        prefetched next block is parked."""
-        with self._lock:
-            if not self.active:  # stopped while inside (see `stop`)
-                _forget(self._suspended, index)
-                return
-            _forget(self._running, index)
+    def exit(self, token: object) -> None:
+        """The forward `token` stands for ended (normally or not): the last one out of its block
+        evicts it; a prefetched next block is parked.  A second exit of a token does nothing."""
+        locked(self._lock, self._exit, token)
+
+    def _exit(self, token: object) -> None:
+        index = self._running.pop(token, None)  # the commit: once per forward
+        if index is None:  # stopped while inside (see `stop`), or exited already
+            self._suspended.pop(token, None)
+            return
+        try:
             slot = self._slot_of(index)
-            if index not in self._running and slot is not None \
+            if index not in self._running.values() and slot is not None \
                     and self.blocks[index].state is _RESIDENT:
                 self._evict(index, slot)
             following = (index + 1) % len(self.blocks)
             if self.blocks[following].state is _LOADING:
                 self._park(following)
+        except BaseException:  # the block stays in its slot, or leaves it: either is sound
+            self._match_slots()
+            raise
 
     # -- moves -----------------------------------------------------------------------------------
     # [Note: a slot's occupant is written before a move and cleared by its failure]
@@ -408,7 +450,8 @@ class BlockStream:
     def _free_slot(self) -> int | None:
         """An empty slot, else one whose block is not running (that block is evicted, or its
         copy cancelled); None when both hold running blocks."""
-        candidates = [s for s, held in enumerate(self._occupant) if held not in self._running]
+        running = set(self._running.values())
+        candidates = [s for s, held in enumerate(self._occupant) if held not in running]
         empty = [s for s in candidates if self._occupant[s] is None]
         if empty:
             return empty[0]
@@ -431,17 +474,10 @@ class BlockStream:
         return next((s for s, held in enumerate(self._occupant) if held == index), None)
 
     def _describe_running(self) -> str:
-        return ", ".join(self.blocks[i].name for i in sorted(self._running))
+        return ", ".join(self.blocks[i].name for i in sorted(set(self._running.values())))
 
     def _record(self, index: int, kind: str, slot: int, nbytes: int) -> None:
         self._log.add(self.name, self.blocks[index].name, index, kind, slot, nbytes)
-
-
-def _forget(counter: collections.Counter, index: int) -> None:
-    """One forward of block `index` fewer in `counter` (entries at zero are dropped)."""
-    counter[index] -= 1
-    if counter[index] <= 0:
-        del counter[index]
 
 
 class _BlockForward:
@@ -460,32 +496,42 @@ class _BlockForward:
         self.__wrapped__ = self._original
         self._range = f"residency::block {stream.name}.{stream.blocks[index].name}"
 
-    @classmethod
-    def install(cls, stream: BlockStream, index: int, module: nn.Module) -> _BlockForward:
-        wrapper = cls(stream, index, module)
-        module.forward = wrapper
-        return wrapper
+    def install(self) -> None:
+        """Become the block's forward."""
+        self.module.forward = self
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # traced by torch.compile: see _enter
             return self._traced_call(*args, **kwargs)
-        if not self._stream.enter(self._index):
-            return self._original(*args, **kwargs)
-        try:
+        stream, token = self._stream, None
+        try:  # no `finally`: see [Note: interrupts] in residency.scheduler
+            token = stream.enter(self._index)
+            if token is None:
+                return self._original(*args, **kwargs)
             if torch.autograd.profiler._is_profiler_enabled:
-                with record_function(self._range):
-                    return self._original(*args, **kwargs)
-            return self._original(*args, **kwargs)
-        finally:
-            self._stream.exit(self._index)
+                output = in_context(record_function(self._range), self._original, *args, **kwargs)
+            else:
+                output = self._original(*args, **kwargs)
+            stream.exit(token)
+            return output
+        except BaseException:
+            if token is not None:
+                stream.exit(token)  # a second exit of the token does nothing
+            raise
 
     def _traced_call(self, *args, **kwargs):
-        if not self._enter():
-            return self._original(*args, **kwargs)
+        token = None
         try:
-            return self._original(*args, **kwargs)
-        finally:
-            self._exit()
+            token = self._enter()
+            if token is None:
+                return self._original(*args, **kwargs)
+            output = self._original(*args, **kwargs)
+            self._exit(token)
+            return output
+        except BaseException:
+            if token is not None:
+                self._exit(token)
+            raise
 
     # [Note: the block forwards under torch.compile]
     # Streaming moves tensors, so it runs outside any graph: torch.compile calls these two
@@ -493,12 +539,12 @@ class _BlockForward:
     # called at all - `__call__` calls the stream directly - because a disabled function costs
     # microseconds per call, about the whole budget of a block's streaming.
     @torch.compiler.disable
-    def _enter(self) -> bool:
+    def _enter(self) -> object | None:
         return self._stream.enter(self._index)
 
     @torch.compiler.disable
-    def _exit(self) -> None:
-        self._stream.exit(self._index)
+    def _exit(self, token: object) -> None:
+        self._stream.exit(token)
 
     def reachable(self) -> bool:
         """Whether calling the block still runs this (it is the block's forward, or a wrapper
@@ -540,11 +586,11 @@ class _Detached:
     """The stream of a removed wrapper: never active, so the wrapper only calls through."""
 
     @staticmethod
-    def enter(index: int) -> bool:
-        return False
+    def enter(index: int) -> None:
+        return None
 
     @staticmethod
-    def exit(index: int) -> None:
+    def exit(token: object) -> None:
         return None
 
 

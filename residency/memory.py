@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from residency.locks import in_context
 from residency.tensors import Inventory, data_ptrs, make_views, repoint
 from residency.transport import Transport
 
@@ -178,8 +179,9 @@ class DeviceStorage:
         if self.buffer is not None and self.is_aliased():
             _log.info("device storage is aliased outside the scheduler; allocating a fresh buffer")
         self.release()
-        with torch.inference_mode(False):  # the buffer outlives the caller's mode
-            self.buffer = self._transport.allocate_device(max(nbytes, self.size_hint))
+        # The buffer outlives the caller's mode; see [Note: a context on one line] in locks.py.
+        self.buffer = in_context(torch.inference_mode(False), self._transport.allocate_device,
+                                 max(nbytes, self.size_hint))
         return True
 
     def views_for(self, key: object, inventory: Inventory) -> list[torch.Tensor]:

@@ -42,9 +42,9 @@ import torch
 from torch.profiler import record_function
 
 from residency.component import Residency
-from residency.enums import Policy
+from residency.enums import Policy, ResidencyState
 from residency.errors import DeviceMemoryError, RegistrationError
-from residency.locks import CHECKING, check_held
+from residency.locks import CHECKING, check_held, in_context
 from residency.memory import DeviceStorage
 from residency.records import TransitionLog, TransitionRecord
 from residency.transport import Transport
@@ -145,8 +145,8 @@ class Placement:
             self._update_size_hints()
             return
         start = time.perf_counter()
-        with record_function(f"residency::load {group.name}"):
-            nbytes = group._load(DeviceStorage(self._transport))
+        nbytes = in_context(record_function(f"residency::load {group.name}"), group._load,
+                            DeviceStorage(self._transport))
         self._planned.append(group)
         self._record(None, group, nbytes, 0, start, start)
 
@@ -159,6 +159,13 @@ class Placement:
         """
         if CHECKING:
             check_held(self._lock)
+        try:
+            self._withdraw(group, evict)
+        except BaseException:  # see [Note: interrupts] in residency.scheduler
+            self.settle()
+            raise
+
+    def _withdraw(self, group: Residency, evict: bool) -> None:
         self.cancel_prefetch()
         if evict and group.is_resident:
             self._evict(group, repack=False)
@@ -190,10 +197,17 @@ class Placement:
         """
         if CHECKING:
             check_held(self._lock)
+        try:
+            self._switch(group, adopt)
+        except BaseException:  # see [Note: interrupts] in residency.scheduler
+            self.settle()
+            raise
+
+    def _switch(self, group: Residency | None, adopt: Callable[[Residency], None]) -> None:
         previous, start, written = self.current, time.perf_counter(), 0
         if previous is not None:
-            with record_function(f"residency::evict {previous.name}"):
-                written = self._evict(previous)
+            written = in_context(record_function(f"residency::evict {previous.name}"),
+                                 self._evict, previous)
             self.current = None
             if previous.left_misfits:
                 adopt(previous)
@@ -203,11 +217,30 @@ class Placement:
             if group is self.prefetched and group.pending_change() is not None:
                 self.cancel_prefetch()  # changed since its copy began: re-packed, then loaded
             adopt(group)
-            with record_function(f"residency::load {group.name}"):
-                nbytes = self._load(group)
-                self._start_streaming(group)
+            nbytes = in_context(record_function(f"residency::load {group.name}"),
+                                self._load_and_stream, group)
             self.current = group
         self._record(previous, group, nbytes, written, start, evicted)
+
+    def settle(self) -> None:
+        """Make ``current`` and ``prefetched`` agree with the groups' own states after a step
+        that stopped half-way (see [Note: interrupts] in `residency.scheduler`): a load that did
+        not commit is cancelled; a load or eviction that did is taken as done; each stream is
+        running exactly when its group is current."""
+        if CHECKING:
+            check_held(self._lock)
+        candidates = [g for g in {*self._planned, self.current, self.prefetched} - {None}
+                      if g.exclusive]
+        if self.prefetched is not None and self.prefetched.state is not ResidencyState.LOADING:
+            self.prefetched = None
+        for group in candidates:
+            if group.state is ResidencyState.LOADING and group is not self.prefetched:
+                group._cancel_load()
+        resident = [g for g in candidates if g.is_resident]
+        self.current = resident[0] if resident else None
+        for group in candidates:
+            if group.blocks is not None:
+                group.blocks.settle(running=group is self.current)
 
     def forget_views(self, group: Residency) -> None:
         """Drop every storage's cached views of `group` (its layout is about to change)."""
@@ -221,6 +254,13 @@ class Placement:
         `Scheduler.prefetch`); returns whether a copy was started."""
         if CHECKING:
             check_held(self._lock)
+        try:
+            return self._prefetch(group)
+        except BaseException:  # see [Note: interrupts] in residency.scheduler
+            self.settle()
+            raise
+
+    def _prefetch(self, group: Residency) -> bool:
         if not group.exclusive or group is self.current or group is self.prefetched:
             return False
         if group.pending_change() is not None:  # re-packed at its phase, not beside another
@@ -236,21 +276,29 @@ class Placement:
             group._begin_load(self._free_storage(group), watch_edits=True)
         except DeviceMemoryError:  # no memory info to ask first: the allocator said no
             return False
-        self.prefetched = group
+        self.prefetched = group  # an interrupt before this line: `settle` cancels the copy
         return True
 
     def cancel_prefetch(self) -> None:
         if CHECKING:
             check_held(self._lock)
-        if self.prefetched is not None:
-            self.prefetched._cancel_load()
-            self.prefetched = None
+        prefetched = self.prefetched
+        if prefetched is not None:
+            self.prefetched = None  # first: `settle` completes an interrupted cancel
+            prefetched._cancel_load()
 
     def offload_all(self, adopt: Callable[[Residency], None] = _adopt_nothing) -> None:
         """Evict the current exclusive group and free the shared buffers (`adopt`: as in
         `switch_to`)."""
         if CHECKING:
             check_held(self._lock)
+        try:
+            self._offload_all(adopt)
+        except BaseException:  # see [Note: interrupts] in residency.scheduler
+            self.settle()
+            raise
+
+    def _offload_all(self, adopt: Callable[[Residency], None]) -> None:
         self.cancel_prefetch()
         if self.current is not None:
             self.switch_to(None, adopt)
@@ -264,15 +312,18 @@ class Placement:
 
     # -- layer mode ------------------------------------------------------------------------------
 
-    def _start_streaming(self, group: Residency) -> None:
-        """A layer-mode group was loaded: its blocks start streaming.  If that fails (no device
-        memory for a slot), the group is evicted again and the error propagates."""
+    def _load_and_stream(self, group: Residency) -> int:
+        """Load `group`; a layer-mode group's blocks then start streaming.  If that fails (no
+        device memory for a slot), the group is evicted again and the error propagates."""
+        nbytes = self._load(group)
         if group.blocks is None:
-            return
+            return nbytes
         try:
             group.blocks.start()
+            return nbytes
         except BaseException:
-            self._evict(group)
+            if group.is_resident:
+                self._evict(group)
             raise
 
     def _evict(self, group: Residency, *, repack: bool = True) -> int:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import attrs
 
+from residency.locks import locked
+
 __all__ = [
     "BlockLog",
     "BlockRecord",
@@ -76,12 +78,10 @@ class _KeptLog:
 
     def clear(self) -> None:
         """Forget the kept records (the totals stay)."""
-        with self._lock:
-            self._records.clear()
+        locked(self._lock, self._records.clear)
 
     def _snapshot(self) -> list:
-        with self._lock:
-            return list(self._records)
+        return locked(self._lock, list, self._records)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -98,17 +98,17 @@ class TransitionLog(_KeptLog):
         self.nbytes = 0
 
     def append(self, record: TransitionRecord) -> None:
-        with self._lock:
-            self._records.append(record)
-            self.count += 1
-            self.nbytes += record.nbytes
+        locked(self._lock, self._append, record)
+
+    def _append(self, record: TransitionRecord) -> None:
+        self._records.append(record)
+        self.count, self.nbytes = self.count + 1, self.nbytes + record.nbytes
 
     def __iter__(self) -> Iterator[TransitionRecord]:
         return iter(self._snapshot())
 
     def __getitem__(self, index: int) -> TransitionRecord:
-        with self._lock:
-            return self._records[index]
+        return locked(self._lock, self._records.__getitem__, index)
 
     def __repr__(self) -> str:
         return f"<TransitionLog {len(self)} kept of {self.count}, {self.nbytes} bytes loaded>"
@@ -152,11 +152,13 @@ class BlockLog(_KeptLog):
     def add(self, group: str, block: str, index: int, kind: str, slot: int | None,
             nbytes: int) -> None:
         """Record one block event now (`BlockRecord`'s fields; the time is taken here)."""
-        with self._lock:
-            self._records.append((group, block, index, kind, slot, nbytes, time.perf_counter()))
-            if kind == "prefetch" or kind == "load":
-                self.copies += 1
-                self.nbytes += nbytes
+        fields = (group, block, index, kind, slot, nbytes, time.perf_counter())
+        locked(self._lock, self._add, fields)
+
+    def _add(self, fields: tuple) -> None:
+        self._records.append(fields)
+        if fields[3] == "prefetch" or fields[3] == "load":
+            self.copies, self.nbytes = self.copies + 1, self.nbytes + fields[5]
 
     def __iter__(self) -> Iterator[BlockRecord]:
         return iter([BlockRecord(*fields) for fields in self._snapshot()])

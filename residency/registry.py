@@ -38,7 +38,7 @@ from residency.arguments import unknown_group_message
 from residency.component import Residency, device_need
 from residency.enums import Policy
 from residency.errors import ConfigError, RegistrationError, UnknownGroupError
-from residency.locks import CHECKING, check_held
+from residency.locks import CHECKING, check_held, locked
 from residency.sharded import ShardedLoad
 from residency.tensors import Inventory, storage_key
 
@@ -97,8 +97,7 @@ def owned_modules(owner: Residency | Claim) -> list[nn.Module]:
 
 def owner_of(module: nn.Module) -> tuple[Registry, str] | None:
     """The registry and group that own `module` in this process, or None."""
-    with _OWNERS_LOCK:
-        return _live_owner(module)
+    return locked(_OWNERS_LOCK, _live_owner, module)
 
 
 def _live_owner(module: nn.Module) -> tuple[Registry, str] | None:
@@ -220,48 +219,58 @@ class Registry:
         """
         if CHECKING:
             check_held(self._lock)
-        self._take_modules(owned_modules(claim), claim.name, checking=True)
-        self._claims[claim.name] = claim
+        self._claims[claim.name] = claim  # first: `release_claim` undoes what follows
+        try:
+            self._take_modules(owned_modules(claim), claim.name, checking=True)
+        except BaseException:
+            self.release_claim(claim)
+            raise
 
-    def release_claim(self, name: str) -> None:
-        """Give up a claim whose packing failed."""
+    def release_claim(self, claim: Claim) -> None:
+        """Give up `claim` (its packing failed, or was interrupted), if it is still held;
+        repeatable (see [Note: interrupts] in `residency.scheduler`)."""
         if CHECKING:
             check_held(self._lock)
-        claim = self._claims.pop(name, None)
-        if claim is not None:
-            self._give_up_modules(owned_modules(claim))
+        if self._claims.get(claim.name) is not claim:
+            return
+        self._give_up_modules(owned_modules(claim))
+        del self._claims[claim.name]
 
     def enroll(self, group: Residency, aliases: Iterable[str] = ()) -> None:
         """Register a packed group under its claimed name (and `aliases`); takes its modules."""
         if CHECKING:
             check_held(self._lock)
-        self._claims.pop(group.name, None)
         self._groups[group.name] = group
         self._aliases.update(dict.fromkeys(aliases, group.name))
         self._take_modules(owned_modules(group), group.name)
+        self._claims.pop(group.name, None)  # last: an interrupted enroll is undone by `unregister`
 
     def unregister(self, group: Residency) -> None:
         """Forget `group`, its aliases and its modules' ownership."""
         if CHECKING:
             check_held(self._lock)
-        del self._groups[group.name]
+        self._give_up_modules(owned_modules(group))
         for path in self.aliases_of(group):
             del self._aliases[path]
-        self._give_up_modules(owned_modules(group))
+        if self._groups.get(group.name) is group:  # last; repeatable, also after a half enroll
+            del self._groups[group.name]
 
     def retake(self, group: Residency, before: Iterable[nn.Module]) -> None:
         """`group` (or one of its blocks) was re-packed: it owned `before`, and now owns what
         its inventories list (new submodules taken, dropped ones freed)."""
         if CHECKING:
             check_held(self._lock)
-        self._give_up_modules(before)
-        self._take_modules(owned_modules(group), group.name)
+        now = owned_modules(group)
+        self._take_modules(now, group.name)
+        kept = {id(module) for module in now}
+        self._give_up_modules([module for module in before if id(module) not in kept])
 
-    def alias(self, path: object, group: Residency) -> None:
-        """Let `path` lead to `group`; refused (changing nothing) when it names or leads
-        elsewhere."""
+    def alias(self, path: object, name: str) -> None:
+        """Let `path` lead to group `name` (or the group an alias `name` leads to); refused
+        (changing nothing) when it names or leads elsewhere."""
         if CHECKING:
             check_held(self._lock)
+        group = self.lookup(name)
         if not isinstance(path, str) or not path:
             raise RegistrationError(f"an alias must be a non-empty string, not {path!r}")
         if path in self._groups and self._groups[path] is not group:
@@ -283,22 +292,25 @@ class Registry:
     def _take_modules(
         self, modules: Iterable[nn.Module], name: str, *, checking: bool = False
     ) -> None:
-        modules = list(modules)
-        with _OWNERS_LOCK:
-            if checking:
-                for module in modules:
-                    owner = _live_owner(module)
-                    if owner is not None and owner[0] is not self:
-                        raise RegistrationError(_taken_message(name, module, owner, self))
+        locked(_OWNERS_LOCK, self._take_modules_locked, list(modules), name, checking)
+
+    def _take_modules_locked(self, modules: list[nn.Module], name: str, checking: bool) -> None:
+        if checking:
             for module in modules:
-                _OWNERS[module] = (weakref.ref(self), name)
+                owner = _live_owner(module)
+                if owner is not None and owner[0] is not self:
+                    raise RegistrationError(_taken_message(name, module, owner, self))
+        for module in modules:
+            _OWNERS[module] = (weakref.ref(self), name)
 
     def _give_up_modules(self, modules: Iterable[nn.Module]) -> None:
-        with _OWNERS_LOCK:
-            for module in modules:
-                found = _OWNERS.get(module)
-                if found is not None and found[0]() is self:
-                    del _OWNERS[module]
+        locked(_OWNERS_LOCK, self._give_up_modules_locked, modules)
+
+    def _give_up_modules_locked(self, modules: Iterable[nn.Module]) -> None:
+        for module in modules:
+            found = _OWNERS.get(module)
+            if found is not None and found[0]() is self:
+                del _OWNERS[module]
 
     # -- ownership checks -------------------------------------------------------------------------
 

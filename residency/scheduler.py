@@ -14,6 +14,33 @@ This file only wires and checks; each question has its answer elsewhere (docs/de
 who may run -> `residency.holds`; whose module or tensor is this -> `residency.registry`; what is on
 the device -> `residency.placement`; how bytes move -> `residency.transport`.  One lock guards all
 three owners (see [Note: one lock, checked where state changes] in `residency.locks`).
+
+[Note: interrupts]
+A `KeyboardInterrupt` (or SystemExit, or any exception a trace or profile callback raises) can
+arrive at any line of the package, and a user does not choose where Ctrl-C lands.  Whatever it
+interrupts, the owners agree afterwards, nothing is lost and nothing waits for ever, with no user
+action beyond catching it (tests/test_interrupts.py injects one at every line).  Deferring
+SIGINT cannot be the answer (a trace callback's exception cannot be deferred), so the rules are:
+
+* Each owner's state is written last, in one line where several fields change together
+  (``self._pending, self.state = None, OFFLOADED``): stores of one line cannot be separated.
+  A group's ``state`` is its truth; the owners above it read it to decide.
+* A step of several statements is undone or rolled forward in ``except BaseException`` (then
+  re-raised): a load that did not commit is cancelled (`Residency._finish_load`); an eviction
+  whose re-pointing happened is completed (`Residency._evict`); `Placement.settle` makes
+  ``current``, ``prefetched`` and each block stream agree with the groups' states; a phase entry
+  is undone and a phase exit completed (`Holds.settle`, which also moves the thread's hold back
+  to what its innermost phase needs); a registration is undone (`Scheduler._register`); a
+  ``refresh`` and a ``close`` are completed.  Undo code may be slow (a swap back); it runs once.
+* No ``finally`` and no multi-line ``with`` on a normal path: their cleanup starts on a line of
+  its own, where an interrupt skips it.  Cleanup is in the ``try`` body and again in the
+  handler, made repeatable (a block forward's exit takes a token, once); contexts are entered on
+  one line ([Note: a context on one line] in `residency.locks`).
+* Where no undo is possible - an interrupt at the first line of ``Phase.__exit__``, before any
+  of its code, after which its ``with`` statement is over - the step is completed at the next
+  call at the latest: a phase nothing refers to any more but its frame is closed by the next
+  phase change, exit, `close` or waiting thread (`Holds.collect_abandoned`).  A traceback kept
+  alive (``sys.last_traceback`` in a notebook) keeps that phase open until it is released.
 """
 
 from __future__ import annotations
@@ -33,7 +60,7 @@ from residency.enums import PhaseStatus, Policy
 from residency.errors import PhaseError, RegistrationError, SchedulerClosedError
 from residency.holds import Holds
 from residency.agreement import PhaseLedger
-from residency.locks import new_lock
+from residency.locks import locked, new_lock
 from residency.node import node_view
 from residency.sharded import ShardedLoad
 from residency.no_offload import NoOffload
@@ -81,13 +108,29 @@ class Phase:
                 f"this phase of {self.group.name!r} was already entered; a phase is not "
                 f"reusable: write `with scheduler.resident({self.group.name!r}):` again"
             )
-        self._scheduler._enter(self)
-        return self.group
+        scheduler = self._scheduler
+        try:  # the lock on one line: see [Note: a context on one line] in residency.locks
+            with scheduler._lock: return scheduler._enter(self)  # noqa: E701
+        except BaseException:  # undone, whatever it reached (see [Note: interrupts])
+            locked(scheduler._lock, scheduler._holds.settle, self, scheduler._make_current)
+            raise
 
     def __exit__(self, *exc_info) -> None:
+        scheduler = self._scheduler
+        try:
+            if self.status is _ACTIVE:
+                with scheduler._lock: return scheduler._exit(self)  # noqa: E701
+            self._exit_inactive()
+        except PhaseError:  # refused: nothing changed
+            raise
+        except BaseException:  # completed (see [Note: interrupts])
+            locked(scheduler._lock, scheduler._holds.settle, self, scheduler._make_current)
+            raise
+
+    def _exit_inactive(self) -> None:
         status = self.status
-        if status is _ACTIVE or status is PhaseStatus.LEAVING:
-            self._scheduler._exit(self)
+        if status is PhaseStatus.LEAVING:
+            locked(self._scheduler._lock, self._scheduler._exit, self)
         elif status is PhaseStatus.EXITED_LATE:  # see [Note: misnested exits]
             self.status = PhaseStatus.EXITED
         else:
@@ -224,18 +267,16 @@ class Scheduler:
             scheduler.add("shared", model, policy="resident", exclude=[model.reasoner, model.generator])
             scheduler.add("transformer", dit, layers=plan_blocks(dit, resident_layers=2))
         """
-        self._check_open()
+        _check_open(self._closed)
         policy = parse_policy(policy)
         check_name(name, ())
         check_flag("detect_edits", detect_edits)
-        sharded = self._sharded_load(name, weight_transfer)
+        sharded = _sharded_load(self._packer.node, self._ledger, name, weight_transfer)
         roots = as_modules(name, modules)
         plans = as_block_plans(name, roots, layers, policy)
         excluded = as_excluded(name, exclude, roots) + streamed_modules(plans)
-        claim = self._claim_for(name, policy, roots, excluded, plans, sharded)
-        return self._enroll(self._pack_claimed(
-            claim, roots, excluded, category, detect_edits, plans
-        ))
+        return self._register(name, roots, policy, excluded, category, detect_edits, plans,
+                              sharded)
 
     def alias(self, path: str, name: str) -> None:
         """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline).
@@ -243,8 +284,7 @@ class Scheduler:
         Refused (changing nothing) for a path that is not a non-empty string, that names a group,
         or that already leads to another group.
         """
-        with self._lock:
-            self._registry.alias(path, self._registry.lookup(name))
+        locked(self._lock, self._registry.alias, path, name)
 
     def refresh(self, name: str) -> Residency:
         """Re-register group `name` after its modules changed (new, replaced or re-typed tensors).
@@ -252,20 +292,25 @@ class Scheduler:
         The modules' current tensors are packed into a fresh host master; the group ends offloaded
         (resident-policy groups are placed again).  Phases of the group are refused meanwhile.
         """
-        self._check_open()
-        with self._lock:
-            old = self._registry.lookup(name)
-            self._check_not_in_a_phase(old, "refresh")
-            plans, excluded = restream(old)
-            aliases = self._registry.aliases_of(old)
-            claim = self._claim_for(old.name, old.policy, old.modules, excluded, plans,
-                                    old.sharded, old)
-            self._placement.withdraw(old, evict=False)
-            self._registry.unregister(old)
-        group = self._pack_claimed(
-            claim, old.modules, excluded, old.category, old.detect_edits, plans
-        )
-        return self._enroll(group, aliases)
+        _check_open(self._closed)
+        old, plans, excluded, aliases = locked(self._lock, self._plan_refresh, name)
+        try:
+            return self._refresh(old, plans, excluded, aliases)
+        except BaseException:  # rolled forward once (see [Note: interrupts])
+            if name not in self._registry:
+                self._refresh(old, plans, excluded, aliases)
+            raise
+
+    def _plan_refresh(self, name: str) -> tuple:
+        old = self._registry.lookup(name)  # a phase of it refuses the refresh in `_retire`
+        return (old, *restream(old), self._registry.aliases_of(old))
+
+    def _refresh(self, old: Residency, plans, excluded, aliases) -> Residency:
+        """Withdraw `old` (its edits written back, its tensors on its host master), then register
+        its modules again as they are.  Repeatable: each step reads where the last one ended."""
+        locked(self._lock, self._retire, old, "refresh")
+        return self._register(old.name, old.modules, old.policy, excluded, old.category,
+                              old.detect_edits, plans, old.sharded, aliases)
 
     def remove(self, name: str) -> Residency:
         """Unregister group `name`; its modules keep their weights in host memory.
@@ -273,12 +318,25 @@ class Scheduler:
         Refused while a phase of the group is active.  Tensors the user re-typed or re-shaped
         while the group was resident are left as the user made them (moved to the host).
         """
-        self._check_open()
-        with self._lock:
-            group = self._registry.lookup(name)
-            self._check_not_in_a_phase(group, "remove")
+        _check_open(self._closed)
+        return locked(self._lock, self._retire, name, "remove")
+
+    def _retire(self, group: Residency | str, action: str) -> Residency:
+        """Evict `group` (or the group named so) and forget it; refused while a phase of it is
+        active, or when its eviction is refused (then nothing changed).  Completes an
+        interrupted retire."""
+        group = self._registry.lookup(group) if isinstance(group, str) else group
+        if self._registry.get(group.name) is not group:
+            return group  # retired already (an interrupted refresh's second try)
+        self._check_not_in_a_phase(group, action)
+        try:
             self._placement.withdraw(group, evict=True)
             self._registry.unregister(group)
+        except BaseException:  # rolled forward unless the eviction was refused
+            if not group.is_resident or group.exclusive and self._placement.current is not group:
+                self._placement.withdraw(group, evict=False)
+                self._registry.unregister(group)
+            raise
         return group
 
     def close(self) -> None:
@@ -289,19 +347,27 @@ class Scheduler:
         the ranks disagree on), the error propagates with the groups not yet closed still
         registered: fix the cause and close again.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._check_no_holders("close the scheduler")
-            for group in self._registry:
-                self._check_not_in_a_phase(group, "close the scheduler with")
-            for group in self._registry:
-                self._placement.withdraw(group, evict=True)
-                self._registry.unregister(group)
-            self._closed = True
-            self._placement.release_shared()
-            self._registry.close()
-            self._holds.close()  # waiters wake up to SchedulerClosedError
+        locked(self._lock, self._close)
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._check_no_holders("close the scheduler")
+        for group in self._registry:
+            self._check_not_in_a_phase(group, "close the scheduler with")
+        for group in self._registry:
+            self._retire(group, "close the scheduler with")
+        self._closed = True
+        try:  # repeatable: an interrupted step is done again
+            self._close_owners()
+        except BaseException:
+            self._close_owners()
+            raise
+
+    def _close_owners(self) -> None:
+        self._placement.release_shared()
+        self._registry.close()
+        self._holds.close()  # waiters wake up to SchedulerClosedError
 
     def __enter__(self) -> Scheduler:
         return self
@@ -312,7 +378,7 @@ class Scheduler:
     # -- reading -----------------------------------------------------------------------------
 
     def __getitem__(self, name: str) -> Residency:
-        self._check_open()
+        _check_open(self._closed)
         return self._registry.lookup(name)
 
     def __contains__(self, name: object) -> bool:
@@ -331,8 +397,7 @@ class Scheduler:
     @property
     def current(self) -> str | None:
         """Name of the exclusive group on the device now, or None."""
-        group = self._placement.current
-        return None if group is None else group.name
+        return getattr(self._placement.current, "name", None)
 
     @property
     def device_memory_limit(self) -> int | None:
@@ -342,13 +407,11 @@ class Scheduler:
     @property
     def device_nbytes(self) -> int:
         """Bytes of device storage the scheduler holds now (shared exclusive buffers included)."""
-        with self._lock:
-            return self._placement.device_nbytes
+        return locked(self._lock, getattr, self._placement, "device_nbytes")
 
     def resident_groups(self) -> list[str]:
         """Names of every group whose weights are on the device now (a consistent snapshot)."""
-        with self._lock:
-            return self._placement.resident_names()
+        return locked(self._lock, self._placement.resident_names)
 
     # -- phases --------------------------------------------------------------------------------
 
@@ -360,7 +423,7 @@ class Scheduler:
         """
         group = self._registry.get(name)
         if group is None:
-            self._check_open()
+            _check_open(self._closed)
             group = self._registry.lookup(name)
         return Phase(self, group)
 
@@ -369,10 +432,12 @@ class Scheduler:
 
         Resident-policy groups stay.  Refused (changing nothing) while any phase is active.
         """
-        self._check_open()
-        with self._lock:
-            self._check_no_holders("offload all groups")
-            self._placement.offload_all(self._adopt_changes)
+        _check_open(self._closed)
+        locked(self._lock, self._offload_all)
+
+    def _offload_all(self) -> None:
+        self._check_no_holders("offload all groups")
+        self._placement.offload_all(self._adopt_changes)
 
     def prefetch(self, name: str) -> bool:
         """Start copying group `name` to the device now, beside the resident group; opt-in.
@@ -389,37 +454,35 @@ class Scheduler:
         or no room).  The prefetched group's tensors keep reading the host master until its
         phase begins.
         """
-        self._check_open()
-        with self._lock:
-            return self._placement.prefetch(self._registry.lookup(name))
+        _check_open(self._closed)
+        return locked(self._lock, self._prefetch, name)
 
-    def _enter(self, phase: Phase) -> None:
-        with self._lock:
-            if self._closed:
-                self._check_open()
-            if phase.group.blocks is not None:
-                phase.group.blocks.rewrap()
-            entry = self._holds.try_join(phase)
-            if entry is None:  # joined at once: no tensor work
-                return
-            group = phase.group
-            needs = group if group.exclusive else entry.needs()
-            if not group.exclusive:
-                self._registry.check_registered(group)
-            if needs is not entry.held:
-                self._holds.move(entry, needs, self._make_current, restore_on_failure=True)
-            self._holds.push(entry, phase, needs)
+    def _prefetch(self, name: str) -> bool:
+        return self._placement.prefetch(self._registry.lookup(name))
+
+    def _enter(self, phase: Phase) -> Residency:
+        if self._closed:
+            _check_open(self._closed)
+        if phase.group.blocks is not None:
+            phase.group.blocks.rewrap()
+        entry = self._holds.try_join(phase)
+        if entry is None:  # joined at once: no tensor work
+            return phase.group
+        self._holds.collect_abandoned()
+        group = phase.group
+        needs = group if group.exclusive else entry.needs()
+        if not group.exclusive:
+            self._registry.check_registered(group)
+        if needs is not entry.held:
+            self._holds.move(entry, needs, self._make_current, restore_on_failure=True)
+        return self._holds.push(entry, phase, needs)
 
     def _exit(self, phase: Phase) -> None:
-        with self._lock:
-            move = self._holds.leave(phase)
-            if move is None:
-                return
+        move = self._holds.leave(phase)
+        if move is not None:
             entry, needs = move
-            try:
-                self._holds.move(entry, needs, self._make_current, restore_on_failure=False)
-            finally:
-                self._holds.forget_if_idle(entry)
+            self._holds.move(entry, needs, self._make_current, restore_on_failure=False)
+            self._holds.forget_if_idle(entry)
 
     def _make_current(self, group: Residency) -> None:
         """Swap `group` in (the lock held, nobody holding the current group)."""
@@ -429,19 +492,34 @@ class Scheduler:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _claim_for(self, name, policy, roots, excluded, plans, sharded, replacing=None) -> Claim:
-        """Inventory a group (its own part, then each streamed block), check it against
-        everything registered and reserve it."""
+    def _register(self, name, roots, policy, excluded, category, detect_edits, plans, sharded,
+                  aliases=()) -> Residency:
+        """Claim, pack and enroll a group (`add`, `refresh`); on any exception, whatever step it
+        reached is undone (see [Note: interrupts])."""
         blocks = tuple(self._packer.inventory((m,), ()) for m in streamed_modules(plans))
         inventory = self._packer.inventory(roots, excluded, allow_empty=bool(blocks))
-        claim = Claim(name, policy, inventory, blocks, sharded)
-        with self._lock:
-            self._check_open()
-            self._registry.check_claimable(claim, self._placement.spans(), replacing=replacing)
-            needs = self._registry.needs(name, policy, claim.device_need, ignore=replacing)
-            self._placement.check_budget(name, needs)
-            self._registry.claim(claim)
-        return claim
+        claim, group = Claim(name, policy, inventory, blocks, sharded), None
+        try:
+            locked(self._lock, self._reserve, claim)
+            group = self._pack_claimed(claim, roots, excluded, category, detect_edits, plans)
+            return locked(self._lock, self._enroll, group, claim, aliases)
+        except BaseException:
+            locked(self._lock, self._abandon, claim, group)
+            raise
+
+    def _reserve(self, claim: Claim) -> None:
+        """Check a claim against everything registered and reserve it."""
+        _check_open(self._closed)
+        self._registry.check_claimable(claim, self._placement.spans())
+        self._placement.check_budget(
+            claim.name, self._registry.needs(claim.name, claim.policy, claim.device_need))
+        self._registry.claim(claim)
+
+    def _abandon(self, claim: Claim, group: Residency | None) -> None:
+        """Undo a registration that did not complete: its claim, the wrappers of its stream."""
+        self._registry.release_claim(claim)
+        if group is not None and group.blocks is not None and group not in list(self._registry):
+            group.blocks.close()
 
     def _pack_claimed(
         self, claim, roots, excluded, category, detect_edits, plans
@@ -452,37 +530,36 @@ class Scheduler:
         # from being registered twice meanwhile.
         sharded = claim.sharded
         pack = functools.partial(self._packer.pack, require_shared=_why_shared(sharded))
+        group = Residency(
+            claim.name, roots, claim.policy, claim.inventory, pack(claim.name, claim.inventory),
+            self._transport, excluded=excluded, category=category, detect_edits=detect_edits,
+            sharded=sharded,
+        )
         try:
-            group = Residency(
-                claim.name, roots, claim.policy, claim.inventory, pack(claim.name, claim.inventory),
-                self._transport, excluded=excluded, category=category, detect_edits=detect_edits,
-                sharded=sharded,
-            )
             if plans:
                 group.blocks = build_stream(
                     group, plans, claim.blocks, pack=pack, slots=self._placement.block_slots,
                     lock=self._lock, log=self.block_records,
                     adopt=functools.partial(self._adopt_changes, group),
                 )
+            return group
         except BaseException:
-            with self._lock:
-                self._registry.release_claim(claim.name)
+            if group.blocks is not None:
+                group.blocks.close()
             raise
-        return group
 
-    def _enroll(self, group: Residency, aliases: Iterable[str] = ()) -> Residency:
-        """Register a packed group and give it its place (an always-resident one loads now)."""
-        with self._lock:
-            if self._closed:
-                self._registry.release_claim(group.name)
-                self._check_open()
+    def _enroll(self, group: Residency, claim: Claim, aliases: Iterable[str]) -> Residency:
+        """Register a packed group and give it its place (an always-resident one loads now);
+        undone on any exception."""
+        _check_open(self._closed)
+        try:
             self._registry.enroll(group, aliases)
-            try:
-                self._placement.admit(group)
-            except BaseException:
-                self._registry.unregister(group)
-                raise
-        return group
+            self._placement.admit(group)
+            return group
+        except BaseException:
+            self._placement.withdraw(group, evict=True)
+            self._registry.unregister(group)
+            raise
 
     def _adopt_changes(self, group: Residency, part: Residency | None = None) -> None:
         """Re-pack offloaded `group` (or `part`, one of its streamed blocks) if its modules
@@ -503,38 +580,18 @@ class Scheduler:
         master = self._packer.pack(part.name, inventory, require_shared=_why_shared(part.sharded))
         self._placement.forget_views(part)
         owned = owned_modules(group)
-        part._adopt(inventory, master)
-        self._registry.retake(group, owned)
+        try:
+            part._adopt(inventory, master)
+            self._registry.retake(group, owned)
+        except BaseException:  # adopted: the ownership follows (see [Note: interrupts])
+            if part.inventory is inventory:
+                self._registry.retake(group, owned)
+            raise
         _log.info("group %r changed (%s); re-packed %d tensors of %s (%.1f MiB)", group.name,
                   change, inventory.tensor_count, part.name, inventory.nbytes / 2**20)
 
-    def _sharded_load(self, name: str, weight_transfer: object) -> ShardedLoad | None:
-        """How group `name` loads: None for ``"rank-local"``; refused without a node to share."""
-        if weight_transfer == "rank-local":
-            return None
-        if weight_transfer != "allgather":
-            raise RegistrationError(
-                f"group {name!r}: weight_transfer={weight_transfer!r}; give 'rank-local' (every "
-                "rank copies all bytes) or 'allgather' (the ranks of a node split the copy)"
-            )
-        node = self._packer.node
-        if node is None:
-            raise RegistrationError(
-                f"group {name!r}: weight_transfer='allgather' splits the copy among the ranks of "
-                "a node, and this scheduler has none; create it with "
-                "Scheduler(process_group=...) in a job with several ranks per host"
-            )
-        return ShardedLoad(group=node.group, local_rank=node.local_rank,
-                           local_world=node.local_world_size, ledger=self._ledger)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SchedulerClosedError(
-                "this scheduler was closed; its modules are back in host memory. Create a new "
-                "Scheduler and add the modules again to keep offloading"
-            )
-
     def _check_not_in_a_phase(self, group: Residency, action: str) -> None:
+        self._holds.collect_abandoned()
         if self._holds.involves(group):
             raise PhaseError(
                 f"cannot {action} group {group.name!r} while a phase of it is active "
@@ -542,11 +599,39 @@ class Scheduler:
             )
 
     def _check_no_holders(self, action: str) -> None:
+        self._holds.collect_abandoned()
         if self._holds.has_holders():
             raise PhaseError(
                 f"cannot {action} while a phase is active; "
                 f"{self._holds.describe_holders(self._placement.current)}. Call it between phases"
             )
+
+
+def _sharded_load(node, ledger, name: str, weight_transfer: object) -> ShardedLoad | None:
+    """How group `name` loads: None for ``"rank-local"``; refused without a node to share."""
+    if weight_transfer == "rank-local":
+        return None
+    if weight_transfer != "allgather":
+        raise RegistrationError(
+            f"group {name!r}: weight_transfer={weight_transfer!r}; give 'rank-local' (every "
+            "rank copies all bytes) or 'allgather' (the ranks of a node split the copy)"
+        )
+    if node is None:
+        raise RegistrationError(
+            f"group {name!r}: weight_transfer='allgather' splits the copy among the ranks of "
+            "a node, and this scheduler has none; create it with "
+            "Scheduler(process_group=...) in a job with several ranks per host"
+        )
+    return ShardedLoad(group=node.group, local_rank=node.local_rank,
+                       local_world=node.local_world_size, ledger=ledger)
+
+
+def _check_open(closed: bool) -> None:
+    if closed:
+        raise SchedulerClosedError(
+            "this scheduler was closed; its modules are back in host memory. Create a new "
+            "Scheduler and add the modules again to keep offloading"
+        )
 
 
 def _why_shared(sharded: ShardedLoad | None) -> str | None:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from residency.errors import RegistrationError
+from residency.locks import in_context
 from residency.subclasses import (
     WrapperSet,
     attached_tensors,
@@ -419,15 +420,19 @@ def make_views(
     device: torch.device,
 ) -> list[torch.Tensor]:
     """One tensor per placement, viewing `storage` at byte `region_base[region]` + its offset."""
-    views = []
     # Views outlive the call; made under inference mode they could never be written again.
-    with torch.inference_mode(False), torch.no_grad():
-        for p in placements:
-            byte_offset = region_base[p.region] + p.byte_offset
-            itemsize = p.dtype.itemsize
-            view = torch.empty(0, dtype=p.dtype, device=device)
-            view.set_(storage, byte_offset // itemsize, p.size, p.stride)
-            views.append(view)
+    # Entered on one line: see [Note: a context on one line] in `residency.locks`.
+    return in_context(torch.inference_mode(False), in_context, torch.no_grad(), _make_views,
+                      placements, storage, region_base, device)
+
+
+def _make_views(placements, storage, region_base, device) -> list[torch.Tensor]:
+    views = []
+    for p in placements:
+        byte_offset = region_base[p.region] + p.byte_offset
+        view = torch.empty(0, dtype=p.dtype, device=device)
+        view.set_(storage, byte_offset // p.dtype.itemsize, p.size, p.stride)
+        views.append(view)
     return views
 
 

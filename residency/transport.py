@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
+from residency.locks import in_context
+
 __all__ = ["AcceleratorTransport", "Completion", "CpuTransport", "Transport", "transport_for"]
 
 #: (destination, source) byte tensors of equal length.
@@ -128,20 +130,19 @@ class AcceleratorTransport(Transport):
     def to_device(self, pairs: CopyPairs) -> Completion:
         for destination, _ in pairs:
             self._wait_retired(destination)
-        with self.copy_stream:
-            for destination, source in pairs:
-                destination.copy_(source, non_blocking=True)
-            loaded_event = self.copy_stream.record_event()
-        return Completion(loaded_event)
+        return Completion(in_context(self.copy_stream, self._copy_on_stream, pairs))
 
     def to_host(self, pairs: CopyPairs) -> Completion:
         # The copy stream must not read device bytes before compute has finished writing them.
         self.copy_stream.wait_stream(torch.accelerator.current_stream(self.device))
-        with self.copy_stream:
-            for destination, source in pairs:
-                destination.copy_(source, non_blocking=True)
-            written_event = self.copy_stream.record_event()
-        return Completion(written_event)
+        return Completion(in_context(self.copy_stream, self._copy_on_stream, pairs))
+
+    def _copy_on_stream(self, pairs: CopyPairs) -> torch.Event:
+        """Issue `pairs` on the copy stream (the current one here); the event of their end.
+        Entered on one line (see [Note: a context on one line] in `residency.locks`)."""
+        for destination, source in pairs:
+            destination.copy_(source, non_blocking=True)
+        return self.copy_stream.record_event()
 
     def retire(self, storage: torch.Tensor) -> None:
         event = torch.accelerator.current_stream(self.device).record_event()

@@ -22,6 +22,9 @@ from residency.transport import CpuTransport
 
 def pytest_addoption(parser):
     parser.addoption("--soak", action="store_true", help="run the full-length soak tests")
+    parser.addoption("--interrupt-sweep", choices=("stride", "full"), default="stride",
+                     help="tests/test_interrupts.py: 'full' interrupts every point of every "
+                          "operation (default: every point of four, a stride for the rest)")
     _accelerator.add_options(parser)
 
 

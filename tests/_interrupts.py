@@ -1,0 +1,316 @@
+"""Injecting a KeyboardInterrupt at every line of the library's own code (issue 20).
+
+    points = sweep(build_world, operation, check, stride=1)   # count, then inject at every point
+
+`Interrupter` is a ``sys.settrace`` function that counts the line events of code in the package's
+own files (``residency/`` and ``adapters/``) and raises `KeyboardInterrupt` from the trace
+callback at the k-th one - exactly what no SIGINT deferral could hold back.  CPython unsets a
+trace function that raised, so each run is interrupted once.  `sweep` first counts the points of
+an operation on a fresh world, then, for every point (or every `stride`-th), repeats the operation
+on fresh modules with the interrupt at that point, catches it, and runs the checks under a
+watchdog (`bounded`): a later phase that waits forever is a failure, not a hung test.
+
+`consistent(scheduler)` reads the owners' own state (holds, registry, placement, each group and
+its block stream) and lists every disagreement: the one checker every interrupt test uses.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import residency
+import residency.adapters
+from residency.enums import ResidencyState
+from residency.registry import owned_modules, owner_of
+
+OFFLOADED, LOADING, RESIDENT = (
+    ResidencyState.OFFLOADED, ResidencyState.LOADING, ResidencyState.RESIDENT,
+)
+
+#: The package's own source folders: their line events are the injection points.
+PACKAGE_DIRS = tuple(
+    os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+    for module in (residency, residency.adapters)
+)
+
+#: Seconds the checks after one injection may take before they count as waiting forever.
+WATCHDOG_S = float(os.environ.get("INTERRUPT_WATCHDOG_S", 20.0))
+
+
+class Interrupter:
+    """A trace function: counts line events in the package's files; raises at event `at`.
+
+        counter = Interrupter()
+        counter.run(lambda: scheduler.add("a", model))   # counter.count: the points
+        Interrupter(at=17).run(...)                      # KeyboardInterrupt at the 17th
+    """
+
+    def __init__(self, at: int | None = None) -> None:
+        self.at = at
+        self.count = 0
+        #: (file name, line, function) where the interrupt was raised, or None.
+        self.where: tuple[str, int, str] | None = None
+        self._inside: dict[object, bool] = {}
+
+    def _on_call(self, frame, event, arg):
+        code = frame.f_code
+        inside = self._inside.get(code)
+        if inside is None:
+            inside = self._inside[code] = code.co_filename.startswith(PACKAGE_DIRS)
+        return self._on_line if inside else None
+
+    def _on_line(self, frame, event, arg):
+        if event == "line":
+            self.count += 1
+            if self.count == self.at:
+                code = frame.f_code
+                self.where = (os.path.basename(code.co_filename), frame.f_lineno, code.co_name)
+                raise KeyboardInterrupt(f"injected at line event {self.at}")
+        return self._on_line
+
+    def run(self, operation: Callable[[], object]) -> None:
+        sys.settrace(self._on_call)
+        try:
+            operation()
+        finally:
+            sys.settrace(None)
+
+
+def bounded(check: Callable[[], None], timeout: float = WATCHDOG_S) -> None:
+    """Run `check` on a daemon thread; waiting longer than `timeout` is an AssertionError (the
+    thread is left behind, stuck: that is the failure being reported)."""
+    failure: list[BaseException] = []
+    threads = torch.get_num_threads()
+
+    def target():
+        torch.set_num_threads(threads)  # per thread: OpenMP waits made tiny ops 100x slower
+        try:
+            check()
+        except BaseException as error:  # handed to the caller
+            failure.append(error)
+
+    thread = threading.Thread(target=target, name="interrupt-check", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        stack = "".join(traceback.format_stack(sys._current_frames()[thread.ident]))
+        raise AssertionError(f"the checks waited over {timeout} s (forever?):\n{stack}")
+    if failure:
+        raise failure[0]
+
+
+def sweep(
+    build: Callable[[], object],
+    operation: Callable[[object], object],
+    check: Callable[[object], None],
+    *,
+    stride: int = 1,
+    limit: int = 5,
+    after: Callable[[object], None] = lambda world: None,
+) -> int:
+    """Count `operation`'s points on `build()`, then interrupt it at every `stride`-th point of a
+    fresh `build()`, run `after(world)` on this thread (what the caller's own ``with`` would do
+    next), then `check(world)` under the watchdog.  Returns the number of points;
+    raises an AssertionError listing the first `limit` failing points (``INTERRUPT_FAILURES=n``
+    in the environment lists more)."""
+    limit = int(os.environ.get("INTERRUPT_FAILURES", limit))
+    world = build()
+    counter = Interrupter()
+    counter.run(lambda: operation(world))
+    after(world)
+    bounded(lambda: check(world))
+    failures = []
+    for at in range(1, counter.count + 1, stride):
+        world = build()
+        interrupter = Interrupter(at)
+        try:
+            interrupter.run(lambda: operation(world))
+        except KeyboardInterrupt:
+            pass
+        try:
+            after(world)
+            bounded(lambda: check(world))
+        except BaseException as error:  # noqa: BLE001 - every failure is reported
+            failures.append(f"point {at} at {interrupter.where}: {error!r}"[:1500])
+            if len(failures) >= limit:
+                break
+    tried = len(range(1, counter.count + 1, stride))
+    print(f"\ninterrupt sweep: {counter.count} points, {tried} interrupted, {len(failures)} failing")
+    assert not failures, (f"{len(failures)}{'+' if len(failures) >= limit else ''} of "
+                          f"{counter.count} points fail:\n" + "\n".join(failures))
+    return counter.count
+
+
+# -- the one consistency checker -------------------------------------------------------------------
+
+
+def consistent(scheduler) -> list[str]:
+    """Every disagreement between the owners' states (empty when they agree); no phase may be
+    open and no thread waiting.  Reads holds, registry, placement, each group, each stream,
+    after closing abandoned phases as any call does (an interrupt at the first line of a
+    ``Phase.__exit__`` leaves one; see [Note: interrupts] in residency/scheduler.py)."""
+    problems: list[str] = []
+    with scheduler._lock:
+        registry, placement, holds = scheduler._registry, scheduler._placement, scheduler._holds
+        collect = getattr(holds, "collect_abandoned", None)  # (absent before issue 20)
+        if collect is not None:  # what the next call does first: see `Holds.collect_abandoned`
+            collect()
+        groups = list(registry)
+        if {id(g) for g in groups} != {id(g) for g in placement._planned}:
+            problems.append(f"registered {[g.name for g in groups]} but placed "
+                            f"{[g.name for g in placement._planned]}")
+        if registry._claims:
+            problems.append(f"claims left behind: {list(registry._claims)}")
+        problems += _holds_problems(holds, placement.current)
+        current, prefetched = placement.current, placement.prefetched
+        if current is not None and (not current.exclusive or current not in groups):
+            problems.append(f"current is {current!r}")
+        if prefetched is not None and prefetched.state is not LOADING:
+            problems.append(f"prefetched {prefetched.name!r} is {prefetched.state.value}")
+        for group in groups:
+            problems += _group_problems(group, current, prefetched, registry)
+    return problems
+
+
+def _holds_problems(holds, current) -> list[str]:
+    problems = []
+    if holds._queue:
+        problems.append(f"tickets left in the queue: {[t.group.name for t in holds._queue]}")
+    if holds._threads:
+        problems.append(f"open frames or holds: {[(t.name, e.frames, e.held) for t, e in holds._threads.items()]}")
+    held = sum(entry.held is not None for entry in holds._threads.values())
+    if holds._holder_count != held:
+        problems.append(f"holder count {holds._holder_count}, holders {held}")
+    return problems
+
+
+def _group_problems(group, current, prefetched, registry) -> list[str]:
+    problems = []
+    if not group.exclusive or group is current:
+        expected = RESIDENT
+    else:
+        expected = LOADING if group is prefetched else OFFLOADED
+    if group.state is not expected:
+        problems.append(f"{group.name!r} is {group.state.value}, expected {expected.value} "
+                        f"(current={getattr(current, 'name', None)!r})")
+    problems += _where_tensors_are(group)
+    if group.state is not LOADING and group._pending is not None:
+        problems.append(f"{group.name!r} keeps a pending load while {group.state.value}")
+    for module in owned_modules(group):
+        if owner_of(module) != (registry, group.name):
+            problems.append(f"a module of {group.name!r} is owned by {owner_of(module)}")
+            break
+    if group.blocks is not None:
+        problems += _stream_problems(group, group is current)
+    return problems
+
+
+def _where_tensors_are(group) -> list[str]:
+    """Each tensor views the device storage (RESIDENT) or its host master (otherwise)."""
+    if group.state is RESIDENT:
+        if group._detector is not None and group._detector._reference is None:
+            return [f"{group.name!r} is resident but its digests were forgotten"]
+        buffer = group.device_storage.buffer
+        spans = [(buffer.data_ptr(), buffer.data_ptr() + buffer.numel())]
+    else:
+        spans = [(c.data_ptr(), c.data_ptr() + c.numel()) for c in group.host_master.chunks]
+    for tensor in group.inventory.tensors:
+        if tensor.numel() and not any(a <= tensor.data_ptr() < b for a, b in spans):
+            return [f"a tensor of {group.name!r} ({group.state.value}) views neither its "
+                    "device storage nor its host master as it should"]
+    return []
+
+
+def _stream_problems(group, is_current: bool) -> list[str]:
+    stream = group.blocks
+    problems = []
+    if stream.active != is_current:
+        problems.append(f"{group.name!r}'s stream active={stream.active}, current={is_current}")
+    if stream._running or stream._suspended:
+        problems.append(f"{group.name!r} counts forwards in flight: {stream._running}, "
+                        f"{stream._suspended}")
+    for index, block in enumerate(stream.blocks):
+        in_slot = index in stream._occupant
+        if (block.state is not OFFLOADED) != in_slot:
+            problems.append(f"block {index} of {group.name!r} is {block.state.value}, "
+                            f"in a slot: {in_slot}")
+        if in_slot and not is_current:
+            problems.append(f"block {index} of {group.name!r} is in a slot, group not current")
+        if block.state is not LOADING:
+            problems += _where_tensors_are(block)
+        if not stream._wrappers[index].reachable():
+            problems.append(f"block {index} of {group.name!r} lost its layer-mode forward")
+    return problems
+
+
+def assert_consistent(scheduler) -> None:
+    problems = consistent(scheduler)
+    assert not problems, "\n".join(problems)
+
+
+# -- tiny models --------------------------------------------------------------------------------------
+
+
+def tiny_mlp(seed: int, width: int = 8) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.Linear(width, width))
+    model.register_buffer("scale", torch.rand(width))
+    return model.eval()
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(self.norm(x))
+
+
+class TinyDiT(nn.Module):
+    """A DiT-shaped model: its blocks hold most of its bytes, so layer mode streams them."""
+
+    def __init__(self, width: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.proj_in = nn.Linear(width, width, bias=False)
+        self.blocks = nn.ModuleList(TinyBlock(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj_in(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def tiny_dit(seed: int, depth: int = 3) -> nn.Module:
+    torch.manual_seed(seed)
+    return TinyDiT(depth=depth).eval()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b)
+
+
+def assert_same_weights(module: nn.Module, reference: nn.Module, what: str) -> None:
+    ours, theirs = module.state_dict(keep_vars=True), reference.state_dict(keep_vars=True)
+    assert ours.keys() == theirs.keys(), what
+    for name in ours:
+        assert same_bits(ours[name], theirs[name]), f"{what}: {name} differs from the twin"
+
+
+def assert_same_state(module: nn.Module, state: dict, what: str) -> None:
+    """`module`'s parameters and buffers equal `state` (a twin's) bit for bit."""
+    ours = module.state_dict(keep_vars=True)
+    assert ours.keys() == state.keys(), what
+    for name, tensor in ours.items():
+        assert same_bits(tensor, state[name]), f"{what}: {name} differs from the twin"
