@@ -197,7 +197,9 @@ class Scheduler:
         #: Agreement of the node's ranks on collective loads (``weight_transfer="allgather"``).
         self._ledger = None if self._packer.node is None else PhaseLedger(self._packer.node.group)
         if not self.pin_memory:
-            _log.info("host masters on %s are pageable memory (pin_memory=False)", self.device)
+            _log.info("host masters on %s are pageable memory (%s)", self.device,
+                      "pin_memory=False" if self._transport.can_pin() else
+                      "the device is the host: nothing to pin")
 
     @property
     def pin_memory(self) -> bool:
