@@ -197,9 +197,7 @@ class Scheduler:
         #: Agreement of the node's ranks on collective loads (``weight_transfer="allgather"``).
         self._ledger = None if self._packer.node is None else PhaseLedger(self._packer.node.group)
         if not self.pin_memory:
-            _log.info("host masters on %s are pageable memory (%s)", self.device,
-                      "pin_memory=False" if self._transport.can_pin() else
-                      "the device is the host: nothing to pin")
+            _note_pageable(self.device, self._transport)
 
     @property
     def pin_memory(self) -> bool:
@@ -638,3 +636,9 @@ def _check_open(closed: bool) -> None:
 
 def _why_shared(sharded: ShardedLoad | None) -> str | None:
     return None if sharded is None else "weight_transfer='allgather'"
+
+
+def _note_pageable(device: torch.device, transport: Transport) -> None:
+    """Say that host masters are pageable memory, and why."""
+    why = "pin_memory=False" if transport.can_pin() else "the device is the host: nothing to pin"
+    _log.info("host masters on %s are pageable memory (%s)", device, why)
