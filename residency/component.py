@@ -42,8 +42,9 @@ class _PendingLoad:
 
     #: The device storage being copied into.
     storage: DeviceStorage
-    #: The group's views of it, in inventory order.
+    #: The group's views of it, in inventory order, and their data pointers.
     views: list[torch.Tensor]
+    pointers: list[int]
     #: The end of the copy.
     completion: Completion
     #: Version counters when the copy began (prefetch: edits after it are copied again), or None.
@@ -189,36 +190,40 @@ class Residency:
             for block in self.blocks.blocks:
                 block.mark_dirty()
 
-    def _load(self, storage: DeviceStorage) -> int:
+    def _load(self, storage: DeviceStorage, *, replaced: list[int] | None = None) -> int:
         """Copy the host master into `storage` and re-point the tensors there; returns bytes copied.
 
-        On any failure (including a ``KeyboardInterrupt``) the group is left cleanly offloaded.
+        `replaced`: `replaced_on_host`'s answer, when the caller asked already (one pointer pass
+        per load).  On any failure (including a ``KeyboardInterrupt``) the group is left cleanly
+        offloaded.
         """
         try:
-            self._begin_load(storage)
+            self._begin_load(storage, replaced=replaced)
             return self._finish_load()
         except BaseException:  # see [Note: interrupts] in residency.scheduler: undone
             if self.state is ResidencyState.LOADING:
                 self._cancel_load()
             raise
 
-    def _begin_load(self, storage: DeviceStorage, *, watch_edits: bool = False) -> int:
+    def _begin_load(self, storage: DeviceStorage, *, watch_edits: bool = False,
+                    replaced: list[int] | None = None) -> int:
         """Issue the copy into device storage; the tensors keep reading the host master.
         Returns the bytes this process copies host to device.
 
         The group is LOADING until `_finish_load` (or `_cancel_load`).  Used directly for prefetch,
         with `watch_edits`: user code may run (and edit the weights on the host) before the
-        load finishes, and `_finish_load` then copies what changed again.
+        load finishes, and `_finish_load` then copies what changed again.  `replaced`: as for
+        `_load`.
         """
         self._require(ResidencyState.OFFLOADED, "load")
         # The placement adopted any change first (`pending_change` is None here): see `_adopt`.
-        self._adopt_replaced_offloaded()
+        self._adopt_replaced_offloaded(replaced)
         try:
             self.state = ResidencyState.LOADING
             nbytes = self.inventory.layout.contiguous_nbytes
             sharded = self.sharded
             self._prepare_storage(storage, sharded.buffer_nbytes(nbytes) if sharded else nbytes)
-            views = storage.views_for(self, self.inventory)
+            views, pointers = storage.views_and_pointers(self, self.inventory)
             copies = self.host_master.chunk_copies(storage.buffer, self.inventory)
             watched = versions(self.inventory.tensors) if watch_edits else None
             if sharded is None:
@@ -227,7 +232,7 @@ class Residency:
                 completion, moved = sharded.load(
                     self.name, self._transport, copies, storage.buffer, nbytes
                 )
-            self._pending = _PendingLoad(storage, views, completion, watched, moved)
+            self._pending = _PendingLoad(storage, views, pointers, completion, watched, moved)
             return moved
         except BaseException:  # see [Note: interrupts]: undone
             if self._pending is not None:
@@ -244,13 +249,12 @@ class Residency:
                 pending = self._recopy_edited(pending)
             completion = pending.completion
             completion.wait()
-            device_ptrs = pending.storage.pointers_for(self)
             if self._detector is not None:  # ordered after the copy by completion.wait()
                 self._detector.remember(self._device_bytes(pending.storage))
             repoint_group(self.inventory, pending.views)
             # The commit: one line, so no interrupt lands between these stores.
             self._pending, self.device_storage, self._device_ptrs, self.state = (
-                None, pending.storage, device_ptrs, ResidencyState.RESIDENT)
+                None, pending.storage, pending.pointers, ResidencyState.RESIDENT)
             return pending.nbytes
         except BaseException:  # undone unless committed (see [Note: interrupts])
             if self.state is ResidencyState.LOADING:
@@ -334,21 +338,34 @@ class Residency:
         self._loaded_versions, self._marked_dirty, self.left_misfits, self.state = (
             now_versions, False, left_misfits, ResidencyState.OFFLOADED)
 
-    def pending_change(self) -> str | None:
+    def replaced_on_host(self) -> list[int]:
+        """Indices of the tensors given new storage while offloaded (``module.to(...)``,
+        ``.data = ...``): one pass over the data pointers."""
+        return self._moved_from(self._host_ptrs)
+
+    def changes_on_host(self) -> tuple[str | None, list[int]]:
+        """What changed while offloaded, from the one pointer pass a load makes: why the group
+        must be re-packed first (`pending_change`, or None), and `replaced_on_host`."""
+        replaced = self.replaced_on_host()
+        return self.pending_change(replaced), replaced
+
+    def pending_change(self, replaced: list[int] | None = None) -> str | None:
         """Why the group must be re-packed before it can load, or None (it is offloaded).
 
         Parameters, buffers or submodules added, replaced or removed since it was packed, or a
         tensor whose dtype, shape or strides no longer fit its place in the master.
+        `replaced`: `replaced_on_host`'s answer, when the caller asked already.
         """
         change = self.inventory.changed_structure()
         if change is not None:
             return change
-        return self.misfit_change()
+        return self.misfit_change(replaced)
 
-    def misfit_change(self) -> str | None:
+    def misfit_change(self, replaced: list[int] | None = None) -> str | None:
         """The part of `pending_change` that data pointers tell (no module-structure walk): a
         tensor given storage of another dtype, shape or strides, or untied; None otherwise."""
-        misfits = self._misfits(self._moved_from(self._host_ptrs))
+        replaced = self.replaced_on_host() if replaced is None else replaced
+        misfits = self._misfits(replaced)
         if not misfits:
             return None
         index, why = misfits[0]
@@ -435,9 +452,7 @@ class Residency:
         if not ranges:
             return 0
         pairs = self.host_master.range_copies(self.device_storage.buffer, ranges, self.inventory)
-        # The host may read the master right away, so this is one place that waits.
-        self._transport.to_host(pairs).synchronize()
-        return sum(host.numel() for host, _ in pairs)
+        return self._copy_to_master(pairs)
 
     def _device_bytes(self, storage: DeviceStorage | None = None) -> torch.Tensor:
         """The group's bytes in `storage` (default: the one it is loaded in), chunks laid end to
@@ -494,16 +509,21 @@ class Residency:
         if not indices:
             return 0
         tensors, homes = self.inventory.tensors, self.host_master.views
-        pairs = [(homes[i], tensors[i].detach()) for i in indices]
-        # The host may read the master right away, so this is the one place that waits.
-        self._transport.to_host(pairs).synchronize()
-        return sum(homes[i].nbytes for i in indices)
+        return self._copy_to_master([(homes[i], tensors[i].detach()) for i in indices])
 
-    def _adopt_replaced_offloaded(self) -> set[int]:
+    def _copy_to_master(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Copy (master view, device bytes) pairs to the host; returns the bytes copied.
+
+        The host may read the master right away, so this is the one place a write-back waits.
+        """
+        self._transport.to_host(pairs).synchronize()
+        return sum(host.nbytes for host, _ in pairs)
+
+    def _adopt_replaced_offloaded(self, replaced: list[int] | None = None) -> set[int]:
         """Copy into the master any tensor given new storage while offloaded (``module.to(...)``)
         that still fits its place; returns the indices adopted (misfits are left as they are:
-        `pending_change` reports them)."""
-        replaced = self._moved_from(self._host_ptrs)
+        `pending_change` reports them).  `replaced`: as for `_load`."""
+        replaced = self.replaced_on_host() if replaced is None else replaced
         if not replaced:
             return set()
         left = {i for i, _ in self._misfits(replaced)}

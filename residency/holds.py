@@ -34,7 +34,12 @@ Fields (every one guarded by the scheduler lock; `Holds` is their one mutator):
   an entry with no frames and no hold is removed; a thread's frames are its open phases, innermost
   last, and each frame names the exclusive group the thread needs while the frame is innermost.
 * a thread's ``held``: the group it holds, or None.  Invariant: every held group is the placement's
-  current group (the facade grants a hold only after making the group current).
+  current group (a hold is granted only after the placement made the group current).
+* ``closed``: set by `close`; then no hold is granted and waiters raise.  The scheduler's one
+  closed flag: the facade reads it to refuse its verbs.
+
+Calls go down from here: when a thread's turn comes, the holds ask the placement to make its group
+current (`Placement.switch_to`); they read ``placement.current`` and call nothing above them.
 * ``_queue``: tickets of threads waiting for a group, oldest first.  Invariant: a thread waits on
   at most one ticket and holds nothing while it waits.
 """
@@ -46,12 +51,13 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from residency.component import Residency
 from residency.enums import PhaseStatus
 from residency.errors import DeadlockError, PhaseError, SchedulerClosedError
 from residency.locks import CHECKING, check_held
+from residency.placement import Placement
 
 __all__ = ["Holds", "ThreadHolds", "Ticket"]
 
@@ -99,13 +105,14 @@ class Holds:
     def __init__(
         self,
         lock: threading.RLock,
+        placement: Placement,
         *,
         wait_timeout: float | None,
-        current_group: Callable[[], Residency | None],
     ) -> None:
         self._lock = lock
-        #: Reads the placement's current group (the one a hold may join).
-        self._current_group = current_group
+        #: Makes a group current when a thread's turn comes; its ``current`` is the group a
+        #: hold may join.
+        self._placement = placement
         #: Waiters sleep here; the same lock.
         self._wakeup = threading.Condition(lock)
         self.wait_timeout = wait_timeout
@@ -116,7 +123,7 @@ class Holds:
         self._holder_count = 0  # guarded by the lock
         self._queue: collections.deque[Ticket] = collections.deque()  # guarded by the lock
         #: Set by `close`: no more holds are granted, and waiters raise.
-        self._closed = False  # guarded by the lock
+        self.closed = False  # guarded by the lock
 
     # -- queries (the lock held) ---------------------------------------------------------------
 
@@ -172,7 +179,7 @@ class Holds:
         entry = getattr(self._local, "entry", None) or self._local_entry()
         group, held = phase.group, entry.held
         if held is not group:  # (a held group is exclusive)
-            if held is not None or self._queue or group is not self._current_group() \
+            if held is not None or self._queue or group is not self._placement.current \
                     or not group.exclusive:
                 return entry
             self._holder_count += 1
@@ -182,11 +189,26 @@ class Holds:
         phase.status = _ACTIVE
         return None
 
-    def leave(self, phase) -> tuple[ThreadHolds, Residency] | None:
-        """Close `phase` (see `pop`) and give up the hold when no phase of the thread needs one.
+    def enter(self, entry: ThreadHolds, phase) -> Residency:
+        """Open `phase` when `try_join` could not: take the hold its group needs (waiting for the
+        turn, and having the placement swap it in), then push the frame; returns its group.
 
-        Returns None when that is all, or (entry, group the new innermost frame needs) when the
-        facade must move the thread's hold.  Raises `PhaseError` like `pop`.
+        A phase of a resident-policy group needs what the thread's innermost phase needs.  If
+        the swap fails, the thread takes its previous group back and nothing is opened.
+        """
+        if CHECKING:
+            check_held(self._lock)
+        self.collect_abandoned()
+        group = phase.group
+        needs = group if group.exclusive else entry.needs()
+        if needs is not entry.held:
+            self.move(entry, needs, restore_on_failure=True)
+        return self.push(entry, phase, needs)
+
+    def leave(self, phase) -> None:
+        """Close `phase` (see `pop`), then give up the hold when no phase of the thread needs
+        one, or move it to the group the new innermost frame needs.  Raises `PhaseError` like
+        `pop`.
         """
         if CHECKING:
             check_held(self._lock)
@@ -207,7 +229,9 @@ class Holds:
         if needs is None:
             self.give_up(entry)
             return None
-        return entry, needs
+        self.move(entry, needs, restore_on_failure=False)
+        self.forget_if_idle(entry)
+        return None
 
     def pop(self, entry: ThreadHolds, phase) -> Residency | None:
         """Close `phase`, the innermost frame, and every LEAVING frame it uncovers; returns what
@@ -263,14 +287,14 @@ class Holds:
                       "a completed exit: interrupted)", frame[0].group.name, entry.thread.name)
         return True
 
-    def settle(self, phase, make_current: Callable[[Residency], None]) -> None:
+    def settle(self, phase) -> None:
         """After an entry or exit of `phase` on this thread stopped half-way (see [Note:
         interrupts] in `residency.scheduler`): close `phase` if it is open, drop the thread's
         tickets, count the holders again, and give the thread the hold its innermost open
-        phase needs (``make_current``: the facade's swap)."""
+        phase needs."""
         if CHECKING:
             check_held(self._lock)
-        if self._closed:
+        if self.closed:
             return
         entry = getattr(self._local, "entry", None) or self._local_entry()
         frames = entry.frames
@@ -281,7 +305,7 @@ class Holds:
             phase.status = PhaseStatus.EXITED
         while frames and frames[-1][0].status is PhaseStatus.LEAVING:
             frames.pop()[0].status = PhaseStatus.EXITED_LATE
-        if entry.held is not None and entry.held is not self._current_group():
+        if entry.held is not None and entry.held is not self._placement.current:
             entry.held = None
         self._queue = collections.deque(t for t in self._queue if t.thread is not entry.thread)
         if frames or entry.held is not None:
@@ -291,7 +315,7 @@ class Holds:
         self._holder_count = sum(e.held is not None for e in self._threads.values())
         self._wakeup.notify_all()
         if entry.needs() is not entry.held:
-            self.move(entry, entry.needs(), make_current, restore_on_failure=False)
+            self.move(entry, entry.needs(), restore_on_failure=False)
         self.forget_if_idle(entry)
 
     def forget_if_idle(self, entry: ThreadHolds) -> None:
@@ -351,12 +375,11 @@ class Holds:
         self,
         entry: ThreadHolds,
         needs: Residency | None,
-        make_current: Callable[[Residency], None],
         *,
         restore_on_failure: bool,
     ) -> None:
         """Give up `entry`'s hold and take `needs`: at once when it is current and nobody waits,
-        else after waiting for the turn and ``make_current(needs)`` (the facade's swap).
+        else after waiting for the turn and having the placement make it current.
 
         If that fails and `restore_on_failure`, the thread takes its previous group back (the
         first error is the one raised; a failure to restore is noted on it).
@@ -367,30 +390,29 @@ class Holds:
         if needs is None:
             return
         try:
-            self._acquire(entry, needs, make_current)
+            self._acquire(entry, needs)
         except BaseException as error:
             if restore_on_failure and previous is not None:
-                self._restore(entry, previous, make_current, error)
+                self._restore(entry, previous, error)
             raise
 
     def close(self) -> None:
         """Grant no more holds; waiters wake up to `SchedulerClosedError`."""
         if CHECKING:
             check_held(self._lock)
-        self._closed = True
+        self.closed = True
         self._wakeup.notify_all()
 
-    def _acquire(
-        self, entry: ThreadHolds, group: Residency, make_current: Callable[[Residency], None]
-    ) -> None:
-        if self.may_join(group, self._current_group()):
+    def _acquire(self, entry: ThreadHolds, group: Residency) -> None:
+        if self.may_join(group, self._placement.current):
             self.take(entry, group)
             return
         ticket = Ticket(group, entry.thread)
         try:  # no `finally`: its first line would be a place an interrupt skips it
             self.enqueue(ticket)
             self._wait_for_turn(ticket)
-            make_current(group)
+            if self._placement.current is not group:
+                self._placement.switch_to(group)
             self.take(entry, group)
             self.dequeue(ticket)
         except BaseException:
@@ -398,9 +420,9 @@ class Holds:
                 self.dequeue(ticket)
             raise
 
-    def _restore(self, entry, previous, make_current, error: BaseException) -> None:
+    def _restore(self, entry, previous, error: BaseException) -> None:
         try:
-            self._acquire(entry, previous, make_current)
+            self._acquire(entry, previous)
         except BaseException as restore_error:  # the first error is the one to report
             note = (
                 f"residency: group {previous.name!r} could not be made resident again "
@@ -415,18 +437,18 @@ class Holds:
         """Sleep until `ticket` may join the current group or swap it out (first come, first
         served)."""
         deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
-        while not self._may_proceed(ticket, self._current_group()):
-            if self._closed:
+        while not self._may_proceed(ticket, self._placement.current):
+            if self.closed:
                 raise SchedulerClosedError(
                     "the scheduler was closed while this phase waited for its group; create a new "
                     "Scheduler and add the modules again to keep offloading"
                 )
             self.collect_abandoned()
-            self._release_dead_holders(ticket.group, self._current_group())
+            self._release_dead_holders(ticket.group, self._placement.current)
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlockError(
                     f"waited {self.wait_timeout} s for group {ticket.group.name!r}: "
-                    f"{self.describe_holders(self._current_group())}. Leave phases promptly, or "
+                    f"{self.describe_holders(self._placement.current)}. Leave phases promptly, or "
                     "raise wait_timeout"
                 )
             self._wakeup.wait(_DEAD_HOLDER_POLL)

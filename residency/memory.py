@@ -198,9 +198,10 @@ class DeviceStorage:
             self._view_count += len(views)
         return views
 
-    def pointers_for(self, key: object) -> list[int]:
-        """The data pointers of `key`'s views (plain ints: holding them keeps no memory alive)."""
-        return self._pointers[key]
+    def views_and_pointers(self, key: object, inventory: Inventory):
+        """`views_for`, with the views' data pointers (plain ints: holding them keeps no memory
+        alive): what a load re-points to, and where it finds ``.data = ...`` at eviction."""
+        return self.views_for(key, inventory), self._pointers[key]
 
     def forget(self, key: object) -> None:
         """Drop the views made for `key` (a group that was unregistered or re-packed)."""

@@ -52,24 +52,26 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from residency.admission import Admission, check_open, sharded_load
+from residency.adoption import Adoption
+from residency.agreement import PhaseLedger
 from residency.arguments import as_excluded, as_modules, check_flag, check_name, check_options
 from residency.arguments import parse_device, parse_policy
+from residency.blocks import BlockPlan
+from residency.buffers import DeviceBuffers
 from residency.component import Residency
 from residency.discovery import scheduler_from_pipeline
 from residency.enums import PhaseStatus, Policy
-from residency.errors import PhaseError, RegistrationError, SchedulerClosedError
+from residency.errors import PhaseError
 from residency.holds import Holds
-from residency.agreement import PhaseLedger
+from residency.layers import as_block_plans, streamed_modules
 from residency.locks import locked, new_lock
-from residency.node import node_view
-from residency.sharded import ShardedLoad
 from residency.no_offload import NoOffload
+from residency.node import node_view
 from residency.packing import Packer
 from residency.placement import Placement
-from residency.blocks import BlockPlan
-from residency.layers import as_block_plans, build_stream, restream, streamed_modules
 from residency.records import BlockLog, TransitionLog
-from residency.registry import Claim, Registry, owned_modules, repacked_claim
+from residency.registry import Registry
 from residency.tensors import DEFAULT_CHUNK_NBYTES
 from residency.transport import Transport, transport_for
 
@@ -112,7 +114,7 @@ class Phase:
         try:  # the lock on one line: see [Note: a context on one line] in residency.locks
             with scheduler._lock: return scheduler._enter(self)  # noqa: E701
         except BaseException:  # undone, whatever it reached (see [Note: interrupts])
-            locked(scheduler._lock, scheduler._holds.settle, self, scheduler._make_current)
+            locked(scheduler._lock, scheduler._holds.settle, self)
             raise
 
     def __exit__(self, *exc_info) -> None:
@@ -124,7 +126,7 @@ class Phase:
         except PhaseError:  # refused: nothing changed
             raise
         except BaseException:  # completed (see [Note: interrupts])
-            locked(scheduler._lock, scheduler._holds.settle, self, scheduler._make_current)
+            locked(scheduler._lock, scheduler._holds.settle, self)
             raise
 
     def _exit_inactive(self) -> None:
@@ -182,18 +184,18 @@ class Scheduler:
         #: Records of phase changes and (layer mode) of block moves: the newest `record_limit`.
         self.transitions, self.block_records = TransitionLog(record_limit), BlockLog(record_limit)
         self._lock = new_lock()
-        self._closed = False  # guarded by the lock
         self._registry = Registry(self._lock, owner_label=f"<Scheduler on {self.device}>")
-        self._placement = Placement(
-            self._lock,
-            self._transport,
-            device=self.device,
-            device_memory_limit=device_memory_limit,
-            transitions=self.transitions,
-        )
-        self._holds = Holds(
-            self._lock, wait_timeout=wait_timeout, current_group=lambda: self._placement.current
-        )
+        buffers = DeviceBuffers(self._transport)
+        self._adoption = Adoption(self._packer, self._registry, buffers,
+                                  device_memory_limit=device_memory_limit)
+        self._placement = Placement(self._lock, self._transport, device=self.device,
+                                    buffers=buffers, adoption=self._adoption,
+                                    transitions=self.transitions)
+        self._holds = Holds(self._lock, self._placement, wait_timeout=wait_timeout)
+        self._admission = Admission(self._lock, registry=self._registry, packer=self._packer,
+                                    placement=self._placement, holds=self._holds,
+                                    adoption=self._adoption, transport=self._transport,
+                                    block_records=self.block_records)
         #: Agreement of the node's ranks on collective loads (``weight_transfer="allgather"``).
         self._ledger = None if self._packer.node is None else PhaseLedger(self._packer.node.group)
         if not self.pin_memory:
@@ -267,16 +269,16 @@ class Scheduler:
             scheduler.add("shared", model, policy="resident", exclude=[model.reasoner, model.generator])
             scheduler.add("transformer", dit, layers=plan_blocks(dit, resident_layers=2))
         """
-        _check_open(self._closed)
+        check_open(self._holds.closed)
         policy = parse_policy(policy)
         check_name(name, ())
         check_flag("detect_edits", detect_edits)
-        sharded = _sharded_load(self._packer.node, self._ledger, name, weight_transfer)
+        sharded = sharded_load(self._packer.node, self._ledger, name, weight_transfer)
         roots = as_modules(name, modules)
         plans = as_block_plans(name, roots, layers, policy)
         excluded = as_excluded(name, exclude, roots) + streamed_modules(plans)
-        return self._register(name, roots, policy, excluded, category, detect_edits, plans,
-                              sharded)
+        return self._admission.register(name, roots, policy, excluded, category, detect_edits,
+                                        plans, sharded)
 
     def alias(self, path: str, name: str) -> None:
         """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline).
@@ -292,25 +294,8 @@ class Scheduler:
         The modules' current tensors are packed into a fresh host master; the group ends offloaded
         (resident-policy groups are placed again).  Phases of the group are refused meanwhile.
         """
-        _check_open(self._closed)
-        old, plans, excluded, aliases = locked(self._lock, self._plan_refresh, name)
-        try:
-            return self._refresh(old, plans, excluded, aliases)
-        except BaseException:  # rolled forward once (see [Note: interrupts])
-            if name not in self._registry:
-                self._refresh(old, plans, excluded, aliases)
-            raise
-
-    def _plan_refresh(self, name: str) -> tuple:
-        old = self._registry.lookup(name)  # a phase of it refuses the refresh in `_retire`
-        return (old, *restream(old), self._registry.aliases_of(old))
-
-    def _refresh(self, old: Residency, plans, excluded, aliases) -> Residency:
-        """Withdraw `old` (its edits written back, its tensors on its host master), then register
-        its modules again as they are.  Repeatable: each step reads where the last one ended."""
-        locked(self._lock, self._retire, old, "refresh")
-        return self._register(old.name, old.modules, old.policy, excluded, old.category,
-                              old.detect_edits, plans, old.sharded, aliases)
+        check_open(self._holds.closed)
+        return self._admission.refresh(name)
 
     def remove(self, name: str) -> Residency:
         """Unregister group `name`; its modules keep their weights in host memory.
@@ -318,26 +303,8 @@ class Scheduler:
         Refused while a phase of the group is active.  Tensors the user re-typed or re-shaped
         while the group was resident are left as the user made them (moved to the host).
         """
-        _check_open(self._closed)
-        return locked(self._lock, self._retire, name, "remove")
-
-    def _retire(self, group: Residency | str, action: str) -> Residency:
-        """Evict `group` (or the group named so) and forget it; refused while a phase of it is
-        active, or when its eviction is refused (then nothing changed).  Completes an
-        interrupted retire."""
-        group = self._registry.lookup(group) if isinstance(group, str) else group
-        if self._registry.get(group.name) is not group:
-            return group  # retired already (an interrupted refresh's second try)
-        self._check_not_in_a_phase(group, action)
-        try:
-            self._placement.withdraw(group, evict=True)
-            self._registry.unregister(group)
-        except BaseException:  # rolled forward unless the eviction was refused
-            if not group.is_resident or group.exclusive and self._placement.current is not group:
-                self._placement.withdraw(group, evict=False)
-                self._registry.unregister(group)
-            raise
-        return group
+        check_open(self._holds.closed)
+        return locked(self._lock, self._admission.remove, name, "remove")
 
     def close(self) -> None:
         """Return every group's weights to host memory and release device storage.
@@ -350,14 +317,13 @@ class Scheduler:
         locked(self._lock, self._close)
 
     def _close(self) -> None:
-        if self._closed:
+        if self._holds.closed:
             return
-        self._check_no_holders("close the scheduler")
+        self._admission.check_no_holders("close the scheduler")
         for group in self._registry:
-            self._check_not_in_a_phase(group, "close the scheduler with")
+            self._admission.check_not_in_a_phase(group, "close the scheduler with")
         for group in self._registry:
-            self._retire(group, "close the scheduler with")
-        self._closed = True
+            self._admission.remove(group, "close the scheduler with")
         try:  # repeatable: an interrupted step is done again
             self._close_owners()
         except BaseException:
@@ -367,7 +333,7 @@ class Scheduler:
     def _close_owners(self) -> None:
         self._placement.release_shared()
         self._registry.close()
-        self._holds.close()  # waiters wake up to SchedulerClosedError
+        self._holds.close()  # the one closed flag; waiters wake up to SchedulerClosedError
 
     def __enter__(self) -> Scheduler:
         return self
@@ -378,7 +344,7 @@ class Scheduler:
     # -- reading -----------------------------------------------------------------------------
 
     def __getitem__(self, name: str) -> Residency:
-        _check_open(self._closed)
+        check_open(self._holds.closed)
         return self._registry.lookup(name)
 
     def __contains__(self, name: object) -> bool:
@@ -391,7 +357,7 @@ class Scheduler:
         return len(self._registry)
 
     def __repr__(self) -> str:
-        status = "closed" if self._closed else f"current={self.current!r}"
+        status = "closed" if self._holds.closed else f"current={self.current!r}"
         return f"<Scheduler on {self.device}: {len(self)} group(s), {status}>"
 
     @property
@@ -423,7 +389,7 @@ class Scheduler:
         """
         group = self._registry.get(name)
         if group is None:
-            _check_open(self._closed)
+            check_open(self._holds.closed)
             group = self._registry.lookup(name)
         return Phase(self, group)
 
@@ -432,12 +398,12 @@ class Scheduler:
 
         Resident-policy groups stay.  Refused (changing nothing) while any phase is active.
         """
-        _check_open(self._closed)
+        check_open(self._holds.closed)
         locked(self._lock, self._offload_all)
 
     def _offload_all(self) -> None:
-        self._check_no_holders("offload all groups")
-        self._placement.offload_all(self._adopt_changes)
+        self._admission.check_no_holders("offload all groups")
+        self._placement.offload_all()
 
     def prefetch(self, name: str) -> bool:
         """Start copying group `name` to the device now, beside the resident group; opt-in.
@@ -454,189 +420,27 @@ class Scheduler:
         or no room).  The prefetched group's tensors keep reading the host master until its
         phase begins.
         """
-        _check_open(self._closed)
+        check_open(self._holds.closed)
         return locked(self._lock, self._prefetch, name)
 
     def _prefetch(self, name: str) -> bool:
         return self._placement.prefetch(self._registry.lookup(name))
 
     def _enter(self, phase: Phase) -> Residency:
-        if self._closed:
-            _check_open(self._closed)
+        if self._holds.closed:
+            check_open(True)
         if phase.group.blocks is not None:
             phase.group.blocks.rewrap()
         entry = self._holds.try_join(phase)
         if entry is None:  # joined at once: no tensor work
             return phase.group
-        self._holds.collect_abandoned()
-        group = phase.group
-        needs = group if group.exclusive else entry.needs()
-        if not group.exclusive:
-            self._registry.check_registered(group)
-        if needs is not entry.held:
-            self._holds.move(entry, needs, self._make_current, restore_on_failure=True)
-        return self._holds.push(entry, phase, needs)
+        self._registry.check_registered(phase.group)
+        return self._holds.enter(entry, phase)
 
     def _exit(self, phase: Phase) -> None:
-        move = self._holds.leave(phase)
-        if move is not None:
-            entry, needs = move
-            self._holds.move(entry, needs, self._make_current, restore_on_failure=False)
-            self._holds.forget_if_idle(entry)
-
-    def _make_current(self, group: Residency) -> None:
-        """Swap `group` in (the lock held, nobody holding the current group)."""
-        self._registry.check_registered(group)
-        if self._placement.current is not group:
-            self._placement.switch_to(group, self._adopt_changes)
+        self._holds.leave(phase)
 
     # -- helpers -------------------------------------------------------------------------------
-
-    def _register(self, name, roots, policy, excluded, category, detect_edits, plans, sharded,
-                  aliases=()) -> Residency:
-        """Claim, pack and enroll a group (`add`, `refresh`); on any exception, whatever step it
-        reached is undone (see [Note: interrupts])."""
-        blocks = tuple(self._packer.inventory((m,), ()) for m in streamed_modules(plans))
-        inventory = self._packer.inventory(roots, excluded, allow_empty=bool(blocks))
-        claim, group = Claim(name, policy, inventory, blocks, sharded), None
-        try:
-            locked(self._lock, self._reserve, claim)
-            group = self._pack_claimed(claim, roots, excluded, category, detect_edits, plans)
-            return locked(self._lock, self._enroll, group, claim, aliases)
-        except BaseException:
-            locked(self._lock, self._abandon, claim, group)
-            raise
-
-    def _reserve(self, claim: Claim) -> None:
-        """Check a claim against everything registered and reserve it."""
-        _check_open(self._closed)
-        self._registry.check_claimable(claim, self._placement.spans())
-        self._placement.check_budget(
-            claim.name, self._registry.needs(claim.name, claim.policy, claim.device_need))
-        self._registry.claim(claim)
-
-    def _abandon(self, claim: Claim, group: Residency | None) -> None:
-        """Undo a registration that did not complete: its claim, the wrappers of its stream."""
-        self._registry.release_claim(claim)
-        if group is not None and group.blocks is not None and group not in list(self._registry):
-            group.blocks.close()
-
-    def _pack_claimed(
-        self, claim, roots, excluded, category, detect_edits, plans
-    ) -> Residency:
-        """Pack a claimed group outside the lock (see [Note: packing outside the lock])."""
-        # [Note: packing outside the lock] Building a master of many GiB takes seconds; phases of
-        # other threads must not wait for it.  The claim keeps the name, modules and tensors
-        # from being registered twice meanwhile.
-        sharded = claim.sharded
-        pack = functools.partial(self._packer.pack, require_shared=_why_shared(sharded))
-        group = Residency(
-            claim.name, roots, claim.policy, claim.inventory, pack(claim.name, claim.inventory),
-            self._transport, excluded=excluded, category=category, detect_edits=detect_edits,
-            sharded=sharded,
-        )
-        try:
-            if plans:
-                group.blocks = build_stream(
-                    group, plans, claim.blocks, pack=pack, slots=self._placement.block_slots,
-                    lock=self._lock, log=self.block_records,
-                    adopt=functools.partial(self._adopt_changes, group),
-                )
-            return group
-        except BaseException:
-            if group.blocks is not None:
-                group.blocks.close()
-            raise
-
-    def _enroll(self, group: Residency, claim: Claim, aliases: Iterable[str]) -> Residency:
-        """Register a packed group and give it its place (an always-resident one loads now);
-        undone on any exception."""
-        _check_open(self._closed)
-        try:
-            self._registry.enroll(group, aliases)
-            self._placement.admit(group)
-            return group
-        except BaseException:
-            self._placement.withdraw(group, evict=True)
-            self._registry.unregister(group)
-            raise
-
-    def _adopt_changes(self, group: Residency, part: Residency | None = None) -> None:
-        """Re-pack offloaded `group` (or `part`, one of its streamed blocks) if its modules
-        changed since it was packed (a new dtype, new or replaced parameters): the change is
-        adopted, not refused, and logged once.  Refused only when the new tensors break an
-        ownership rule or the device budget (the error says which)."""
-        part = group if part is None else part
-        change = part.pending_change()
-        if change is None:
-            return
-        inventory = self._packer.inventory(part.modules, part.excluded,
-                                           allow_empty=part is group and group.blocks is not None)
-        claim = Claim(group.name, group.policy, inventory)
-        self._registry.check_claimable(claim, self._placement.spans(), replacing=group)
-        need = repacked_claim(group, part, inventory).device_need
-        self._placement.check_budget(group.name, self._registry.needs(
-            group.name, group.policy, need, ignore=group))
-        master = self._packer.pack(part.name, inventory, require_shared=_why_shared(part.sharded))
-        self._placement.forget_views(part)
-        owned = owned_modules(group)
-        try:
-            part._adopt(inventory, master)
-            self._registry.retake(group, owned)
-        except BaseException:  # adopted: the ownership follows (see [Note: interrupts])
-            if part.inventory is inventory:
-                self._registry.retake(group, owned)
-            raise
-        _log.info("group %r changed (%s); re-packed %d tensors of %s (%.1f MiB)", group.name,
-                  change, inventory.tensor_count, part.name, inventory.nbytes / 2**20)
-
-    def _check_not_in_a_phase(self, group: Residency, action: str) -> None:
-        self._holds.collect_abandoned()
-        if self._holds.involves(group):
-            raise PhaseError(
-                f"cannot {action} group {group.name!r} while a phase of it is active "
-                "(possibly suspended by a nested phase); call it between phases"
-            )
-
-    def _check_no_holders(self, action: str) -> None:
-        self._holds.collect_abandoned()
-        if self._holds.has_holders():
-            raise PhaseError(
-                f"cannot {action} while a phase is active; "
-                f"{self._holds.describe_holders(self._placement.current)}. Call it between phases"
-            )
-
-
-def _sharded_load(node, ledger, name: str, weight_transfer: object) -> ShardedLoad | None:
-    """How group `name` loads: None for ``"rank-local"``; refused without a node to share."""
-    if weight_transfer == "rank-local":
-        return None
-    if weight_transfer != "allgather":
-        raise RegistrationError(
-            f"group {name!r}: weight_transfer={weight_transfer!r}; give 'rank-local' (every "
-            "rank copies all bytes) or 'allgather' (the ranks of a node split the copy)"
-        )
-    if node is None:
-        raise RegistrationError(
-            f"group {name!r}: weight_transfer='allgather' splits the copy among the ranks of "
-            "a node, and this scheduler has none; create it with "
-            "Scheduler(process_group=...) in a job with several ranks per host"
-        )
-    return ShardedLoad(group=node.group, local_rank=node.local_rank,
-                       local_world=node.local_world_size, ledger=ledger)
-
-
-def _check_open(closed: bool) -> None:
-    if closed:
-        raise SchedulerClosedError(
-            "this scheduler was closed; its modules are back in host memory. Create a new "
-            "Scheduler and add the modules again to keep offloading"
-        )
-
-
-def _why_shared(sharded: ShardedLoad | None) -> str | None:
-    return None if sharded is None else "weight_transfer='allgather'"
-
 
 def _note_pageable(device: torch.device, transport: Transport) -> None:
     """Say that host masters are pageable memory, and why."""

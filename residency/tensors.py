@@ -215,23 +215,28 @@ class PackLayout:
     #: Chunks start at multiples of this in device storage (`Alignment.boundary`).
     boundary: int
 
-    @property
-    def nbytes(self) -> int:
-        """Total bytes of all chunks (unique tensor bytes plus alignment padding)."""
+    #: Total bytes of all chunks (unique tensor bytes plus alignment padding).
+    nbytes: int = attrs.field(init=False)
+    #: Offset of each chunk when the chunks are laid end to end (device storage).
+    chunk_base: tuple[int, ...] = attrs.field(init=False)
+    #: Bytes needed to lay every chunk end to end, each aligned.
+    contiguous_nbytes: int = attrs.field(init=False)
+    # The totals are facts of the layout, fixed when it is made (read on every load).
+
+    @nbytes.default
+    def _sum_chunks(self) -> int:
         return sum(self.chunk_nbytes)
 
-    @property
-    def chunk_base(self) -> tuple[int, ...]:
-        """Offset of each chunk when the chunks are laid end to end (device storage)."""
+    @chunk_base.default
+    def _lay_end_to_end(self) -> tuple[int, ...]:
         bases, total = [], 0
         for size in self.chunk_nbytes:
             bases.append(total)
             total += _aligned(size, self.boundary)
         return tuple(bases)
 
-    @property
-    def contiguous_nbytes(self) -> int:
-        """Bytes needed to lay every chunk end to end, each aligned."""
+    @contiguous_nbytes.default
+    def _sum_aligned(self) -> int:
         return sum(_aligned(size, self.boundary) for size in self.chunk_nbytes)
 
 

@@ -86,18 +86,20 @@ LAYERS: list[tuple[str, set[str]]] = [
     # One group (Residency); building a group's host master (packing); NoOffload, the stand-in
     # scheduler for offloading switched off.
     ("one group", {"residency.component", "residency.packing", "residency.no_offload"}),
-    # The owners of a scheduler's state (layers: a layer-mode group's streamed blocks); split
-    # models (which know only NoOffload).
-    (
-        "owners",
-        {
-            "residency.holds",
-            "residency.registry",
-            "residency.placement",
-            "residency.layers",
-            "residency.split",
-        },
-    ),
+    # Ownership (the registry) and the reused device buffers: what adoption asks.
+    ("ownership and buffers", {"residency.registry", "residency.buffers"}),
+    # Re-packing a changed group (asked by placement and by a layer-mode group's stream).
+    ("adoption", {"residency.adoption"}),
+    # A layer-mode group's streamed blocks.
+    ("streams", {"residency.layers"}),
+    # What is on the device: carries out every phase change (asks the groups, their streams,
+    # adoption and the buffers).
+    ("placement", {"residency.placement"}),
+    # Who may run: asks placement to swap a group in when a thread's turn comes; split models
+    # (which know only NoOffload).
+    ("holds", {"residency.holds", "residency.split"}),
+    # Registering and removing groups (asks the registry, the packer, placement and the holds).
+    ("admission", {"residency.admission"}),
     # Plans from a pipeline's declarations (asks the registry's ownership rules; is handed a
     # scheduler factory, never imports the facade).
     ("plans", {"residency.discovery"}),
@@ -130,7 +132,7 @@ BELOW_THE_FACADE = [
         "holds registry placement component memory tensors transport enums locks errors records "
         "discovery config split no_offload arguments packing digests subclasses node shared_memory "
         "agreement "
-        "blocks layers"
+        "blocks layers adoption buffers admission"
     ).split()
 ]
 #: The three owners of a scheduler's state.

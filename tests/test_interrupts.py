@@ -343,7 +343,7 @@ def test_close(stride):
         world.scheduler.close()
 
     def check(world):
-        if not world.scheduler._closed:
+        if not world.scheduler._holds.closed:
             world.check()
             return
         world.check_closed()

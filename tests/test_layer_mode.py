@@ -457,10 +457,7 @@ def test_device_bytes_at_every_block_stay_within_the_rest_plus_two_slots(
 def placement_storages(scheduler: Scheduler) -> list:
     """The placement's shared device storages: module mode's exclusive pair, layer mode's
     storage for a group's own part (when the placement has one), the two block slots."""
-    placement = scheduler._placement
-    layer = getattr(placement, "_layer_storage", None)
-    return [*placement._exclusive_storages, *([layer] if layer is not None else []),
-            *placement.block_slots]
+    return list(scheduler._placement._buffers.all)
 
 
 def device_storages(scheduler: Scheduler) -> dict[int, int]:

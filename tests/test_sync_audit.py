@@ -446,7 +446,7 @@ def allocate_over_freed_memory(device, point) -> None:
 
 def _exclusive_buffer_nbytes(g: Groups) -> int:
     placement = g.scheduler._placement
-    return max(storage.size_hint for storage in placement._exclusive_storages)
+    return max(storage.size_hint for storage in placement._buffers.exclusive)
 
 
 @pytest.mark.gpu
@@ -475,7 +475,7 @@ def edit_then_read_master(device, point, *, detect_edits: bool, hold: str) -> No
         torch.accelerator.synchronize()
         weight = g.models["a"][0].weight
         expected = g.host_copies["a"][0].weight.detach() + 1
-        caller = "_write_ranges" if detect_edits else "_write_back"
+        caller = "_copy_to_master"
         held = g.copy_stream if hold == "copy" else compute_stream()
         drained = () if hold == "copy" else (g.copy_stream,)
         with held_until_host_waits(held, _SYNCHRONIZE, caller, drained), point():
@@ -492,16 +492,16 @@ def edit_then_read_master(device, point, *, detect_edits: bool, hold: str) -> No
 
 @pytest.mark.gpu
 def test_the_host_waits_for_written_back_chunks(device):
-    """component.py:Residency._write_ranges -> to_host(...).synchronize()."""
+    """component.py:Residency._copy_to_master -> to_host(...).synchronize(), for chunks."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=True, hold="copy"),
-          lambda patch: remove_call(patch, Completion, "synchronize", "_write_ranges"))
+          lambda patch: remove_call(patch, Completion, "synchronize", "_copy_to_master"))
 
 
 @pytest.mark.gpu
 def test_the_host_waits_for_written_back_tensors(device):
-    """component.py:Residency._write_back -> to_host(...).synchronize()."""
+    """component.py:Residency._copy_to_master -> to_host(...).synchronize(), for tensors."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=False, hold="copy"),
-          lambda patch: remove_call(patch, Completion, "synchronize", "_write_back"))
+          lambda patch: remove_call(patch, Completion, "synchronize", "_copy_to_master"))
 
 
 @pytest.mark.gpu
@@ -516,7 +516,7 @@ def test_a_write_back_records_its_end_on_the_copy_stream(device):
     """transport.py:AcceleratorTransport.to_host -> copy_stream.record_event()."""
     original = AcceleratorTransport.to_host
     audit(lambda point: edit_then_read_master(device, point, detect_edits=True, hold="copy"),
-          lambda patch: remove_call(patch, AcceleratorTransport, "to_host", "_write_ranges",
+          lambda patch: remove_call(patch, AcceleratorTransport, "to_host", "_copy_to_master",
                                     instead=_eventless(original)))
 
 
@@ -835,16 +835,16 @@ def test_removing_a_resident_group_frees_its_buffer(device):
 
 @pytest.mark.gpu
 def test_offload_all_frees_the_shared_buffers(device):
-    """placement.py:Placement.release_shared -> storage.release()."""
+    """buffers.py:DeviceBuffers.free_all -> storage.release() (offload_all)."""
     audit(lambda point: released_by(device, point, how="release_shared"),
-          lambda patch: remove_call(patch, DeviceStorage, "release", "release_shared"))
+          lambda patch: remove_call(patch, DeviceStorage, "release", "free_all"))
 
 
 @pytest.mark.gpu
 def test_a_layer_phase_frees_the_module_mode_buffers(device):
-    """placement.py:Placement._release_other_mode -> storage.release()."""
+    """buffers.py:DeviceBuffers.make_room -> storage.release()."""
     audit(lambda point: released_by(device, point, how="other_mode"),
-          lambda patch: remove_call(patch, DeviceStorage, "release", "_release_other_mode"))
+          lambda patch: remove_call(patch, DeviceStorage, "release", "make_room"))
 
 
 def fresh_buffer_beside_an_alias(device, point) -> None:
