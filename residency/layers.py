@@ -542,7 +542,9 @@ class _BlockForward(InstanceWrapper):
 
     @torch.compiler.disable
     def _exit(self, token: object) -> None:
-        self.attached.exit(token)
+        stream = self.attached
+        if stream is not None:  # else removed with its group meanwhile: nothing to leave
+            stream.exit(token)
 
     def __repr__(self) -> str:
         return f"<layer-mode forward of {self._range.split(' ', 1)[1]}>"
