@@ -22,7 +22,7 @@ runs ``self.__wrapped__`` inside whatever `attached` stands for.
 * Chains.  A wrapper set over ours later holds ours as its ``__wrapped__``, and so on: `chain`
   walks from a module's attribute down those links, outermost first, at most `MAX_CHAIN` deep and
   stopping at a link already seen.  A wrapper is *reachable* when it is on that chain: calling
-  the module still runs it.  One library that set its wrapper below ours and removes it later
+  the module still runs it.  A library that set its wrapper below ours and removes it later
   puts back the method it saw (diffusers' ``disable_cache``), which drops ours; `unreachable`
   finds those, and the owner sets a fresh one.
 * Removal restores exactly what was there when this is the attribute (the wrapped object put
@@ -35,8 +35,8 @@ runs ``self.__wrapped__`` inside whatever `attached` stands for.
 * Deep copies.  ``copy.deepcopy`` of a wrapper is a deep copy of what it wraps, so a copied module
   is plain: its own class method bound to the copy (or a copy of the other wrapper), never a
   wrapper of ours, never what `attached` holds (a scheduler, its lock, a block stream).
-* `attached` lives in a slot, not in ``__dict__``: a wrapper set on top copies ours' ``__dict__``
-  (``functools.update_wrapper``) and must not carry it.
+* `attached` lives in a slot, not in ``__dict__``: a wrapper set on top copies the ``__dict__`` of
+  the one it wraps (``functools.update_wrapper``) and must not carry it.
 """
 
 from __future__ import annotations
