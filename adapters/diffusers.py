@@ -127,11 +127,10 @@ all-gather in every mode; so does `enable_offload`, for a cache on any component
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
 import attrs
@@ -153,6 +152,7 @@ from residency.errors import (
     PhaseError,
     RegistrationError,
 )
+from residency.instance_wrappers import InstanceWrapper, chain
 from residency.scheduler import Phase, Scheduler
 
 __all__ = ["PhaseEntry", "describe", "disable_offload", "enable_offload", "offload_scheduler"]
@@ -162,8 +162,6 @@ _log = logging.getLogger("residency")
 ENTRY_POINTS = ("forward", "encode", "decode")
 #: The config when none is given.
 DEFAULT_CONFIG = OffloadConfig(mode="module", components=("dit", "text_encoder"))
-#: How many wrappers deep `_chain` looks for residency's entries.
-MAX_CHAIN = 64
 #: The hooks diffusers' caches register in its hook registries (diffusers 0.42), by name, with the
 #: cache each belongs to: what `enable_offload` refuses next to all-gather (see [Note: caches and
 #: all-gather]).
@@ -351,13 +349,9 @@ class _Offload:
         detached in place (a pass-through from then on).
         """
         for name in ENTRY_POINTS:
-            outermost = vars(module).get(name)
-            for entry in _chain(outermost):
-                if entry.offload is not self:
-                    continue
-                if entry is outermost:
-                    entry.restore(module, name)
-                entry.detach()
+            for entry in _chain(vars(module).get(name)):
+                if entry.offload is self:
+                    entry.remove()
 
 
 @attrs.frozen
@@ -442,7 +436,7 @@ def _cache_on(component: nn.Module) -> str | None:
     return None
 
 
-class PhaseEntry:
+class PhaseEntry(InstanceWrapper):
     """A module's own ``forward``, ``encode`` or ``decode``, run inside its group's phase.
 
         pipe.transformer.forward      # <PhaseEntry 'forward' of group 'transformer'>
@@ -457,60 +451,50 @@ class PhaseEntry:
 
     A *detached* entry (``offload is None``) is a pass-through: what `disable_offload` leaves when
     another wrapper holds the entry inside its own chain (see [Note: other wrappers]).  A deep copy
-    of an entry is a deep copy of what it wraps: a copied module is plain and detached.
+    of an entry is a deep copy of what it wraps: a copied module is plain and detached.  Setting,
+    finding, removing, detaching and copying are `InstanceWrapper`'s (`attached` is the record).
     """
 
-    # The record sits in a slot, not in __dict__: a wrapper set on top of an entry copies the
-    # entry's __dict__ into its own (functools.update_wrapper), and must not carry the scheduler.
-    __slots__ = ("offload", "group", "method", "replaced", "__dict__")
+    # The record is the `attached` slot, not in __dict__: a wrapper set on top of an entry copies
+    # the entry's __dict__ into its own (functools.update_wrapper), and must not carry the
+    # scheduler.
+    __slots__ = ("group", "__dict__")
 
-    def __init__(self, offload: _Offload, group: str, method: Callable, *, replaced: bool) -> None:
-        functools.update_wrapper(self, method)  # first: it copies the method's __dict__ in
-        #: The record shared by every entry of the same `enable_offload` call; None once detached.
-        self.offload: _Offload | None = offload
+    def __init__(self, offload: _Offload, group: str, module: nn.Module, name: str) -> None:
+        super().__init__(module, name, offload)
+        functools.update_wrapper(self, self.__wrapped__)  # its name, docstring and __dict__
+        self.__dict__.pop("__wrapped__", None)  # a copied one, hidden by the slot
         #: The exclusive group entered around each call.
         self.group = group
-        #: What a call ran before: the class's method bound to the module, or another wrapper.
-        self.method = method
-        #: Whether `method` was an instance attribute (another wrapper) that disabling puts back.
-        self.replaced = replaced
+
+    @property
+    def offload(self) -> _Offload | None:
+        """The record shared by every entry of the same `enable_offload` call; None once
+        detached."""
+        return self.attached
 
     @property
     def scheduler(self) -> Scheduler | None:
         """The scheduler whose phase this entry enters (None once detached)."""
-        return None if self.offload is None else self.offload.scheduler
+        return None if self.attached is None else self.attached.scheduler
 
     def __call__(self, *args, **kwargs):
-        offload = self.offload
+        offload = self.attached
         if offload is None:
-            return self.method(*args, **kwargs)
+            return self.__wrapped__(*args, **kwargs)
         phase = _enter_phase(offload, self.group)
         device = offload.scheduler.device
         try:
-            result = self.method(*_to_device(args, device), **_to_device(kwargs, device))
+            result = self.__wrapped__(*_to_device(args, device), **_to_device(kwargs, device))
         except BaseException as error:
             _exit_phase(phase, error)
             raise
         _exit_phase(phase, None)
         return result
 
-    def restore(self, module: nn.Module, name: str) -> None:
-        """Make what this entry wrapped `module`'s entry point `name` again."""
-        if self.replaced:
-            setattr(module, name, self.method)
-        else:
-            delattr(module, name)  # the class's method shows through again
-
-    def detach(self) -> None:
-        """Become a pass-through that holds no scheduler."""
-        self.offload = None
-
-    def __deepcopy__(self, memo: dict) -> Callable:
-        return copy.deepcopy(self.method, memo)
-
     def __repr__(self) -> str:
         name = getattr(self, "__name__", "?")
-        if self.offload is None:
+        if self.attached is None:
             return f"<PhaseEntry {name!r}, detached>"
         return f"<PhaseEntry {name!r} of group {self.group!r}>"
 
@@ -537,20 +521,10 @@ def _exit_phase(phase: Phase, error: BaseException | None) -> None:
 
 
 def _chain(entry_point: object) -> Iterator[PhaseEntry]:
-    """Every `PhaseEntry` in the chain of wrappers under `entry_point`, outermost first.
-
-    A `PhaseEntry` leads to what it wraps; any other wrapper to its ``__wrapped__``
-    (functools.update_wrapper: diffusers' and accelerate's hooks set it).
-    """
-    seen: set[int] = set()
-    current = entry_point
-    while current is not None and id(current) not in seen and len(seen) < MAX_CHAIN:
-        seen.add(id(current))
-        if isinstance(current, PhaseEntry):
-            yield current
-            current = current.method
-        else:
-            current = getattr(current, "__wrapped__", None)
+    """Every `PhaseEntry` in the chain of wrappers under `entry_point`, outermost first
+    (`residency.instance_wrappers.chain`: ``__wrapped__``, which diffusers' and accelerate's
+    hooks set through functools.update_wrapper)."""
+    return (link for link in chain(entry_point) if isinstance(link, PhaseEntry))
 
 
 def _live_entries(components: Mapping[str, nn.Module]) -> Iterator[tuple[str, PhaseEntry]]:
@@ -731,28 +705,15 @@ def _wrap_groups(offload: _Offload, plan: ComponentPlan) -> None:
     """Set a `PhaseEntry` for each entry point of each module of every group.
 
     Each entry wraps what a call runs now: the class's method, or another wrapper already set on
-    the instance (see [Note: other wrappers]).  Entries of resident-policy groups move no weights;
+    the instance (see [Note: other wrappers]); residency's own detached entries on top are looked
+    through, so entries do not pile up.  Entries of resident-policy groups move no weights;
     they check that the components are still the ones offloaded (`_Offload.check_components`).
     """
     for group, members in (*plan.exclusive.items(), *plan.resident.items()):
         for _, module in members:
             for name in ENTRY_POINTS:
-                method, replaced = _entry_point(module, name)
-                if callable(method):
-                    setattr(module, name, PhaseEntry(offload, group, method, replaced=replaced))
-
-
-def _entry_point(module: nn.Module, name: str) -> tuple[object, bool]:
-    """(what ``module.<name>(...)`` runs, whether that is an instance attribute).
-
-    Looks through residency's own detached entries on top, so entries do not pile up.
-    """
-    current, replaced = vars(module).get(name), True
-    if current is None:
-        return getattr(module, name, None), False  # the class's method, bound
-    while isinstance(current, PhaseEntry) and current.offload is None:
-        current, replaced = current.method, current.replaced
-    return current, replaced
+                if callable(getattr(module, name, None)):
+                    PhaseEntry(offload, group, module, name).install()
 
 
 def _to_device(value, device: torch.device):

@@ -44,8 +44,10 @@ node-shared pages: an accumulating edit made to a block outside its slot is appl
 [Note: the block wrappers]
 Models that iterate their block lists themselves (every diffusers DiT) need the streaming to
 happen at each block's call.  The core sets a per-instance ``forward`` on each streamed block (a
-`_BlockForward`, calling the forward it replaced): no ``register_*_hook``, no class patching, only
-in layer mode, and removed when the group is removed, refreshed or the scheduler closes.  It is
+`_BlockForward`, calling the forward it replaced; set, found, removed and deep-copied as every
+per-instance wrapper is: [Note: per-instance wrappers] in `residency.instance_wrappers`): no
+``register_*_hook``, no class patching, only in layer mode, and removed when the group is
+removed, refreshed or the scheduler closes.  It is
 the one place the core replaces something on a user's module (docs/design.md says why).  When the
 group is not current the wrapper only calls through: the block runs on its host master, as a
 module-mode group's modules do outside their phase.  A wrapper another library dropped (one set
@@ -55,7 +57,6 @@ again at the group's next phase entry (`BlockStream.rewrap`).
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
@@ -67,6 +68,7 @@ from residency.blocks import BlockPlan, plan_blocks, replan
 from residency.component import Residency, slot_nbytes
 from residency.enums import Policy, ResidencyState
 from residency.errors import PhaseError, RegistrationError
+from residency.instance_wrappers import InstanceWrapper, unreachable
 from residency.locks import in_context, locked
 from residency.memory import DeviceStorage, HostMaster
 from residency.records import BlockLog
@@ -300,14 +302,15 @@ class BlockStream:
     def rewrap(self) -> None:
         """Set a block's forward again where another library dropped it: a wrapper set below
         ours and removed later restores the forward it saw (diffusers' ``disable_cache``), which
-        bypasses ours.  Called at every phase entry of the group (with the lock held); it follows
-        each forward's ``__wrapped__`` chain (about 0.3 us per block)."""
-        for index, wrapper in enumerate(self._wrappers):
-            if not wrapper.reachable():
-                replacement = _BlockForward(self, index, wrapper.module)
-                self._wrappers[index] = replacement  # an interrupt after it: set at the next entry
-                replacement.install()
-                wrapper.remove()
+        bypasses ours.  Called at every phase entry of the group (with the lock held); it costs
+        one dictionary lookup per block while each is its block's forward, and walks the
+        ``__wrapped__`` chains of the others (`residency.instance_wrappers.unreachable`)."""
+        for index in unreachable(self._wrappers):
+            wrapper = self._wrappers[index]
+            replacement = _BlockForward(self, index, wrapper.module)
+            self._wrappers[index] = replacement  # an interrupt after it: set at the next entry
+            replacement.install()
+            wrapper.remove()
 
     def close(self) -> None:
         """Stop, take the wrappers off the blocks and drop the slots' views of them."""
@@ -480,38 +483,32 @@ class BlockStream:
         self._log.add(self.name, self.blocks[index].name, index, kind, slot, nbytes)
 
 
-class _BlockForward:
+class _BlockForward(InstanceWrapper):
     """A streamed block's per-instance ``forward``: stream it in, run the forward it replaced,
-    stream it out (see [Note: the block wrappers])."""
+    stream it out (see [Note: the block wrappers]).  `attached` is the block's `BlockStream`;
+    setting, finding, removing and copying are `InstanceWrapper`'s."""
 
-    __slots__ = ("_stream", "_index", "module", "_original", "_range", "__wrapped__")
+    __slots__ = ("_index", "_range")
 
     def __init__(self, stream: BlockStream, index: int, module: nn.Module) -> None:
-        self._stream = stream
+        super().__init__(module, "forward", stream)
         self._index = index
-        #: The block whose forward this is.
-        self.module = module
-        #: The forward this replaced: the class's (bound) or another per-instance wrapper.
-        self._original = module.forward
-        self.__wrapped__ = self._original
         self._range = f"residency::block {stream.name}.{stream.blocks[index].name}"
-
-    def install(self) -> None:
-        """Become the block's forward."""
-        self.module.forward = self
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # traced by torch.compile: see _enter
             return self._traced_call(*args, **kwargs)
-        stream, token = self._stream, None
+        stream, token = self.attached, None
+        if stream is None:  # detached: removed with its group
+            return self.__wrapped__(*args, **kwargs)
         try:  # no `finally`: see [Note: interrupts] in residency.scheduler
             token = stream.enter(self._index)
             if token is None:
-                return self._original(*args, **kwargs)
+                return self.__wrapped__(*args, **kwargs)
             if torch.autograd.profiler._is_profiler_enabled:
-                output = in_context(record_function(self._range), self._original, *args, **kwargs)
+                output = in_context(record_function(self._range), self.__wrapped__, *args, **kwargs)
             else:
-                output = self._original(*args, **kwargs)
+                output = self.__wrapped__(*args, **kwargs)
             stream.exit(token)
             return output
         except BaseException:
@@ -524,8 +521,8 @@ class _BlockForward:
         try:
             token = self._enter()
             if token is None:
-                return self._original(*args, **kwargs)
-            output = self._original(*args, **kwargs)
+                return self.__wrapped__(*args, **kwargs)
+            output = self.__wrapped__(*args, **kwargs)
             self._exit(token)
             return output
         except BaseException:
@@ -540,58 +537,14 @@ class _BlockForward:
     # microseconds per call, about the whole budget of a block's streaming.
     @torch.compiler.disable
     def _enter(self) -> object | None:
-        return self._stream.enter(self._index)
+        stream = self.attached
+        return None if stream is None else stream.enter(self._index)
 
     @torch.compiler.disable
     def _exit(self, token: object) -> None:
-        self._stream.exit(token)
-
-    def reachable(self) -> bool:
-        """Whether calling the block still runs this (it is the block's forward, or a wrapper
-        set over it reaches it through ``__wrapped__``, as ``functools.update_wrapper`` sets)."""
-        forward = self.module.__dict__.get("forward")
-        for _ in range(_MAX_CHAIN):
-            if forward is self:
-                return True
-            forward = getattr(forward, "__wrapped__", None)
-            if forward is None:
-                return False
-        return False
-
-    def remove(self) -> None:
-        """Put back the forward this replaced, if this is still the block's forward (a wrapper
-        set over it later stays; this one then only calls through)."""
-        module = self.module
-        if module.__dict__.get("forward") is self:
-            if getattr(self._original, "__self__", None) is module and \
-                    getattr(self._original, "__func__", None) is type(module).forward:
-                del module.__dict__["forward"]
-            else:
-                module.forward = self._original
-        self._stream = _DETACHED
-
-    def __deepcopy__(self, memo: dict):
-        # A deep copy of the model is a plain model: what this wrapped, copied with it.
-        return copy.deepcopy(self._original, memo)
+        stream = self.attached
+        if stream is not None:  # else removed with its group meanwhile: nothing to leave
+            stream.exit(token)
 
     def __repr__(self) -> str:
         return f"<layer-mode forward of {self._range.split(' ', 1)[1]}>"
-
-
-#: How many wrappers deep `_BlockForward.reachable` looks.
-_MAX_CHAIN = 32
-
-
-class _Detached:
-    """The stream of a removed wrapper: never active, so the wrapper only calls through."""
-
-    @staticmethod
-    def enter(index: int) -> None:
-        return None
-
-    @staticmethod
-    def exit(token: object) -> None:
-        return None
-
-
-_DETACHED = _Detached()

@@ -69,6 +69,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "primitives",
         {
             "residency.blocks",
+            "residency.instance_wrappers",  # per-instance wrappers of a module's methods
             "residency.tensors",
             "residency.transport",
             "residency.records",

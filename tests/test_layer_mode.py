@@ -1180,7 +1180,7 @@ def test_refresh_of_a_layer_mode_group_does_not_stack_block_wrappers(schedulers)
     for block in model.blocks:
         wrapper = block.__dict__["forward"]
         assert isinstance(wrapper, _BlockForward)
-        assert not isinstance(wrapper._original, _BlockForward), "a wrapper over a wrapper"
+        assert not isinstance(wrapper.method, _BlockForward), "a wrapper over a wrapper"
     with scheduler.resident("dit"):
         assert torch.equal(run_wan(model, wan_inputs(1)), run_wan(reference, wan_inputs(1)))
     computed = [r for r in scheduler.block_records if r.kind == "compute"]
