@@ -217,7 +217,7 @@ class Residency:
         """
         self._require(ResidencyState.OFFLOADED, "load")
         # The placement adopted any change first (`pending_change` is None here): see `_adopt`.
-        self._adopt_replaced_offloaded(replaced)
+        self._copy_in_replaced(replaced)
         try:
             self.state = ResidencyState.LOADING
             nbytes = self.inventory.layout.contiguous_nbytes
@@ -276,7 +276,7 @@ class Residency:
             if data_ptrs(self.inventory.tensors) == data_ptrs(pending.views):
                 repoint_group(self.inventory, self.host_master.views)  # an interrupted finish
             pending.storage.retire()
-        self._adopt_replaced_offloaded()
+        self._copy_in_replaced()
         self._pending, self.state = None, ResidencyState.OFFLOADED
 
     def _recopy_edited(self, pending: _PendingLoad) -> _PendingLoad:
@@ -284,7 +284,7 @@ class Residency:
 
         The second copy's end becomes the pending load's end, so a cancel waits for it too.
         """
-        adopted = self._adopt_replaced_offloaded()
+        adopted = self._copy_in_replaced()
         now = versions(self.inventory.tensors)
         if now == pending.watched_versions and not adopted:
             return pending
@@ -519,7 +519,7 @@ class Residency:
         self._transport.to_host(pairs).synchronize()
         return sum(host.nbytes for host, _ in pairs)
 
-    def _adopt_replaced_offloaded(self, replaced: list[int] | None = None) -> set[int]:
+    def _copy_in_replaced(self, replaced: list[int] | None = None) -> set[int]:
         """Copy into the master any tensor given new storage while offloaded (``module.to(...)``)
         that still fits its place; returns the indices adopted (misfits are left as they are:
         `pending_change` reports them).  `replaced`: as for `_load`."""
