@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -342,3 +343,19 @@ def test_simulated_cases_are_skipped_off_the_simulator_saying_how(tiny_run):
     skipped = {s["case"]: s["reason"] for s in tiny_run["skipped"]}
     reason = skipped["test_simulated_transition[prefetch]"]
     assert "--bench-device=sim" in reason
+
+
+def test_the_commit_comparison_checks_its_arguments_before_running(tmp_path, capsys):
+    """benchmarks/compare.py refuses a folder that is not a checkout, and fewer than two rounds
+    (no noise figure), before it runs anything."""
+    from benchmarks import compare
+
+    root = Path(__file__).resolve().parent.parent
+    with pytest.raises(SystemExit) as refused:
+        compare.main([str(tmp_path), str(root), "-k", "test_reentry"])
+    assert refused.value.code == 2
+    assert f"{tmp_path} is not a checkout of this project" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        compare.main([str(root), str(root), "-k", "test_reentry", "--rounds", "1"])
+    assert refused.value.code == 2
+    assert "--rounds must be at least 2" in capsys.readouterr().err
