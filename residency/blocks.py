@@ -77,11 +77,10 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from types import MappingProxyType
 
 import attrs
-import torch
 from torch import nn
 
 from residency.errors import ConfigError
-from residency.subclasses import inner_tensors, is_wrapper
+from residency.subclasses import Extent, first_shared, leaf_extents, overlapping_runs
 
 __all__ = [
     "SOURCES",
@@ -432,26 +431,6 @@ def _none_found_message(model: nn.Module, candidates: Sequence[str], total: int)
 # -- bytes and tied tensors -----------------------------------------------------------------------
 
 
-def _leaves(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    if is_wrapper(tensor):
-        for path, inner in inner_tensors(tensor):
-            yield f"{name}.{'.'.join(path)}", inner
-    else:
-        yield name, tensor
-
-
-def _span(tensor: torch.Tensor) -> tuple[tuple, int, int]:
-    """(storage key, first byte, end byte) of the bytes `tensor` can read (tensors.py's rule)."""
-    itemsize = tensor.element_size()
-    extent = 1 + sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride()))
-    length = 0 if tensor.numel() == 0 else extent * itemsize
-    if tensor.is_meta or is_wrapper(tensor):
-        return ("object", id(tensor)), 0, length
-    storage = tensor.untyped_storage()
-    start = tensor.storage_offset() * itemsize
-    return (storage.device, storage.data_ptr()), start, start + length
-
-
 def _walk(root: nn.Module, prefix: str, skip: set[int]) -> Iterator[tuple[str, nn.Module]]:
     """(path, module) under `root` once each, depth first, not entering modules in `skip`."""
     seen: set[int] = set()
@@ -467,10 +446,11 @@ def _walk(root: nn.Module, prefix: str, skip: set[int]) -> Iterator[tuple[str, n
         pending.extend(reversed(children))
 
 
-def _owned_tensors(
+def _owned_extents(
     model: nn.Module, blocks: Sequence[Block]
-) -> Iterator[tuple[int, str, torch.Tensor]]:
-    """(owner, path, tensor): owner is the block's index, or `_OUTSIDE` for the rest.
+) -> Iterator[tuple[int, str, Extent]]:
+    """(owner, path, extent) of every plain tensor (a wrapper's inner ones): owner is the block's
+    index, or `_OUTSIDE` for the rest.
 
     The outside walk does not enter blocks, but does reach a module that is both inside a block
     and elsewhere: its tensors then have two owners, which `_account` refuses.
@@ -482,8 +462,9 @@ def _owned_tensors(
             for table in (module._parameters, module._buffers):
                 for key, tensor in table.items():
                     if tensor is not None:
-                        for path, leaf in _leaves(f"{name}.{key}" if name else key, tensor):
-                            yield owner, path, leaf
+                        slot = f"{name}.{key}" if name else key
+                        for path, found in leaf_extents(tensor):
+                            yield owner, ".".join((slot, *path)), found
 
 
 def _owner_name(blocks: Sequence[Block], owner: int) -> str:
@@ -502,26 +483,18 @@ def _tied_message(where: str, blocks: Sequence[Block], first: tuple, second: tup
 
 def _account(where: str, model: nn.Module, blocks: Sequence[Block]) -> dict[int, int]:
     """Unique bytes per owner; `ConfigError` for bytes shared across owners (tied tensors)."""
-    spans: dict[tuple, list[tuple[int, int, int, str]]] = {}
-    for owner, path, tensor in _owned_tensors(model, blocks):
-        key, start, end = _span(tensor)
-        if end > start:
-            spans.setdefault(key, []).append((start, end, owner, path))
+    owned = list(_owned_extents(model, blocks))
+    owners = [owner for owner, _, _ in owned]
+    paths = [path for _, path, _ in owned]
+    extents = [found for _, _, found in owned]
+    shared = first_shared(extents, owners)
+    if shared is not None:
+        first, second = shared
+        raise ConfigError(_tied_message(where, blocks, (owners[first], paths[first]),
+                                        (owners[second], paths[second])))
     nbytes = dict.fromkeys([_OUTSIDE, *range(len(blocks))], 0)
-    for entries in spans.values():
-        entries.sort(key=lambda e: e[:2])
-        first, end, owner, path = entries[0]
-        cluster = [first, end, owner, path]
-        for start, stop, other, other_path in entries[1:]:
-            if start < cluster[1]:
-                if other != cluster[2]:
-                    raise ConfigError(_tied_message(where, blocks, tuple(cluster[2:]),
-                                                    (other, other_path)))
-                cluster[1] = max(cluster[1], stop)
-                continue
-            nbytes[cluster[2]] += cluster[1] - cluster[0]
-            cluster = [start, stop, other, other_path]
-        nbytes[cluster[2]] += cluster[1] - cluster[0]
+    for run in overlapping_runs(extents):
+        nbytes[owners[run.members[0]]] += run.end - run.start
     return nbytes
 
 

@@ -48,10 +48,12 @@ from residency.subclasses import (
     WrapperSet,
     attached_tensors,
     check_rebuild_keeps_inner_tensors,
+    extent,
     inner_tensors,
     is_plain,
     is_plain_storage_parameter,
     is_wrapper,
+    overlapping_runs,
     unsupported_message,
 )
 
@@ -71,7 +73,6 @@ __all__ = [
     "make_views",
     "repoint",
     "repoint_group",
-    "storage_key",
     "take_inventory",
 ]
 
@@ -538,14 +539,6 @@ def _check_dense(tensor: torch.Tensor, slot: Slot) -> None:
         )
 
 
-def storage_key(tensor: torch.Tensor) -> tuple:
-    """What tells storages apart: (device, first byte's address); an empty storage is its own."""
-    storage = tensor.untyped_storage()
-    if storage.nbytes() == 0:
-        return ("empty", id(tensor))
-    return (storage.device, storage.data_ptr())
-
-
 def _place_in_regions(
     tensors: Sequence[torch.Tensor],
 ) -> tuple[tuple[Placement, ...], list[tuple[torch.UntypedStorage, int]], list[int]]:
@@ -557,46 +550,16 @@ def _place_in_regions(
     """
     placements: list[Placement | None] = [None] * len(tensors)
     sources, nbytes = [], []
-    for cluster in _overlapping_clusters(tensors):
-        spans = [_byte_span(tensors[i]) for i in cluster]
-        first = min(start for start, _ in spans)
-        last = max(end for _, end in spans)
+    extents = [extent(tensor) for tensor in tensors]
+    for run in overlapping_runs(extents):
         region = len(sources)
-        sources.append((tensors[cluster[0]].untyped_storage(), first))
-        nbytes.append(last - first)
-        for i, (start, _) in zip(cluster, spans):
+        sources.append((tensors[run.members[0]].untyped_storage(), run.start))
+        nbytes.append(run.end - run.start)
+        for i in run.members:
             t = tensors[i]
-            placements[i] = Placement(region, start - first, tuple(t.shape), t.stride(), t.dtype)
+            placements[i] = Placement(region, extents[i].start - run.start, tuple(t.shape),
+                                      t.stride(), t.dtype)
     return tuple(placements), sources, nbytes  # type: ignore[return-value]
-
-
-def _overlapping_clusters(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Indices of `tensors` in clusters whose byte spans overlap within one storage."""
-    by_storage: dict[tuple, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_storage.setdefault(storage_key(tensor), []).append(index)
-    clusters: list[list[int]] = []
-    for members in by_storage.values():
-        members = sorted(members, key=lambda i: _byte_span(tensors[i]))
-        end = None
-        for i in members:
-            start, stop = _byte_span(tensors[i])
-            if end is None or start >= end:
-                clusters.append([])
-                end = stop
-            clusters[-1].append(i)
-            end = max(end, stop)
-    return sorted(clusters, key=min)
-
-
-def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """[first, end) bytes of the storage that `tensor` can read."""
-    itemsize = tensor.element_size()
-    start = tensor.storage_offset() * itemsize
-    if tensor.numel() == 0:
-        return start, start
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return start, start + extent * itemsize
 
 
 def _lay_out(

@@ -524,3 +524,37 @@ def test_from_pipeline_refuses_allgather_without_a_process_group_before_packing(
                                           r"no process_group was given"):
         Scheduler.from_pipeline(pipe, ALLGATHER_ENCODERS, device="cpu")
     assert [t.data_ptr() for t in pipe.parameters()] == before
+
+
+def test_groups_whose_tensors_sit_side_by_side_in_one_storage_are_accepted():
+    """Tensors share a tensor only where their bytes overlap (the one rule: a region of its own
+    for each, as registration packs them); main refused any two groups of one storage."""
+    pipe = TwoExpertPipeline()
+    reference = copy.deepcopy(pipe)
+    flat = torch.empty(2 * WIDTH * WIDTH)
+    with torch.no_grad():
+        for index, dit in enumerate((pipe.transformer, pipe.transformer_2)):
+            half = flat[index * WIDTH * WIDTH:(index + 1) * WIDTH * WIDTH].view(WIDTH, WIDTH)
+            half.copy_(dit[0].weight)
+            dit[0].weight = nn.Parameter(half)
+    scheduler = Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    prompt = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        assert torch.equal(pipe.generate(prompt, scheduler), reference.generate(prompt, NoOffload()))
+    scheduler.close()
+
+
+def test_a_wrapper_subclass_whose_inner_tensor_is_tied_across_groups_is_refused():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    pipe = TwoExpertPipeline()
+    shared = torch.randn(WIDTH, WIDTH)
+    pipe.transformer[0].weight = nn.Parameter(TwoTensor(shared, torch.randn(WIDTH, WIDTH)),
+                                              requires_grad=False)
+    pipe.transformer_2[0].weight = nn.Parameter(TwoTensor(torch.randn(WIDTH, WIDTH), shared),
+                                                requires_grad=False)
+    with pytest.raises(ConfigError, match=r"TwoExpertPipeline: 'transformer_2' \(group "
+                                          r"'transformer_2'\) shares a tensor with 'transformer' "
+                                          r"\(group 'transformer'\)"):
+        Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    assert pipe.transformer[0].weight.a.data_ptr() == shared.data_ptr()  # nothing moved
