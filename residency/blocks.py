@@ -87,7 +87,10 @@ __all__ = [
     "Block",
     "BlockPlan",
     "PipelineBlocks",
+    "did_you_mean",
     "find_block_lists",
+    "follow_path",
+    "is_dotted",
     "plan_blocks",
     "plan_pipeline_blocks",
     "repeated_block_lists",
@@ -235,32 +238,63 @@ class BlockPlan:
 # -- resolving declared lists ---------------------------------------------------------------------
 
 
-def _nearest(target: object, name: str) -> str:
-    names = list(target._modules) if isinstance(target, nn.Module) else []
-    close = difflib.get_close_matches(name, names or dir(target), n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
+def is_dotted(path: object) -> bool:
+    """Whether `path` is attribute names joined by dots ("transformer_blocks", "encoder.block")."""
+    return isinstance(path, str) and bool(path) and "" not in path.split(".")
+
+
+def follow_path(root: object, path: str) -> tuple[object, str, str | None]:
+    """Walk dotted `path` from `root`, a module's children first, then attributes: the one path
+    resolution of block lists (`plan_blocks`) and of a pipeline's components (discovery).
+
+        follow_path(pipe, "prompt_adapter.encoder")  # (encoder, "prompt_adapter.encoder", None)
+        follow_path(pipe, "prompt_adapter.encodr")   # (adapter, "prompt_adapter", "encodr")
+
+    Returns (what it reached, the names walked to it, None), or, where a name does not resolve,
+    (the last object reached, the names walked to it, that name).  Reads only.
+    """
+    target, walked = root, []
+    for name in path.split("."):
+        modules = target._modules if isinstance(target, nn.Module) else {}
+        if name in modules:
+            target = modules[name]
+        else:
+            try:
+                target = getattr(target, name)
+            except AttributeError:
+                return target, ".".join(walked), name
+        walked.append(name)
+    return target, path, None
+
+
+def did_you_mean(target: object, name: str) -> str:
+    """The hint " Did you mean 'x'?", x the name of `target` closest to `name` (its child modules
+    and instance attributes first, then any attribute); "" when none is close."""
+    children = list(target._modules) if isinstance(target, nn.Module) else []
+    instance = [n for n in getattr(target, "__dict__", {}) if not n.startswith("__")]
+    for candidates in (children + instance, [n for n in dir(target) if not n.startswith("__")]):
+        close = difflib.get_close_matches(name, candidates, n=1)
+        if close:
+            return f" Did you mean {close[0]!r}?"
+    return ""
 
 
 def _resolve_list(
     model: nn.Module, where: str, attr: object, listed_in: str
 ) -> Sequence[nn.Module]:
     """The block list at dotted `attr` of `model`; `ConfigError` saying what to fix if none."""
-    if not isinstance(attr, str) or not attr or "" in attr.split("."):
+    if not is_dotted(attr):
         raise ConfigError(
             f"{where}: {listed_in} names {attr!r}, which is not a dotted attribute; write "
             "attribute names joined by dots, for example 'transformer_blocks'"
         )
-    target: object = model
-    for name in attr.split("."):
-        modules = target._modules if isinstance(target, nn.Module) else {}
-        found = modules[name] if name in modules else getattr(target, name, None)
-        if found is None:
-            raise ConfigError(
-                f"{where}: {listed_in} names {attr!r}, which does not resolve: "
-                f"{type(target).__name__} has no attribute {name!r}.{_nearest(target, name)} "
-                f"Fix {listed_in}"
-            )
-        target = found
+    target, _, missing = follow_path(model, attr)
+    if missing is not None:
+        raise ConfigError(
+            f"{where}: {listed_in} names {attr!r}, which does not resolve: "
+            f"{type(target).__name__} has no attribute {missing!r}.{did_you_mean(target, missing)} "
+            f"Fix {listed_in}"
+        )
     if not isinstance(target, _LISTS):
         raise ConfigError(
             f"{where}: {listed_in} names {attr!r}, which is a {type(target).__name__}, not an "

@@ -31,7 +31,6 @@ own way (the diffusers adapter); `scheduler_from_pipeline` is what ``Scheduler.f
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
@@ -41,7 +40,7 @@ import attrs
 import torch
 from torch import nn
 
-from residency.blocks import BlockPlan, plan_pipeline_blocks
+from residency.blocks import BlockPlan, did_you_mean, follow_path, is_dotted, plan_pipeline_blocks
 from residency.config import OffloadConfig, resolve_config
 from residency.enums import Policy
 from residency.errors import ConfigError
@@ -556,39 +555,25 @@ def resolve_path(
         resolve_path("MyPipeline", pipe, "prompt_adapter.encoder", listed_in="_encoder_modules")
     """
     shown = f"{prefix}.{path}" if prefix else path
-    if not isinstance(path, str) or not path or "" in path.split("."):
+    if not is_dotted(path):
         raise ConfigError(
             f"{owner}: {listed_in} lists {shown!r}, which is not a dotted path; write attribute "
             "names joined by dots, for example 'text_encoder' or 'prompt_adapter.encoder'"
         )
-    target = root
-    walked = prefix
-    for name in path.split("."):
-        try:
-            target = getattr(target, name)
-        except AttributeError:
-            raise ConfigError(
-                f"{owner}: {listed_in} lists {shown!r}, which does not resolve: "
-                f"{type(target).__name__} at {repr(walked) if walked else 'the top'} has no "
-                f"attribute {name!r}.{_nearest(target, name)} Fix the path in {listed_in}"
-            ) from None
-        walked = f"{walked}.{name}" if walked else name
+    target, walked, missing = follow_path(root, path)
+    if missing is not None:
+        walked = ".".join(part for part in (prefix, walked) if part)
+        raise ConfigError(
+            f"{owner}: {listed_in} lists {shown!r}, which does not resolve: "
+            f"{type(target).__name__} at {repr(walked) if walked else 'the top'} has no "
+            f"attribute {missing!r}.{did_you_mean(target, missing)} Fix the path in {listed_in}"
+        )
     if not isinstance(target, nn.Module):
         raise ConfigError(
             f"{owner}: {listed_in} lists {shown!r}, which is a {type(target).__name__}, not an "
             "nn.Module; list module paths only"
         )
     return target
-
-
-def _nearest(target: object, name: str) -> str:
-    children = list(target._modules) if isinstance(target, nn.Module) else []
-    instance = [n for n in getattr(target, "__dict__", {}) if not n.startswith("__")]
-    for candidates in (children + instance, [n for n in dir(target) if not n.startswith("__")]):
-        close = difflib.get_close_matches(name, candidates, n=1)
-        if close:
-            return f" Did you mean {close[0]!r}?"
-    return ""
 
 
 def declares_components(pipeline: object) -> bool:

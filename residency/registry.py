@@ -321,7 +321,8 @@ class Registry:
     def _check_tensors_free(self, claim: Claim, ignore: Residency | None) -> None:
         """Refuse a claim whose tensors share bytes with another group's or claim's, wherever
         those live now (a host master, device storage, a block slot, or the user's storage)."""
-        slots = [tensor_slots[0] for inventory in claim.inventories for tensor_slots in inventory.slots]
+        slots = [tensor_slots[0] for inventory in claim.inventories
+                 for tensor_slots in inventory.slots]
         owners: list[Residency | Claim | None] = [None] * len(slots)
         extents = [extent(t) for inventory in claim.inventories for t in inventory.tensors]
         for other in [*self._groups.values(), *self._claims.values()]:

@@ -602,3 +602,28 @@ def test_planning_moves_no_tensor_and_sets_no_attribute(experts):
     plan_pipeline_blocks(pipe, {"transformer": dit, "transformer_2": experts["transformer_2"]},
                          {"text_encoder": encoder}, resident_layers=1)
     assert _snapshot(pipe) == before and sorted(pipe.__dict__) == pipeline_dict
+
+
+def test_block_lists_and_pipeline_components_resolve_by_one_walk():
+    """`follow_path` is the one dotted-path walk: plan_blocks and discovery both ask it, so a
+    block list behind a plain attribute and a misspelt name read the same in both."""
+    from residency.blocks import did_you_mean, follow_path
+    from residency.discovery import resolve_path
+
+    model = Repeated()
+    holder = type("Holder", (), {})()
+    holder.stack = model.blocks
+    model.__dict__["holder"] = holder  # a plain object attribute, not a child module
+    assert follow_path(model, "holder.stack") == (model.blocks, "holder.stack", None)
+    assert follow_path(model, "holder.stakc") == (holder, "holder", "stakc")
+    assert did_you_mean(holder, "stakc") == " Did you mean 'stack'?"
+    assert [b.path for b in plan_blocks(model, declared=["holder.stack"]).blocks][:1] == [
+        "holder.stack.0"]
+    with pytest.raises(ConfigError, match=re.escape(
+        "names 'holder.stakc', which does not resolve: Holder has no attribute 'stakc'. Did you "
+        "mean 'stack'?")):
+        plan_blocks(model, declared=["holder.stakc"])
+    with pytest.raises(ConfigError, match=re.escape(
+        "lists 'holder.stakc', which does not resolve: Holder at 'holder' has no attribute "
+        "'stakc'. Did you mean 'stack'?")):
+        resolve_path("Owner", model, "holder.stakc", listed_in="_dit_modules")

@@ -336,7 +336,7 @@ def test_a_plan_refused_for_another_schedulers_module_moves_no_tensor(second, ho
         assert_unchanged(module, fingerprinted)
 
 
-# -- the one rule of shared bytes (residency.subclasses.overlapping_runs) ----------------------------
+# -- the one rule of shared bytes (residency.subclasses.overlapping_runs) -------------------------
 
 
 def test_the_one_rule_groups_overlapping_bytes_of_one_storage_only():
@@ -375,7 +375,8 @@ def test_a_view_of_an_offloaded_groups_host_master_is_refused(first, second):
     thief.weight = nn.Parameter(stolen, requires_grad=False)
     before = fingerprint(thief)
     with pytest.raises(RegistrationError, match=r"cannot add group 'thief': its parameter "
-                                                r"'weight' of Linear shares storage with group 'a'"):
+                                                r"'weight' of Linear shares storage with "
+                                                r"group 'a'"):
         scheduler.add("thief", thief)
     assert_unchanged(thief, before)
     assert "thief" not in scheduler
