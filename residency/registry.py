@@ -34,7 +34,7 @@ import attrs
 import torch
 from torch import nn
 
-from residency.arguments import unknown_group_message
+from residency.arguments import check_name, unknown_group_message
 from residency.component import Residency, device_need
 from residency.enums import Policy
 from residency.errors import ConfigError, RegistrationError, UnknownGroupError
@@ -209,7 +209,7 @@ class Registry:
         not count as taken.
         """
         if replacing is None:
-            self._check_name_free(claim.name)
+            check_name(claim.name, self._groups, self._aliases, self._claims)
         self._check_modules_free(claim.name, owned_modules(claim), replacing)
         self._check_tensors_free(claim, replacing)
 
@@ -340,13 +340,6 @@ class Registry:
                     f"storage with group {theirs[0].name!r}. A tensor belongs to one group; put "
                     "both modules in one group, or untie the weights before registering"
                 )
-
-    def _check_name_free(self, name: str) -> None:
-        if name in self._groups or name in self._aliases or name in self._claims:
-            raise RegistrationError(
-                f"a group named {name!r} is already registered; choose another name, or call "
-                f"scheduler.remove({name!r}) first"
-            )
 
     def _check_modules_free(
         self, name: str, modules: Iterable[nn.Module], replacing: Residency | None
