@@ -79,6 +79,7 @@ class Registrar(Protocol):
     def alias(self, path: str, name: str) -> None: ...
     def remove(self, name: str) -> object: ...
     def close(self) -> None: ...
+    def __contains__(self, name: object) -> bool: ...
 
 _log = logging.getLogger("residency")
 
@@ -629,30 +630,49 @@ def apply_plan(scheduler: Registrar, plan: ComponentPlan) -> None:
 
         apply_plan(Scheduler("cuda"), plan_components("MyPipeline", dits, encoders, vaes, {}, c))
 
-    Each group is added with ``exclude=`` its excluded subtrees and its category.  Unless offloading
-    is off (`NoOffload`), groups that would share a tensor are refused first (`ConfigError`); if a
-    registration fails anyway, the groups added so far are removed before the error propagates.
+    Each group is added with ``exclude=`` its excluded subtrees and its category.
+
+    All or nothing, in one way: on any exception - a refused or failed ``add``, an interrupt at
+    any line - every group of the plan the scheduler did not hold before is removed (with its
+    aliases) and the split models get their previous scheduler back, before the error
+    propagates.  The plan's ownership rules are read first (modules another scheduler owns,
+    tensors two groups would share: `ConfigError`, unless offloading is off), not for atomicity
+    but so that a refused plan moves no tensor: a removed group's weights stay in its host
+    master, where an ``add`` put them.
     """
     if not isinstance(scheduler, NoOffload):
         check_modules_unowned(plan.owner, _member_submodules(plan))
         check_tensors_disjoint(plan.owner, _member_tensors(plan))
         if plan.note is not None:
             _log.warning("%s", plan.note)
-    added: list[str] = []
+    names = [name for name, _, _, _ in plan.groups()]
+    held = {name for name in names if name in scheduler}  # `add` refuses these: never removed
+    attached = [(model, vars(model).get("scheduler")) for _, model in plan.split_models]
     try:
         for name, policy, modules, excluded in plan.groups():
             category = plan.categories.get(name)
             scheduler.add(name, modules, policy=policy, exclude=excluded, category=category,
                           **_layer_mode_options(plan, name))
-            added.append(name)
+        for path, name in plan.aliases.items():
+            scheduler.alias(path, name)
+        for model, _ in attached:
+            model.scheduler = scheduler
     except BaseException:
-        for name in reversed(added):
-            scheduler.remove(name)
+        _undo_plan(scheduler, [n for n in names if n not in held], attached)
         raise
-    for path, name in plan.aliases.items():
-        scheduler.alias(path, name)
-    for _, model in plan.split_models:
-        model.scheduler = scheduler
+
+
+def _undo_plan(scheduler: Registrar, names: Sequence[str], attached) -> None:
+    """What `apply_plan` did, undone from what the scheduler holds (not from a list the
+    interrupted code may not have written yet)."""
+    for model, previous in attached:
+        if previous is None:
+            vars(model).pop("scheduler", None)
+        else:
+            model.scheduler = previous
+    for name in reversed(names):
+        if name in scheduler:
+            scheduler.remove(name)
 
 
 def _layer_mode_options(plan: ComponentPlan, name: str) -> dict[str, object]:

@@ -559,3 +559,52 @@ def test_a_wrapper_subclass_whose_inner_tensor_is_tied_across_groups_is_refused(
                                           r"\(group 'transformer'\)"):
         Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
     assert pipe.transformer[0].weight.a.data_ptr() == shared.data_ptr()  # nothing moved
+
+
+class _InterruptedAfter:
+    """A scheduler whose `call` (an ``add`` or an ``alias``) of `name` completes and then raises,
+    as a KeyboardInterrupt landing on the line after it would."""
+
+    def __init__(self, scheduler, call: str, name: str) -> None:
+        self.scheduler, self.call, self.name = scheduler, call, name
+
+    def __getattr__(self, attribute):
+        return getattr(self.scheduler, attribute)
+
+    def __contains__(self, name) -> bool:
+        return name in self.scheduler
+
+    def add(self, name, *args, **kwargs):
+        self.scheduler.add(name, *args, **kwargs)
+        if self.call == "add" and name == self.name:
+            raise KeyboardInterrupt
+
+    def alias(self, path, name):
+        self.scheduler.alias(path, name)
+        if self.call == "alias" and path == self.name:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(("call", "name"), [("add", "transformer_2"), ("add", "time_embed"),
+                                            ("alias", "prompt_adapter.encoder")])
+def test_an_interrupted_apply_plan_leaves_no_group_of_the_plan(call, name):
+    """Also when the interrupt lands after an ``add`` returned (main lost that group)."""
+    pipe, reference = TwoExpertPipeline(), TwoExpertPipeline()
+    scheduler = Scheduler("cpu")
+    scheduler.add("other", make_block(WIDTH, seed=9))
+    plan = plan_components("TwoExpertPipeline", {"transformer": pipe.transformer,
+                                                 "transformer_2": pipe.transformer_2},
+                           {"text_encoder": pipe.text_encoder,
+                            "prompt_adapter.encoder": pipe.prompt_adapter.encoder},
+                           {"vae": pipe.vae}, {"time_embed": pipe.time_embed},
+                           OffloadConfig.from_dict(CONFIG))
+    with pytest.raises(KeyboardInterrupt):
+        apply_plan(_InterruptedAfter(scheduler, call, name), plan)
+    assert list(scheduler) == ["other"]  # the group it held before stays
+    assert "prompt_adapter.encoder" not in scheduler
+    apply_plan(scheduler, plan)  # nothing of the first try is left in the way
+    prompt = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        expected = reference.generate(prompt, NoOffload())
+        assert torch.equal(pipe.generate(prompt, scheduler), expected)
+    scheduler.close()
