@@ -66,8 +66,8 @@ __all__ = [
     "InnerSlot",
     "Inventory",
     "PackLayout",
-    "Placement",
     "Slot",
+    "TensorPlace",
     "TensorSlot",
     "alignment_for",
     "make_views",
@@ -194,8 +194,9 @@ def _follow(start: object, path: Sequence[str]) -> torch.Tensor | None:
 
 
 @attrs.frozen
-class Placement:
-    """Where one unique tensor sits inside its region: element offset, size and stride."""
+class TensorPlace:
+    """A tensor's place in the pack layout: its region, its byte offset in it, size, stride and
+    dtype (not `residency.placement.Placement`, which says what is on the device)."""
 
     region: int
     #: Offset from the region's first byte, in bytes (a multiple of the dtype's itemsize).
@@ -249,7 +250,7 @@ class Inventory:
     #: Parameter subclasses and the tensors attached to them.
     tensors: tuple[torch.Tensor, ...]
     slots: tuple[tuple[Slot, ...], ...]
-    placements: tuple[Placement, ...]
+    places: tuple[TensorPlace, ...]
     layout: PackLayout
     #: Per region: (source storage, first byte in it) to copy from; dropped once packed.
     source_regions: list[tuple[torch.UntypedStorage, int]] | None
@@ -269,15 +270,15 @@ class Inventory:
 
     def shares_region(self, index: int) -> bool:
         """Whether tensor `index` shares its storage (region) with another tensor of the group."""
-        region = self.placements[index].region
-        return sum(p.region == region for p in self.placements) > 1
+        region = self.places[index].region
+        return sum(p.region == region for p in self.places) > 1
 
     def regions_in_chunk(self, chunk: int) -> list[int]:
         return [r for r, c in enumerate(self.layout.region_chunk) if c == chunk]
 
     def tensors_in_regions(self, regions: Iterable[int]) -> list[int]:
         wanted = set(regions)
-        return [i for i, p in enumerate(self.placements) if p.region in wanted]
+        return [i for i, p in enumerate(self.places) if p.region in wanted]
 
     def changed_structure(self) -> str | None:
         """Describe how the modules changed since registration; None if they did not.
@@ -330,7 +331,7 @@ def take_inventory(
         owners, wrapped = _reach_through_subclasses(owners)
     tensors = tuple(tensor for tensor, _ in owners.values())
     slots = tuple(tuple(s) for _, s in owners.values())
-    placements, region_sources, region_nbytes = _place_in_regions(tensors)
+    places, region_sources, region_nbytes = _place_in_regions(tensors)
     skews = [_skew(source, alignment) for source in region_sources]
     layout = _lay_out(region_nbytes, skews, chunk_nbytes, alignment.boundary)
     structure = Structure(submodules)
@@ -338,7 +339,7 @@ def take_inventory(
         modules=tuple(submodules),
         tensors=tensors,
         slots=slots,
-        placements=placements,
+        places=places,
         layout=layout,
         source_regions=region_sources,
         structure=structure,
@@ -415,7 +416,7 @@ class Structure:
 
 
 def make_views(
-    placements: Sequence[Placement],
+    places: Sequence[TensorPlace],
     storage: torch.UntypedStorage,
     region_base: Sequence[int],
     device: torch.device,
@@ -424,12 +425,12 @@ def make_views(
     # Views outlive the call; made under inference mode they could never be written again.
     # Entered on one line: see [Note: a context on one line] in `residency.locks`.
     return in_context(torch.inference_mode(False), in_context, torch.no_grad(), _make_views,
-                      placements, storage, region_base, device)
+                      places, storage, region_base, device)
 
 
-def _make_views(placements, storage, region_base, device) -> list[torch.Tensor]:
+def _make_views(places, storage, region_base, device) -> list[torch.Tensor]:
     views = []
-    for p in placements:
+    for p in places:
         byte_offset = region_base[p.region] + p.byte_offset
         view = torch.empty(0, dtype=p.dtype, device=device)
         view.set_(storage, byte_offset // p.dtype.itemsize, p.size, p.stride)
@@ -541,14 +542,14 @@ def _check_dense(tensor: torch.Tensor, slot: Slot) -> None:
 
 def _place_in_regions(
     tensors: Sequence[torch.Tensor],
-) -> tuple[tuple[Placement, ...], list[tuple[torch.UntypedStorage, int]], list[int]]:
+) -> tuple[tuple[TensorPlace, ...], list[tuple[torch.UntypedStorage, int]], list[int]]:
     """Group tensors into regions: each run of overlapping bytes of one storage is one region.
 
     Tensors that overlap (tied views, a fused weight and its slices) stay views of one region;
     tensors that merely sit in one storage side by side (as they do in our own host master, when a
     group is refreshed) get regions of their own.
     """
-    placements: list[Placement | None] = [None] * len(tensors)
+    places: list[TensorPlace | None] = [None] * len(tensors)
     sources, nbytes = [], []
     extents = [extent(tensor) for tensor in tensors]
     for run in overlapping_runs(extents):
@@ -557,9 +558,9 @@ def _place_in_regions(
         nbytes.append(run.end - run.start)
         for i in run.members:
             t = tensors[i]
-            placements[i] = Placement(region, extents[i].start - run.start, tuple(t.shape),
+            places[i] = TensorPlace(region, extents[i].start - run.start, tuple(t.shape),
                                       t.stride(), t.dtype)
-    return tuple(placements), sources, nbytes  # type: ignore[return-value]
+    return tuple(places), sources, nbytes  # type: ignore[return-value]
 
 
 def _lay_out(
