@@ -3,7 +3,7 @@
     plan = plan_blocks(pipe.transformer, path="transformer", resident_layers=1)
     plan.lists               # ('transformer_blocks', 'single_transformer_blocks')
     plan.kept, plan.streamed # Block(path='transformer_blocks.0', ...), the rest in forward order
-    plan.slot_nbytes         # what one of the two reused device slots must hold
+    plan.largest_streamed_nbytes   # the largest streamed block (a slot holds it, aligned)
     print(plan.describe())
 
     blocks = plan_pipeline_blocks(pipe, {"transformer": t1, "transformer_2": t2},
@@ -150,7 +150,7 @@ class BlockPlan:
         plan = plan_blocks(transformer, path="transformer", resident_layers=2)
         for block in plan.streamed:           # in the order the forward runs them
             ...
-        plan.slot_nbytes                       # bytes one reused slot must hold
+        plan.largest_streamed_nbytes           # the largest streamed block, unaligned
 
     The group's resident part while its phase is active is everything outside the blocks
     (`outside_nbytes`) plus the kept blocks; each streamed block has a host master of its own
@@ -197,7 +197,10 @@ class BlockPlan:
         return max(self.streamed, key=lambda b: b.nbytes, default=None)
 
     @property
-    def slot_nbytes(self) -> int:
+    def largest_streamed_nbytes(self) -> int:
+        """Bytes of the largest streamed block's tensors, before alignment (0 if all are kept).
+        Not a slot's size: the allocated slot is `residency.component.slot_nbytes` (aligned,
+        per rank)."""
         largest = self.largest_streamed
         return 0 if largest is None else largest.nbytes
 
@@ -208,7 +211,7 @@ class BlockPlan:
     def device_nbytes(self, slots: int = 2) -> int:
         """Device bytes while the phase runs: outside + kept + `slots` slots (before alignment)."""
         kept = sum(b.nbytes for b in self.kept)
-        return self.outside_nbytes + kept + min(slots, len(self.streamed)) * self.slot_nbytes
+        return self.outside_nbytes + kept + min(slots, len(self.streamed)) * self.largest_streamed_nbytes
 
     def _class_suffix(self) -> str:
         name = type(self.model).__name__

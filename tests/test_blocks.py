@@ -233,7 +233,7 @@ def test_sizes_are_unique_bytes_per_block_and_the_rest_is_outside(flux):
     assert plan.nbytes == unique_nbytes(flux)
     assert plan.outside_nbytes == unique_nbytes(flux) - sum(b.nbytes for b in plan.blocks)
     largest = max(plan.streamed, key=lambda b: b.nbytes)
-    assert plan.largest_streamed is largest and plan.slot_nbytes == largest.nbytes
+    assert plan.largest_streamed is largest and plan.largest_streamed_nbytes == largest.nbytes
     assert largest.path.startswith("transformer_blocks")  # a double block is the larger
     kept = plan.kept[0].nbytes
     assert plan.device_nbytes() == plan.outside_nbytes + kept + 2 * largest.nbytes
@@ -248,7 +248,7 @@ def test_resident_layers_keeps_the_leading_blocks_and_more_than_all_keeps_all(
     assert [b.path for b in plan.kept] == [b.path for b in plan.blocks[:kept]]
     if resident_layers > 5:
         assert "resident_layers 99 is more than the 5 blocks: all are kept" in plan.note
-        assert plan.largest_streamed is None and plan.slot_nbytes == 0
+        assert plan.largest_streamed is None and plan.largest_streamed_nbytes == 0
         assert plan.device_nbytes() == plan.nbytes
     else:
         assert "resident_layers" not in plan.note
