@@ -1,12 +1,12 @@
 """Which blocks a model streams in layer mode, in which order, and which are kept (issue 14).
 
-    plan = plan_blocks(pipe.transformer, path="transformer", resident_layers=1)
+    plan = model_blocks(pipe.transformer, path="transformer", resident_layers=1)
     plan.lists               # ('transformer_blocks', 'single_transformer_blocks')
     plan.kept, plan.streamed # Block(path='transformer_blocks.0', ...), the rest in forward order
     plan.largest_streamed_nbytes   # the largest streamed block (a slot holds it, aligned)
     print(plan.describe())
 
-    blocks = plan_pipeline_blocks(pipe, {"transformer": t1, "transformer_2": t2},
+    blocks = pipeline_blocks(pipe, {"transformer": t1, "transformer_2": t2},
                                   {"text_encoder": te}, resident_layers=2)
 
 Pure: reads modules (their tables and declared attributes), moves no tensor, sets no attribute,
@@ -85,16 +85,18 @@ from residency.subclasses import Extent, first_shared, leaf_extents, overlapping
 __all__ = [
     "SOURCES",
     "Block",
-    "BlockPlan",
+    "ModelBlocks",
+    "BlockPlan",  # historical name
     "PipelineBlocks",
     "did_you_mean",
     "find_block_lists",
     "follow_path",
     "is_dotted",
-    "plan_blocks",
-    "plan_pipeline_blocks",
+    "model_blocks",
+    "plan_blocks",  # historical name
+    "pipeline_blocks",
     "repeated_block_lists",
-    "replan",
+    "reread_blocks",
 ]
 
 #: Where a plan's block lists came from, in order of precedence.
@@ -129,32 +131,32 @@ class Block:
     nbytes: int
 
 
-def _check_plan(plan: BlockPlan) -> None:
+def _check_plan(plan: ModelBlocks) -> None:
     if plan.source not in SOURCES:
-        raise ConfigError(f"BlockPlan source {plan.source!r}; accepted are {SOURCES}")
+        raise ConfigError(f"ModelBlocks source {plan.source!r}; accepted are {SOURCES}")
     if not plan.blocks or not plan.lists:
-        raise ConfigError(f"a BlockPlan for {plan.model_path!r} needs at least one block list")
+        raise ConfigError(f"a ModelBlocks for {plan.model_path!r} needs at least one block list")
     if not 0 <= plan.kept_count <= plan.own_count <= len(plan.blocks):
         raise ConfigError(
-            f"a BlockPlan for {plan.model_path!r} keeps {plan.kept_count} of {plan.own_count} "
+            f"a ModelBlocks for {plan.model_path!r} keeps {plan.kept_count} of {plan.own_count} "
             f"own blocks ({len(plan.blocks)} in all); keep between 0 and {plan.own_count}"
         )
     if len({id(b.module) for b in plan.blocks}) != len(plan.blocks):
-        raise ConfigError(f"a BlockPlan for {plan.model_path!r} lists one block twice")
+        raise ConfigError(f"a ModelBlocks for {plan.model_path!r} lists one block twice")
 
 
 @attrs.frozen(kw_only=True)
-class BlockPlan:
+class ModelBlocks:
     """What one model streams: its blocks in streaming order, the kept prefix, the resident rest.
 
-        plan = plan_blocks(transformer, path="transformer", resident_layers=2)
+        plan = model_blocks(transformer, path="transformer", resident_layers=2)
         for block in plan.streamed:           # in the order the forward runs them
             ...
         plan.largest_streamed_nbytes           # the largest streamed block, unaligned
 
     The group's resident part while its phase is active is everything outside the blocks
     (`outside_nbytes`) plus the kept blocks; each streamed block has a host master of its own
-    (`residency.layers`).  Built by `plan_blocks`, which checked every rule; validates itself.
+    (`residency.layers`).  Built by `model_blocks`, which checked every rule; validates itself.
     """
 
     #: The model's path in its pipeline ("transformer"), or its class name when alone.
@@ -171,8 +173,8 @@ class BlockPlan:
     #: How many leading blocks stay on the device.
     kept_count: int
     #: The `lists` that came from ``extra`` (``offload_submodules``: streamed after the model's
-    #: own lists, never kept), and the ``resident_layers`` asked for: what `plan_blocks` was
-    #: given beyond the model, so the plan can be made again (`replan`).
+    #: own lists, never kept), and the ``resident_layers`` asked for: what `model_blocks` was
+    #: given beyond the model, so the plan can be made again (`reread_blocks`).
     extra_lists: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     resident_layers: int = 0
     #: Bytes of every tensor outside the blocks (the resident part), tied ones once.
@@ -248,7 +250,7 @@ def is_dotted(path: object) -> bool:
 
 def follow_path(root: object, path: str) -> tuple[object, str, str | None]:
     """Walk dotted `path` from `root`, a module's children first, then attributes: the one path
-    resolution of block lists (`plan_blocks`) and of a pipeline's components (discovery).
+    resolution of block lists (`model_blocks`) and of a pipeline's components (discovery).
 
         follow_path(pipe, "prompt_adapter.encoder")  # (encoder, "prompt_adapter.encoder", None)
         follow_path(pipe, "prompt_adapter.encodr")   # (adapter, "prompt_adapter", "encodr")
@@ -590,19 +592,19 @@ def _choose_lists(
     return "found", found, "the found lists", line
 
 
-def plan_blocks(
+def model_blocks(
     model: nn.Module,
     *,
     path: str | None = None,
     declared: Sequence[str] | None = None,
     extra: Sequence[str] = (),
     resident_layers: int = 0,
-) -> BlockPlan:
+) -> ModelBlocks:
     """The blocks `model` streams and keeps: from `declared` lists, its class's declaration
     (vLLM-Omni's, then diffusers' ``_repeated_blocks``), or found.
 
-        plan = plan_blocks(transformer, path="transformer", resident_layers=2)
-        plan = plan_blocks(dit, declared=["gen_layers"])   # an _offload_plan's block_attrs
+        plan = model_blocks(transformer, path="transformer", resident_layers=2)
+        plan = model_blocks(dit, declared=["gen_layers"])   # an _offload_plan's block_attrs
 
     `extra` names further lists streamed after the model's own (``offload_submodules``: a
     child's "context_encoder.layers"); they are never kept.  `resident_layers` larger than the
@@ -624,7 +626,7 @@ def plan_blocks(
     if resident_layers > len(own):
         note = _join(note, f"resident_layers {resident_layers} is more than the {len(own)} "
                            "blocks: all are kept on the device, none stream")
-    return BlockPlan(
+    return ModelBlocks(
         model_path=where, model=model, source=source, lists=(*lists, *extra),
         blocks=[attrs.evolve(b, nbytes=nbytes[i]) for i, b in enumerate(blocks)],
         own_count=len(own), kept_count=kept, outside_nbytes=nbytes[_OUTSIDE], note=note,
@@ -632,16 +634,23 @@ def plan_blocks(
     )
 
 
-def replan(plan: BlockPlan) -> BlockPlan:
+def reread_blocks(plan: ModelBlocks) -> ModelBlocks:
     """`plan` made again from the model as it is now, with what it was made from: the same
     declared lists (or the class's, or found again), the same extra lists and ``resident_layers``.
 
-        plan = replan(plan)    # a block replaced in its list is the plan's block now
+        plan = reread_blocks(plan)    # a block replaced in its list is the plan's block now
     """
     own = plan.lists[: len(plan.lists) - len(plan.extra_lists)]
-    return plan_blocks(plan.model, path=plan.model_path,
+    return model_blocks(plan.model, path=plan.model_path,
                        declared=own if plan.source == "offload_plan" else None,
                        extra=plan.extra_lists, resident_layers=plan.resident_layers)
+
+
+#: `model_blocks` by the name it had before "plan" kept one meaning (where each part of a group
+#: is between and during phases); kept, with its meaning, for `residency.plan_blocks` callers.
+plan_blocks = model_blocks  # historical name
+#: `ModelBlocks` by its old name, for one release (docs/surface.md).
+BlockPlan = ModelBlocks  # historical name
 
 
 def _join(note: str | None, more: str) -> str:
@@ -659,7 +668,7 @@ def _proxy(mapping: Mapping) -> Mapping:
 class PipelineBlocks:
     """Block plans for a pipeline's DiTs and encoders, and the encoders swapped whole.
 
-        blocks = plan_pipeline_blocks(pipe, dits, encoders, resident_layers=1)
+        blocks = pipeline_blocks(pipe, dits, encoders, resident_layers=1)
         blocks.dits["transformer"].streamed
         blocks.whole          # {"text_encoder_2": "no repeated blocks found: ..."}
         print(blocks.describe())
@@ -667,9 +676,9 @@ class PipelineBlocks:
 
     owner: str
     #: DiT path -> its plan, in the order given.
-    dits: Mapping[str, BlockPlan] = attrs.field(converter=_proxy, hash=False)
+    dits: Mapping[str, ModelBlocks] = attrs.field(converter=_proxy, hash=False)
     #: Encoder path -> its plan, for encoders that stream.
-    encoders: Mapping[str, BlockPlan] = attrs.field(converter=_proxy, hash=False)
+    encoders: Mapping[str, ModelBlocks] = attrs.field(converter=_proxy, hash=False)
     #: Encoder path -> why it is swapped whole instead.
     whole: Mapping[str, str] = attrs.field(converter=_proxy, hash=False)
     #: The DiTs whose leading blocks `resident_layers` keeps.
@@ -726,23 +735,23 @@ def _submodule_lists(owner: str, plan: object, dit: nn.Module) -> tuple[str, ...
 
 def _encoder_plan(
     owner: str, plan: object, path: str, encoder: nn.Module
-) -> BlockPlan | str:
+) -> ModelBlocks | str:
     """The encoder's plan, or why it is swapped whole (declared lists that fail are refused)."""
     if path in _plan_field(plan, "on_demand_component_paths", frozenset, owner):
         return "on demand in the pipeline's _offload_plan"
     declared = _plan_field(plan, "encoder_block_attrs", dict, owner).get(path)
     if declared is not None:
         declared = _declared_attrs(declared, path, f"_offload_plan.encoder_block_attrs[{path!r}]")
-        return plan_blocks(encoder, path=path, declared=declared)
+        return model_blocks(encoder, path=path, declared=declared)
     if class_declaration(encoder) is None and repeated_block_lists(encoder) is None:
         try:
             find_block_lists(encoder)
         except ConfigError as error:
             return f"no repeated blocks found: {error}"
-    return plan_blocks(encoder, path=path)
+    return model_blocks(encoder, path=path)
 
 
-def plan_pipeline_blocks(
+def pipeline_blocks(
     pipeline: object,
     dits: Mapping[str, nn.Module],
     encoders: Mapping[str, nn.Module] = MappingProxyType({}),
@@ -752,7 +761,7 @@ def plan_pipeline_blocks(
 ) -> PipelineBlocks:
     """Block plans for the selected DiTs and encoders of `pipeline` (paths -> modules).
 
-        blocks = plan_pipeline_blocks(pipe, {"transformer": pipe.transformer,
+        blocks = pipeline_blocks(pipe, {"transformer": pipe.transformer,
                                              "transformer_2": pipe.transformer_2},
                                       {"text_encoder": pipe.text_encoder}, resident_layers=2)
 
@@ -770,7 +779,7 @@ def plan_pipeline_blocks(
         declared = block_attrs.get(path)
         if declared is not None:
             declared = _declared_attrs(declared, path, f"_offload_plan.block_attrs[{path!r}]")
-        dit_plans[path] = plan_blocks(
+        dit_plans[path] = model_blocks(
             dit, path=path, declared=declared, extra=_submodule_lists(owner, plan, dit),
             resident_layers=resident_layers if path in keeping else 0,
         )

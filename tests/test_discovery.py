@@ -12,10 +12,10 @@ from torch import nn
 from residency import NoOffload, Scheduler
 from residency.config import OffloadConfig
 from residency.discovery import (
-    ComponentPlan,
+    ComponentGroups,
     SupportsComponentDiscovery,
-    apply_plan,
-    plan_components,
+    register_groups,
+    group_components,
 )
 from residency.errors import ConfigError, RegistrationError, UnknownGroupError
 
@@ -270,8 +270,8 @@ def _categories(pipe):
 
 def test_plan_components_is_pure_and_lists_groups(pipe):
     pointers = [t.data_ptr() for t in pipe.state_dict().values()]
-    plan = plan_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
-    assert isinstance(plan, ComponentPlan)
+    plan = group_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
+    assert isinstance(plan, ComponentGroups)
     assert list(plan.exclusive) == ["transformer", "transformer_2", "text_encoder"]
     assert list(plan.resident) == ["vae", "time_embed"]
     assert plan.exclusive["text_encoder"] == (
@@ -286,23 +286,23 @@ def test_plan_components_is_pure_and_lists_groups(pipe):
 
 def test_a_member_nested_in_a_member_of_the_same_group_adds_only_an_alias(pipe):
     encoders = {"text_encoder": pipe.text_encoder, "text_encoder.0": pipe.text_encoder[0]}
-    plan = plan_components("P", {"transformer": pipe.transformer}, encoders, {}, {},
+    plan = group_components("P", {"transformer": pipe.transformer}, encoders, {}, {},
                            OffloadConfig(mode="module", components=["dit", "text_encoder"]))
     groups = {name: modules for name, _, modules, _ in plan.groups()}
     assert groups["text_encoder"] == (pipe.text_encoder,)
     scheduler = Scheduler("cpu")
-    apply_plan(scheduler, plan)
+    register_groups(scheduler, plan)
     with scheduler.resident("text_encoder.0"):
         assert scheduler.current == "text_encoder"
     scheduler.close()
 
 
 def test_apply_plan_removes_what_it_added_when_a_registration_fails(pipe):
-    plan = plan_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
+    plan = group_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
     scheduler = Scheduler("cpu")
     scheduler.add("time_embed", nn.Linear(2, 2), policy="resident")
     with pytest.raises(RegistrationError, match=r"a group named 'time_embed' is already"):
-        apply_plan(scheduler, plan)
+        register_groups(scheduler, plan)
     assert list(scheduler) == ["time_embed"]
     assert "prompt_adapter.encoder" not in scheduler
     scheduler.close()
@@ -503,7 +503,7 @@ def test_allgathered_encoders_not_declared_replicated_are_refused(pipe):
                        r"_offload_plan.encoder_dlo_weight_replication \['text_encoder'\]: .* Give "
                        r"text_encoder \"weight_transfer\": \"rank-local\", or declare them "
                        r"replicated$"):
-        plan_components("TwoExpertPipeline", dits, encoders, vaes, residents,
+        group_components("TwoExpertPipeline", dits, encoders, vaes, residents,
                         OffloadConfig.from_dict(ALLGATHER_ENCODERS), pipeline=pipe)
 
 
@@ -512,7 +512,7 @@ def test_allgathered_encoders_declared_replicated_or_undeclared_plan_to_allgathe
     config = OffloadConfig.from_dict(ALLGATHER_ENCODERS)
     for offload_plan in (None, _OffloadPlan({"text_encoder", "prompt_adapter.encoder"})):
         pipe._offload_plan = offload_plan
-        plan = plan_components("TwoExpertPipeline", dits, encoders, vaes, residents, config,
+        plan = group_components("TwoExpertPipeline", dits, encoders, vaes, residents, config,
                                pipeline=pipe)
         assert dict(plan.weight_transfers) == {"text_encoder": "allgather"}
 
@@ -592,17 +592,17 @@ def test_an_interrupted_apply_plan_leaves_no_group_of_the_plan(call, name):
     pipe, reference = TwoExpertPipeline(), TwoExpertPipeline()
     scheduler = Scheduler("cpu")
     scheduler.add("other", make_block(WIDTH, seed=9))
-    plan = plan_components("TwoExpertPipeline", {"transformer": pipe.transformer,
+    plan = group_components("TwoExpertPipeline", {"transformer": pipe.transformer,
                                                  "transformer_2": pipe.transformer_2},
                            {"text_encoder": pipe.text_encoder,
                             "prompt_adapter.encoder": pipe.prompt_adapter.encoder},
                            {"vae": pipe.vae}, {"time_embed": pipe.time_embed},
                            OffloadConfig.from_dict(CONFIG))
     with pytest.raises(KeyboardInterrupt):
-        apply_plan(_InterruptedAfter(scheduler, call, name), plan)
+        register_groups(_InterruptedAfter(scheduler, call, name), plan)
     assert list(scheduler) == ["other"]  # the group it held before stays
     assert "prompt_adapter.encoder" not in scheduler
-    apply_plan(scheduler, plan)  # nothing of the first try is left in the way
+    register_groups(scheduler, plan)  # nothing of the first try is left in the way
     prompt = torch.randn(2, WIDTH)
     with torch.no_grad():
         expected = reference.generate(prompt, NoOffload())
