@@ -213,7 +213,8 @@ class ModelBlocks:
     def device_nbytes(self, slots: int = 2) -> int:
         """Device bytes while the phase runs: outside + kept + `slots` slots (before alignment)."""
         kept = sum(b.nbytes for b in self.kept)
-        return self.outside_nbytes + kept + min(slots, len(self.streamed)) * self.largest_streamed_nbytes
+        streamed = min(slots, len(self.streamed)) * self.largest_streamed_nbytes
+        return self.outside_nbytes + kept + streamed
 
     def _class_suffix(self) -> str:
         name = type(self.model).__name__

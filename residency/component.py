@@ -7,8 +7,8 @@ the scheduler's to call (calling them directly would bypass its bookkeeping): th
 * ``_load`` copies the host master into device storage in bulk (one copy per chunk) and re-points
   every tensor to its device view.
 * ``_evict`` re-points every tensor back to its host view.  Unchanged bytes cost no copy.  What
-  changed while resident is written back first, whatever path the edit took: the digest windows whose bytes
-  changed in place (see [Note: finding what changed]), and tensors given new storage with
+  changed while resident is written back first, whatever path the edit took: the digest windows
+  whose bytes changed in place (see [Note: finding what changed]), and tensors given new storage with
   ``tensor.data = ...`` or ``module.to(...)`` (the data pointer moves).
 * ``_adopt`` takes a new inventory and master after the modules changed shape (new or replaced
   parameters, a new dtype): the scheduler re-packs the group before its next load rather than

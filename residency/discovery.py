@@ -25,8 +25,9 @@ The grouping rule, in one place (`group_components`):
 * every listed path (and every part name) is an alias: ``resident("text_encoder.encoder")`` enters
   the group holding that module.
 
-`group_components` and `register_groups` are pure building blocks for adapters that find modules their
-own way (the diffusers adapter); `scheduler_from_pipeline` is what ``Scheduler.from_pipeline`` runs.
+`group_components` and `register_groups` are pure building blocks for adapters that find modules
+their own way (the diffusers adapter); `scheduler_from_pipeline` is what
+``Scheduler.from_pipeline`` runs.
 """
 
 from __future__ import annotations
@@ -360,9 +361,9 @@ def stage_note(plan: ComponentGroups, dits: Mapping, encoders: Mapping, selected
         # "DiTPipeline has no encoder: 'transformer' is its only exclusive group, so ..."
 
     The rule for a pipeline with no DiT or no encoder, in one place (`group_components` stores the
-    line as ``plan.note``; `register_groups` logs it).  As vLLM-Omni 0.30 does with the legacy switch,
-    such a pipeline is accepted, not refused; unlike 0.30 (which then offloads nothing, and
-    refuses an explicit config), the selected modules it has are still offloaded.
+    line as ``plan.note``; `register_groups` logs it).  As vLLM-Omni 0.30 does with the legacy
+    switch, such a pipeline is accepted, not refused; unlike 0.30 (which then offloads nothing,
+    and refuses an explicit config), the selected modules it has are still offloaded.
     """
     if not {"dit", "text_encoder"} & set(selected):
         return None
@@ -631,7 +632,8 @@ def _declared_modules(pipeline: object, declaration: str) -> dict[str, nn.Module
 def register_groups(scheduler: Registrar, plan: ComponentGroups) -> None:
     """Register the plan's groups and aliases on `scheduler` and attach its split models.
 
-        register_groups(Scheduler("cuda"), group_components("MyPipeline", dits, encoders, vaes, {}, c))
+        groups = group_components("MyPipeline", dits, encoders, vaes, {}, config)
+        register_groups(Scheduler("cuda"), groups)
 
     Each group is added with ``exclude=`` its excluded subtrees and its category.
 
