@@ -15,7 +15,7 @@ What it finds in ``pipe.components`` (modules only; ``None`` and non-module part
 * the VAE: ``vae`` — group "vae";
 * every other module component — a resident-policy group named by its component name.
 
-The grouping itself is `residency.discovery.plan_components`, the same rule as
+The grouping itself is `residency.discovery.group_components`, the same rule as
 ``Scheduler.from_pipeline``: unselected categories stay resident on the device.
 
 Each module of an exclusive group gets a `PhaseEntry` in place of its instance's bound
@@ -141,10 +141,10 @@ from residency.config import OffloadConfig, resolve_config
 from residency.adapters.diffusers_roles import KINDS, Role, roles_of
 from residency.discovery import (
     ENCODER_GROUP,
-    ComponentPlan,
+    ComponentGroups,
     build_scheduler,
     check_transfers_have_ranks,
-    plan_components,
+    group_components,
 )
 from residency.errors import (
     ConfigError,
@@ -582,7 +582,7 @@ def _module_components(pipe: object, verb: str) -> dict[str, nn.Module]:
 
 def _plan(
     pipe: object, components: dict[str, nn.Module], config: OffloadConfig
-) -> tuple[ComponentPlan, dict[str, Role]]:
+) -> tuple[ComponentGroups, dict[str, Role]]:
     """The grouping of `pipe`'s module components, and each one's `Role`."""
     owner = type(pipe).__name__
     roles = roles_of(pipe, components)
@@ -592,14 +592,14 @@ def _plan(
         kinds[role.kind][name] = components[name]
         if role.joins is not None:
             companions.setdefault(role.joins, {})[name] = components[name]
-    plan = plan_components(owner, kinds["dit"], kinds["encoder"], kinds["vae"],
+    plan = group_components(owner, kinds["dit"], kinds["encoder"], kinds["vae"],
                            kinds["resident"], config, companions=companions, pipeline=pipe)
     _check_something_offloaded(owner, components, plan, config)
     return plan, roles
 
 
 def _check_something_offloaded(
-    owner: str, components: dict[str, nn.Module], plan: ComponentPlan, config: OffloadConfig
+    owner: str, components: dict[str, nn.Module], plan: ComponentGroups, config: OffloadConfig
 ) -> None:
     """Refuse a plan without exclusive groups (see [Note: adapter state], "Nothing to find by")."""
     if plan.exclusive:
@@ -612,7 +612,7 @@ def _check_something_offloaded(
     )
 
 
-def _leftovers(owner: str, plan: ComponentPlan, roles: Mapping[str, Role]) -> str | None:
+def _leftovers(owner: str, plan: ComponentGroups, roles: Mapping[str, Role]) -> str | None:
     """The one line naming the components that stay on the device because no rule placed them."""
     left = [f"{name} ({role.why})" for name, role in roles.items() if role.kind == "resident"]
     if not left:
@@ -701,7 +701,7 @@ def _device_of(module: nn.Module) -> torch.device:
 # -- entries --------------------------------------------------------------------------------------
 
 
-def _wrap_groups(offload: _Offload, plan: ComponentPlan) -> None:
+def _wrap_groups(offload: _Offload, plan: ComponentGroups) -> None:
     """Set a `PhaseEntry` for each entry point of each module of every group.
 
     Each entry wraps what a call runs now: the class's method, or another wrapper already set on
@@ -727,7 +727,7 @@ def _to_device(value, device: torch.device):
     return value
 
 
-def _place_execution_device(scheduler: Scheduler, plan: ComponentPlan) -> None:
+def _place_execution_device(scheduler: Scheduler, plan: ComponentGroups) -> None:
     """Make one component sit on the device when none does (see [Note: the execution device])."""
     if plan.resident:
         return

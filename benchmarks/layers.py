@@ -15,7 +15,7 @@ mode, which is what a bit-identity check needs.  `diffusers_wan` builds the real
 at a given size, for the side-by-side with diffusers' own group offloading.
 
 Modes (`install`): ``none`` (everything on the device), ``layers`` / ``layers_no_detection``
-(ours, ``layers=plan_blocks(model, resident_layers=N)``, edit detection on / off), ``module``
+(ours, ``layers=model_blocks(model, resident_layers=N)``, edit detection on / off), ``module``
 (ours, module mode: the DiT stays resident between steps, the whole model on the device),
 ``module_swapped`` (ours, module mode, another group entered between steps: the DiT is copied in
 every step) and ``diffusers_group_offload`` (``apply_group_offloading`` block level, one block per
@@ -52,7 +52,7 @@ from torch import nn
 from benchmarks.floor import synchronize
 from benchmarks.models import drawing_device
 from residency import Scheduler
-from residency.blocks import plan_blocks
+from residency.blocks import model_blocks
 
 __all__ = [
     "MODES",
@@ -210,7 +210,7 @@ class WanBlock(nn.Module):
 class WanDiT(nn.Module):
     """Patch embedding, text and time embedders, `shape.blocks` Wan blocks, an output head."""
 
-    #: vLLM-Omni's declaration, read by plan_blocks.
+    #: vLLM-Omni's declaration, read by model_blocks.
     _layerwise_offload_blocks_attrs: ClassVar[list[str]] = ["blocks"]
 
     def __init__(self, shape: DiTShape) -> None:
@@ -365,7 +365,7 @@ def install(mode: str, model: nn.Module, device: torch.device, *, resident_layer
     if mode == "none":
         model.to(device)
     elif mode in ("layers", "layers_no_detection"):
-        plan = plan_blocks(model, declared=[blocks], resident_layers=resident_layers)
+        plan = model_blocks(model, declared=[blocks], resident_layers=resident_layers)
         run.scheduler = Scheduler(device)
         run.scheduler.add("dit", model, layers=plan, detect_edits=mode == "layers")
         run.block_nbytes = tuple(b.nbytes for b in plan.streamed)

@@ -14,7 +14,7 @@ they say whether the library's streams and events let copies overlap compute and
 host waits, not what a GPU achieves.
 
 * ``test_simulated_layer_step[mode-bound]``: a layer-mode denoising step (`benchmarks.layers`,
-  every block streamed, ``layers=plan_blocks(...)``) against max(total compute, total copy) of the
+  every block streamed, ``layers=model_blocks(...)``) against max(total compute, total copy) of the
   same round: the unoffloaded step on an identical model, and a copy of every streamed block's
   bytes at the set bandwidth.  ``compute_bound``: a block's copy takes half its compute (the goal:
   <= 1.05x); ``copy_bound``: twice its compute (reported).  Bit identity with no offload, and the

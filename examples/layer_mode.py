@@ -14,7 +14,7 @@ import copy
 import torch
 from torch import nn
 
-from residency import Scheduler, plan_blocks
+from residency import Scheduler, model_blocks
 
 
 class Block(nn.Module):
@@ -53,7 +53,7 @@ def main() -> None:
 
     scheduler = Scheduler("cpu")  # "cpu" still performs real copies into separate storage
     scheduler.add("text_encoder", encoder)
-    plan = plan_blocks(dit, path="transformer", resident_layers=1)
+    plan = model_blocks(dit, path="transformer", resident_layers=1)
     print(plan.describe())
     scheduler.add("transformer", dit, layers=plan)
 

@@ -12,14 +12,17 @@
         latents = pipe.transformer(latents, embeddings)
 """
 
-from residency.blocks import BlockPlan, plan_blocks
+from residency.blocks import BlockPlan, ModelBlocks, model_blocks, plan_blocks  # historical names
 from residency.component import Policy, Residency, ResidencyState
 from residency.config import OffloadConfig, resolve_config
 from residency.discovery import (
-    ComponentPlan,
+    ComponentGroups,
+    ComponentPlan,  # historical name
     SupportsComponentDiscovery,
-    apply_plan,
-    plan_components,
+    apply_plan,  # historical name
+    group_components,
+    plan_components,  # historical name
+    register_groups,
 )
 from residency.errors import (
     CollectiveError,
@@ -62,12 +65,17 @@ __all__ = [
     "SupportsComponentDiscovery",
     "SplitModel",
     "OmniOffloadMixin",
-    "ComponentPlan",
-    "plan_components",
-    "apply_plan",
+    "ComponentGroups",
+    "group_components",
+    "register_groups",
+    "ComponentPlan",  # historical name, for one release (docs/surface.md)
+    "plan_components",  # historical name, for one release
+    "apply_plan",  # historical name, for one release
     # layer mode (Scheduler.add(..., layers=...))
-    "plan_blocks",
-    "BlockPlan",
+    "model_blocks",
+    "plan_blocks",  # historical name of model_blocks (kept)
+    "ModelBlocks",
+    "BlockPlan",  # historical name, for one release
     # transports (inject one with Scheduler(transport=...))
     "Transport",
     "CpuTransport",

@@ -79,7 +79,7 @@ class Admission:
     def _reserve(self, claim: Claim) -> None:
         """Check a claim against everything registered and reserve it."""
         check_open(self._holds.closed)
-        self._registry.check_claimable(claim, self._placement.spans())
+        self._registry.check_claimable(claim)
         self._placement.check_budget(
             claim.name, self._registry.needs(claim.name, claim.policy, claim.device_need))
         self._registry.claim(claim)

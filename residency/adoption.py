@@ -24,7 +24,7 @@ from residency.packing import Packer
 from residency.registry import Claim, Registry, owned_modules, repacked_claim
 from residency.sharded import ShardedLoad
 
-__all__ = ["Adoption", "check_budget", "spans", "why_shared"]
+__all__ = ["Adoption", "check_budget", "why_shared"]
 
 _log = logging.getLogger("residency")
 
@@ -52,7 +52,7 @@ class Adoption:
         inventory = self._packer.inventory(part.modules, part.excluded,
                                            allow_empty=part is group and group.blocks is not None)
         claim = Claim(group.name, group.policy, inventory)
-        self._registry.check_claimable(claim, spans(self._registry), replacing=group)
+        self._registry.check_claimable(claim, replacing=group)
         need = repacked_claim(group, part, inventory).device_need
         check_budget(self.device_memory_limit, group.name,
                      self._registry.needs(group.name, group.policy, need, ignore=group))
@@ -68,22 +68,6 @@ class Adoption:
             raise
         _log.info("group %r changed (%s); re-packed %d tensors of %s (%.1f MiB)", group.name,
                   change, inventory.tensor_count, part.name, inventory.nbytes / 2**20)
-
-
-def spans(groups: Iterable[Residency]) -> list[tuple[int, int, Residency]]:
-    """[start, end) host and device addresses of every byte `groups` hold (their streamed
-    blocks' included), for the registry's ownership checks."""
-    found = []
-    for group in groups:
-        parts = [group] if group.blocks is None else [group, *group.blocks.blocks]
-        for chunk in (chunk for part in parts for chunk in part.host_master.chunks):
-            found.append((chunk.data_ptr(), chunk.data_ptr() + chunk.numel(), group))
-        for part in parts:  # the group's device storage, and its blocks' slots
-            storage = part.device_storage
-            if part.is_resident and storage is not None and storage.buffer is not None:
-                start = storage.buffer.data_ptr()
-                found.append((start, start + storage.buffer.numel(), group))
-    return found
 
 
 def check_budget(limit: int | None, name: str, needs: Iterable[tuple[Policy, int]]) -> None:

@@ -44,13 +44,13 @@ timeout must exceed the longest local work between two agreements (checksumming 
 registration), or a slow rank is taken for a missing one.
 
 [Note: what a checksum detects]
-A tensor's fingerprint is blake2b (128 bits) over its length and the `residency.digests` chunk
-digests of its element bytes (row and column sums of 1 MiB chunks, or of one smaller chunk for a
+A tensor's fingerprint is blake2b (128 bits) over its length and the `residency.digests` window
+digests of its element bytes (row and column sums of 1 MiB windows, or of one smaller window for a
 smaller tensor): the digest pass runs where the bytes are, at memory speed, and only the digests
 (about 1% of the bytes) reach the host, once per device.  The layout is fixed, not chosen per
 device, so a CPU rank and a CUDA rank holding the same bytes agree.  Two ranks' bytes are taken
-for equal only when every chunk's row and column sums are equal (see [Note: the digest of a
-chunk, and what it detects] in digests.py: any change of up to three words is always seen, more
+for equal only when every window's row and column sums are equal (see [Note: the digest of a
+window, and what it detects] in digests.py: any change of up to three words is always seen, more
 escape only by a cancelling coincidence or a crafted permutation) and the hash does not collide.
 Tensor-parallel shards differ everywhere; replicated weights loaded from one file are equal.
 Element bytes are compared in logical order; the strides are compared as layout.
@@ -67,7 +67,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from residency.digests import DigestLayout, chunk_digests
+from residency.digests import DigestLayout, window_digests
 from residency.errors import CollectiveError, ConfigError, RegistrationError
 
 __all__ = [
@@ -89,7 +89,7 @@ _HEADER = 256
 #: How many differing tensors (or ranks) a message names before "and N more".
 _NAMED = 5
 _MiB = 2**20
-#: int64 words per row of the checksum layout (chunks are 1 MiB, or the next power of two >= 1 KiB
+#: int64 words per row of the checksum layout (windows are 1 MiB, or the next power of two >= 1 KiB
 #: that holds a smaller tensor): the same on every device, so a CPU and a CUDA rank agree.
 _COLUMNS = 128
 
@@ -196,9 +196,9 @@ def _checked(call, *arguments) -> tuple[Any, str | None]:
 
 
 def _layout_for(nbytes: int) -> DigestLayout:
-    """1 MiB chunks, or one chunk of the next power of two (at least one 1 KiB row) for less."""
-    chunk = max(8 * _COLUMNS, 1 << max(nbytes - 1, 0).bit_length())
-    return DigestLayout(chunk_nbytes=min(chunk, _MiB), columns=_COLUMNS)
+    """1 MiB windows, or one window of the next power of two (at least one 1 KiB row) for less."""
+    window = max(8 * _COLUMNS, 1 << max(nbytes - 1, 0).bit_length())
+    return DigestLayout(window_nbytes=min(window, _MiB), columns=_COLUMNS)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -214,11 +214,11 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _fingerprints(pieces: Sequence[torch.Tensor]) -> list[str]:
-    """A 128-bit hex fingerprint of each 1-D uint8 piece: blake2b of its chunk digests and length.
+    """A 128-bit hex fingerprint of each 1-D uint8 piece: blake2b of its window digests and length.
 
     The digests are computed where the bytes are; one host copy per device brings them back.
     """
-    digests = [chunk_digests(piece, _layout_for(piece.numel())).reshape(-1) for piece in pieces]
+    digests = [window_digests(piece, _layout_for(piece.numel())).reshape(-1) for piece in pieces]
     on_host: list[torch.Tensor | None] = [None] * len(digests)
     for device in {d.device for d in digests}:
         indexes = [i for i, d in enumerate(digests) if d.device == device]
@@ -235,7 +235,7 @@ def _fingerprints(pieces: Sequence[torch.Tensor]) -> list[str]:
 def digest_ranges(buffer_bytes: torch.Tensor, ranges: Iterable[tuple[int, int]]) -> str:
     """A fingerprint of the bytes in `ranges` of a 1-D uint8 buffer, and of the ranges themselves.
 
-        changed = detector.changed_chunks(device_buffer)
+        changed = detector.changed_windows(device_buffer)
         decision = agree_write_back("dit", changed, digest_ranges(device_buffer, changed), group)
 
     The same bytes give the same fingerprint on any device; see [Note: what a checksum detects].
@@ -369,7 +369,7 @@ def compare_weights(
     """Whether every rank of `group` holds the same weights for group `name`; collective.
 
     `layouts[i]` describes `tensors[i]` (inventory order; `describe_tensors`).  Each rank
-    fingerprints each tensor's bytes where they are (`residency.digests` chunk digests, then
+    fingerprints each tensor's bytes where they are (`residency.digests` window digests, then
     blake2b: 16 bytes per tensor), and one exchange compares layouts and fingerprints.  The
     verdict is the same on every rank.  `require` says who demands sharing (``"share=True"``, a
     pipeline's ``encoder_dlo_weight_replication``): a declaration is still checked, and when any
@@ -579,7 +579,7 @@ def _normalized_ranges(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, in
         if start < previous_end or end <= start:
             raise ValueError(
                 f"byte ranges must be non-empty, increasing and disjoint (start, end) pairs from "
-                f"0, got {list(normal)}; pass ChangeDetector.changed_chunks(...)"
+                f"0, got {list(normal)}; pass ChangeDetector.changed_windows(...)"
             )
         previous_end = end
     return normal
@@ -615,7 +615,7 @@ def agree_write_back(
     """Decide with the ranks sharing group `name`'s master what to write back; collective.
 
     `changed` is this rank's changed byte ranges of the group's buffer
-    (`ChangeDetector.changed_chunks`), `digest` their `digest_ranges` (ignored when nothing
+    (`ChangeDetector.changed_windows`), `digest` their `digest_ranges` (ignored when nothing
     changed).  Nobody changed anything: nothing to write.  Every rank changed the same ranges to
     the same bytes: the group's lowest rank writes (`WriteBack.writes`).  Otherwise every rank
     raises the same `CollectiveError`, naming each rank's ranges and the `tensors` (name, start, end)

@@ -7,7 +7,7 @@ given and what is accepted, before anything is built.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -29,13 +29,19 @@ __all__ = [
 ]
 
 
-def check_name(name: object, taken: Iterable[str]) -> None:
+def check_name(name: object, *taken: Container[str]) -> None:
+    """Refuse a group name that is not a non-empty string, or is in one of the `taken` tables:
+    the one wording of `Scheduler`, its registry and `NoOffload` alike.
+
+        check_name("dit", groups, aliases, claims)   # RegistrationError: already registered
+        check_name(name)                              # only its type
+    """
     if not isinstance(name, str) or not name:
         raise RegistrationError(
             f"a group name must be a non-empty string, not {name!r}; name groups after what "
             "they are, for example 'text_encoder' or 'dit'"
         )
-    if name in taken:
+    if any(name in table for table in taken):
         raise RegistrationError(
             f"a group named {name!r} is already registered; choose another name, or call "
             f"scheduler.remove({name!r}) first"

@@ -1,12 +1,12 @@
 """Which blocks a model streams in layer mode, in which order, and which are kept (issue 14).
 
-    plan = plan_blocks(pipe.transformer, path="transformer", resident_layers=1)
+    plan = model_blocks(pipe.transformer, path="transformer", resident_layers=1)
     plan.lists               # ('transformer_blocks', 'single_transformer_blocks')
     plan.kept, plan.streamed # Block(path='transformer_blocks.0', ...), the rest in forward order
-    plan.slot_nbytes         # what one of the two reused device slots must hold
+    plan.largest_streamed_nbytes   # the largest streamed block (a slot holds it, aligned)
     print(plan.describe())
 
-    blocks = plan_pipeline_blocks(pipe, {"transformer": t1, "transformer_2": t2},
+    blocks = pipeline_blocks(pipe, {"transformer": t1, "transformer_2": t2},
                                   {"text_encoder": te}, resident_layers=2)
 
 Pure: reads modules (their tables and declared attributes), moves no tensor, sets no attribute,
@@ -77,22 +77,26 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from types import MappingProxyType
 
 import attrs
-import torch
 from torch import nn
 
 from residency.errors import ConfigError
-from residency.subclasses import inner_tensors, is_wrapper
+from residency.subclasses import Extent, first_shared, leaf_extents, overlapping_runs
 
 __all__ = [
     "SOURCES",
     "Block",
-    "BlockPlan",
+    "ModelBlocks",
+    "BlockPlan",  # historical name
     "PipelineBlocks",
+    "did_you_mean",
     "find_block_lists",
-    "plan_blocks",
-    "plan_pipeline_blocks",
+    "follow_path",
+    "is_dotted",
+    "model_blocks",
+    "plan_blocks",  # historical name
+    "pipeline_blocks",
     "repeated_block_lists",
-    "replan",
+    "reread_blocks",
 ]
 
 #: Where a plan's block lists came from, in order of precedence.
@@ -127,32 +131,32 @@ class Block:
     nbytes: int
 
 
-def _check_plan(plan: BlockPlan) -> None:
+def _check_plan(plan: ModelBlocks) -> None:
     if plan.source not in SOURCES:
-        raise ConfigError(f"BlockPlan source {plan.source!r}; accepted are {SOURCES}")
+        raise ConfigError(f"ModelBlocks source {plan.source!r}; accepted are {SOURCES}")
     if not plan.blocks or not plan.lists:
-        raise ConfigError(f"a BlockPlan for {plan.model_path!r} needs at least one block list")
+        raise ConfigError(f"a ModelBlocks for {plan.model_path!r} needs at least one block list")
     if not 0 <= plan.kept_count <= plan.own_count <= len(plan.blocks):
         raise ConfigError(
-            f"a BlockPlan for {plan.model_path!r} keeps {plan.kept_count} of {plan.own_count} "
+            f"a ModelBlocks for {plan.model_path!r} keeps {plan.kept_count} of {plan.own_count} "
             f"own blocks ({len(plan.blocks)} in all); keep between 0 and {plan.own_count}"
         )
     if len({id(b.module) for b in plan.blocks}) != len(plan.blocks):
-        raise ConfigError(f"a BlockPlan for {plan.model_path!r} lists one block twice")
+        raise ConfigError(f"a ModelBlocks for {plan.model_path!r} lists one block twice")
 
 
 @attrs.frozen(kw_only=True)
-class BlockPlan:
+class ModelBlocks:
     """What one model streams: its blocks in streaming order, the kept prefix, the resident rest.
 
-        plan = plan_blocks(transformer, path="transformer", resident_layers=2)
+        plan = model_blocks(transformer, path="transformer", resident_layers=2)
         for block in plan.streamed:           # in the order the forward runs them
             ...
-        plan.slot_nbytes                       # bytes one reused slot must hold
+        plan.largest_streamed_nbytes           # the largest streamed block, unaligned
 
     The group's resident part while its phase is active is everything outside the blocks
     (`outside_nbytes`) plus the kept blocks; each streamed block has a host master of its own
-    (`residency.layers`).  Built by `plan_blocks`, which checked every rule; validates itself.
+    (`residency.layers`).  Built by `model_blocks`, which checked every rule; validates itself.
     """
 
     #: The model's path in its pipeline ("transformer"), or its class name when alone.
@@ -169,8 +173,8 @@ class BlockPlan:
     #: How many leading blocks stay on the device.
     kept_count: int
     #: The `lists` that came from ``extra`` (``offload_submodules``: streamed after the model's
-    #: own lists, never kept), and the ``resident_layers`` asked for: what `plan_blocks` was
-    #: given beyond the model, so the plan can be made again (`replan`).
+    #: own lists, never kept), and the ``resident_layers`` asked for: what `model_blocks` was
+    #: given beyond the model, so the plan can be made again (`reread_blocks`).
     extra_lists: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     resident_layers: int = 0
     #: Bytes of every tensor outside the blocks (the resident part), tied ones once.
@@ -195,7 +199,10 @@ class BlockPlan:
         return max(self.streamed, key=lambda b: b.nbytes, default=None)
 
     @property
-    def slot_nbytes(self) -> int:
+    def largest_streamed_nbytes(self) -> int:
+        """Bytes of the largest streamed block's tensors, before alignment (0 if all are kept).
+        Not a slot's size: the allocated slot is `residency.component.slot_nbytes` (aligned,
+        per rank)."""
         largest = self.largest_streamed
         return 0 if largest is None else largest.nbytes
 
@@ -206,7 +213,8 @@ class BlockPlan:
     def device_nbytes(self, slots: int = 2) -> int:
         """Device bytes while the phase runs: outside + kept + `slots` slots (before alignment)."""
         kept = sum(b.nbytes for b in self.kept)
-        return self.outside_nbytes + kept + min(slots, len(self.streamed)) * self.slot_nbytes
+        streamed = min(slots, len(self.streamed)) * self.largest_streamed_nbytes
+        return self.outside_nbytes + kept + streamed
 
     def _class_suffix(self) -> str:
         name = type(self.model).__name__
@@ -236,32 +244,63 @@ class BlockPlan:
 # -- resolving declared lists ---------------------------------------------------------------------
 
 
-def _nearest(target: object, name: str) -> str:
-    names = list(target._modules) if isinstance(target, nn.Module) else []
-    close = difflib.get_close_matches(name, names or dir(target), n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
+def is_dotted(path: object) -> bool:
+    """Whether `path` is attribute names joined by dots ("transformer_blocks", "encoder.block")."""
+    return isinstance(path, str) and bool(path) and "" not in path.split(".")
+
+
+def follow_path(root: object, path: str) -> tuple[object, str, str | None]:
+    """Walk dotted `path` from `root`, a module's children first, then attributes: the one path
+    resolution of block lists (`model_blocks`) and of a pipeline's components (discovery).
+
+        follow_path(pipe, "prompt_adapter.encoder")  # (encoder, "prompt_adapter.encoder", None)
+        follow_path(pipe, "prompt_adapter.encodr")   # (adapter, "prompt_adapter", "encodr")
+
+    Returns (what it reached, the names walked to it, None), or, where a name does not resolve,
+    (the last object reached, the names walked to it, that name).  Reads only.
+    """
+    target, walked = root, []
+    for name in path.split("."):
+        modules = target._modules if isinstance(target, nn.Module) else {}
+        if name in modules:
+            target = modules[name]
+        else:
+            try:
+                target = getattr(target, name)
+            except AttributeError:
+                return target, ".".join(walked), name
+        walked.append(name)
+    return target, path, None
+
+
+def did_you_mean(target: object, name: str) -> str:
+    """The hint " Did you mean 'x'?", x the name of `target` closest to `name` (its child modules
+    and instance attributes first, then any attribute); "" when none is close."""
+    children = list(target._modules) if isinstance(target, nn.Module) else []
+    instance = [n for n in getattr(target, "__dict__", {}) if not n.startswith("__")]
+    for candidates in (children + instance, [n for n in dir(target) if not n.startswith("__")]):
+        close = difflib.get_close_matches(name, candidates, n=1)
+        if close:
+            return f" Did you mean {close[0]!r}?"
+    return ""
 
 
 def _resolve_list(
     model: nn.Module, where: str, attr: object, listed_in: str
 ) -> Sequence[nn.Module]:
     """The block list at dotted `attr` of `model`; `ConfigError` saying what to fix if none."""
-    if not isinstance(attr, str) or not attr or "" in attr.split("."):
+    if not is_dotted(attr):
         raise ConfigError(
             f"{where}: {listed_in} names {attr!r}, which is not a dotted attribute; write "
             "attribute names joined by dots, for example 'transformer_blocks'"
         )
-    target: object = model
-    for name in attr.split("."):
-        modules = target._modules if isinstance(target, nn.Module) else {}
-        found = modules[name] if name in modules else getattr(target, name, None)
-        if found is None:
-            raise ConfigError(
-                f"{where}: {listed_in} names {attr!r}, which does not resolve: "
-                f"{type(target).__name__} has no attribute {name!r}.{_nearest(target, name)} "
-                f"Fix {listed_in}"
-            )
-        target = found
+    target, _, missing = follow_path(model, attr)
+    if missing is not None:
+        raise ConfigError(
+            f"{where}: {listed_in} names {attr!r}, which does not resolve: "
+            f"{type(target).__name__} has no attribute {missing!r}.{did_you_mean(target, missing)} "
+            f"Fix {listed_in}"
+        )
     if not isinstance(target, _LISTS):
         raise ConfigError(
             f"{where}: {listed_in} names {attr!r}, which is a {type(target).__name__}, not an "
@@ -432,26 +471,6 @@ def _none_found_message(model: nn.Module, candidates: Sequence[str], total: int)
 # -- bytes and tied tensors -----------------------------------------------------------------------
 
 
-def _leaves(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    if is_wrapper(tensor):
-        for path, inner in inner_tensors(tensor):
-            yield f"{name}.{'.'.join(path)}", inner
-    else:
-        yield name, tensor
-
-
-def _span(tensor: torch.Tensor) -> tuple[tuple, int, int]:
-    """(storage key, first byte, end byte) of the bytes `tensor` can read (tensors.py's rule)."""
-    itemsize = tensor.element_size()
-    extent = 1 + sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride()))
-    length = 0 if tensor.numel() == 0 else extent * itemsize
-    if tensor.is_meta or is_wrapper(tensor):
-        return ("object", id(tensor)), 0, length
-    storage = tensor.untyped_storage()
-    start = tensor.storage_offset() * itemsize
-    return (storage.device, storage.data_ptr()), start, start + length
-
-
 def _walk(root: nn.Module, prefix: str, skip: set[int]) -> Iterator[tuple[str, nn.Module]]:
     """(path, module) under `root` once each, depth first, not entering modules in `skip`."""
     seen: set[int] = set()
@@ -467,10 +486,11 @@ def _walk(root: nn.Module, prefix: str, skip: set[int]) -> Iterator[tuple[str, n
         pending.extend(reversed(children))
 
 
-def _owned_tensors(
+def _owned_extents(
     model: nn.Module, blocks: Sequence[Block]
-) -> Iterator[tuple[int, str, torch.Tensor]]:
-    """(owner, path, tensor): owner is the block's index, or `_OUTSIDE` for the rest.
+) -> Iterator[tuple[int, str, Extent]]:
+    """(owner, path, extent) of every plain tensor (a wrapper's inner ones): owner is the block's
+    index, or `_OUTSIDE` for the rest.
 
     The outside walk does not enter blocks, but does reach a module that is both inside a block
     and elsewhere: its tensors then have two owners, which `_account` refuses.
@@ -482,8 +502,9 @@ def _owned_tensors(
             for table in (module._parameters, module._buffers):
                 for key, tensor in table.items():
                     if tensor is not None:
-                        for path, leaf in _leaves(f"{name}.{key}" if name else key, tensor):
-                            yield owner, path, leaf
+                        slot = f"{name}.{key}" if name else key
+                        for path, found in leaf_extents(tensor):
+                            yield owner, ".".join((slot, *path)), found
 
 
 def _owner_name(blocks: Sequence[Block], owner: int) -> str:
@@ -502,26 +523,18 @@ def _tied_message(where: str, blocks: Sequence[Block], first: tuple, second: tup
 
 def _account(where: str, model: nn.Module, blocks: Sequence[Block]) -> dict[int, int]:
     """Unique bytes per owner; `ConfigError` for bytes shared across owners (tied tensors)."""
-    spans: dict[tuple, list[tuple[int, int, int, str]]] = {}
-    for owner, path, tensor in _owned_tensors(model, blocks):
-        key, start, end = _span(tensor)
-        if end > start:
-            spans.setdefault(key, []).append((start, end, owner, path))
+    owned = list(_owned_extents(model, blocks))
+    owners = [owner for owner, _, _ in owned]
+    paths = [path for _, path, _ in owned]
+    extents = [found for _, _, found in owned]
+    shared = first_shared(extents, owners)
+    if shared is not None:
+        first, second = shared
+        raise ConfigError(_tied_message(where, blocks, (owners[first], paths[first]),
+                                        (owners[second], paths[second])))
     nbytes = dict.fromkeys([_OUTSIDE, *range(len(blocks))], 0)
-    for entries in spans.values():
-        entries.sort(key=lambda e: e[:2])
-        first, end, owner, path = entries[0]
-        cluster = [first, end, owner, path]
-        for start, stop, other, other_path in entries[1:]:
-            if start < cluster[1]:
-                if other != cluster[2]:
-                    raise ConfigError(_tied_message(where, blocks, tuple(cluster[2:]),
-                                                    (other, other_path)))
-                cluster[1] = max(cluster[1], stop)
-                continue
-            nbytes[cluster[2]] += cluster[1] - cluster[0]
-            cluster = [start, stop, other, other_path]
-        nbytes[cluster[2]] += cluster[1] - cluster[0]
+    for run in overlapping_runs(extents):
+        nbytes[owners[run.members[0]]] += run.end - run.start
     return nbytes
 
 
@@ -580,19 +593,19 @@ def _choose_lists(
     return "found", found, "the found lists", line
 
 
-def plan_blocks(
+def model_blocks(
     model: nn.Module,
     *,
     path: str | None = None,
     declared: Sequence[str] | None = None,
     extra: Sequence[str] = (),
     resident_layers: int = 0,
-) -> BlockPlan:
+) -> ModelBlocks:
     """The blocks `model` streams and keeps: from `declared` lists, its class's declaration
     (vLLM-Omni's, then diffusers' ``_repeated_blocks``), or found.
 
-        plan = plan_blocks(transformer, path="transformer", resident_layers=2)
-        plan = plan_blocks(dit, declared=["gen_layers"])   # an _offload_plan's block_attrs
+        plan = model_blocks(transformer, path="transformer", resident_layers=2)
+        plan = model_blocks(dit, declared=["gen_layers"])   # an _offload_plan's block_attrs
 
     `extra` names further lists streamed after the model's own (``offload_submodules``: a
     child's "context_encoder.layers"); they are never kept.  `resident_layers` larger than the
@@ -614,7 +627,7 @@ def plan_blocks(
     if resident_layers > len(own):
         note = _join(note, f"resident_layers {resident_layers} is more than the {len(own)} "
                            "blocks: all are kept on the device, none stream")
-    return BlockPlan(
+    return ModelBlocks(
         model_path=where, model=model, source=source, lists=(*lists, *extra),
         blocks=[attrs.evolve(b, nbytes=nbytes[i]) for i, b in enumerate(blocks)],
         own_count=len(own), kept_count=kept, outside_nbytes=nbytes[_OUTSIDE], note=note,
@@ -622,16 +635,23 @@ def plan_blocks(
     )
 
 
-def replan(plan: BlockPlan) -> BlockPlan:
+def reread_blocks(plan: ModelBlocks) -> ModelBlocks:
     """`plan` made again from the model as it is now, with what it was made from: the same
     declared lists (or the class's, or found again), the same extra lists and ``resident_layers``.
 
-        plan = replan(plan)    # a block replaced in its list is the plan's block now
+        plan = reread_blocks(plan)    # a block replaced in its list is the plan's block now
     """
     own = plan.lists[: len(plan.lists) - len(plan.extra_lists)]
-    return plan_blocks(plan.model, path=plan.model_path,
+    return model_blocks(plan.model, path=plan.model_path,
                        declared=own if plan.source == "offload_plan" else None,
                        extra=plan.extra_lists, resident_layers=plan.resident_layers)
+
+
+#: `model_blocks` by the name it had before "plan" kept one meaning (where each part of a group
+#: is between and during phases); kept, with its meaning, for `residency.plan_blocks` callers.
+plan_blocks = model_blocks  # historical name
+#: `ModelBlocks` by its old name, for one release (docs/surface.md).
+BlockPlan = ModelBlocks  # historical name
 
 
 def _join(note: str | None, more: str) -> str:
@@ -649,7 +669,7 @@ def _proxy(mapping: Mapping) -> Mapping:
 class PipelineBlocks:
     """Block plans for a pipeline's DiTs and encoders, and the encoders swapped whole.
 
-        blocks = plan_pipeline_blocks(pipe, dits, encoders, resident_layers=1)
+        blocks = pipeline_blocks(pipe, dits, encoders, resident_layers=1)
         blocks.dits["transformer"].streamed
         blocks.whole          # {"text_encoder_2": "no repeated blocks found: ..."}
         print(blocks.describe())
@@ -657,9 +677,9 @@ class PipelineBlocks:
 
     owner: str
     #: DiT path -> its plan, in the order given.
-    dits: Mapping[str, BlockPlan] = attrs.field(converter=_proxy, hash=False)
+    dits: Mapping[str, ModelBlocks] = attrs.field(converter=_proxy, hash=False)
     #: Encoder path -> its plan, for encoders that stream.
-    encoders: Mapping[str, BlockPlan] = attrs.field(converter=_proxy, hash=False)
+    encoders: Mapping[str, ModelBlocks] = attrs.field(converter=_proxy, hash=False)
     #: Encoder path -> why it is swapped whole instead.
     whole: Mapping[str, str] = attrs.field(converter=_proxy, hash=False)
     #: The DiTs whose leading blocks `resident_layers` keeps.
@@ -716,23 +736,23 @@ def _submodule_lists(owner: str, plan: object, dit: nn.Module) -> tuple[str, ...
 
 def _encoder_plan(
     owner: str, plan: object, path: str, encoder: nn.Module
-) -> BlockPlan | str:
+) -> ModelBlocks | str:
     """The encoder's plan, or why it is swapped whole (declared lists that fail are refused)."""
     if path in _plan_field(plan, "on_demand_component_paths", frozenset, owner):
         return "on demand in the pipeline's _offload_plan"
     declared = _plan_field(plan, "encoder_block_attrs", dict, owner).get(path)
     if declared is not None:
         declared = _declared_attrs(declared, path, f"_offload_plan.encoder_block_attrs[{path!r}]")
-        return plan_blocks(encoder, path=path, declared=declared)
+        return model_blocks(encoder, path=path, declared=declared)
     if class_declaration(encoder) is None and repeated_block_lists(encoder) is None:
         try:
             find_block_lists(encoder)
         except ConfigError as error:
             return f"no repeated blocks found: {error}"
-    return plan_blocks(encoder, path=path)
+    return model_blocks(encoder, path=path)
 
 
-def plan_pipeline_blocks(
+def pipeline_blocks(
     pipeline: object,
     dits: Mapping[str, nn.Module],
     encoders: Mapping[str, nn.Module] = MappingProxyType({}),
@@ -742,7 +762,7 @@ def plan_pipeline_blocks(
 ) -> PipelineBlocks:
     """Block plans for the selected DiTs and encoders of `pipeline` (paths -> modules).
 
-        blocks = plan_pipeline_blocks(pipe, {"transformer": pipe.transformer,
+        blocks = pipeline_blocks(pipe, {"transformer": pipe.transformer,
                                              "transformer_2": pipe.transformer_2},
                                       {"text_encoder": pipe.text_encoder}, resident_layers=2)
 
@@ -760,7 +780,7 @@ def plan_pipeline_blocks(
         declared = block_attrs.get(path)
         if declared is not None:
             declared = _declared_attrs(declared, path, f"_offload_plan.block_attrs[{path!r}]")
-        dit_plans[path] = plan_blocks(
+        dit_plans[path] = model_blocks(
             dit, path=path, declared=declared, extra=_submodule_lists(owner, plan, dit),
             resident_layers=resident_layers if path in keeping else 0,
         )

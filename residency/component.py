@@ -7,8 +7,8 @@ the scheduler's to call (calling them directly would bypass its bookkeeping): th
 * ``_load`` copies the host master into device storage in bulk (one copy per chunk) and re-points
   every tensor to its device view.
 * ``_evict`` re-points every tensor back to its host view.  Unchanged bytes cost no copy.  What
-  changed while resident is written back first, whatever path the edit took: the chunks whose bytes
-  changed in place (see [Note: finding what changed]), and tensors given new storage with
+  changed while resident is written back first, whatever path the edit took: the digest windows
+  whose bytes changed in place (see [Note: finding what changed]), and tensors given new storage with
   ``tensor.data = ...`` or ``module.to(...)`` (the data pointer moves).
 * ``_adopt`` takes a new inventory and master after the modules changed shape (new or replaced
   parameters, a new dtype): the scheduler re-packs the group before its next load rather than
@@ -408,7 +408,7 @@ class Residency:
         An edit through ``tensor.data`` (peft's LoRA merge), by a custom kernel or through an
         alias moves neither the version counter nor the data pointer.  Only the bytes tell, so the
         device bytes are digested at every load (after the copy: the bytes as loaded, not as
-        packed - the master may have been edited while offloaded) and again here; the chunks
+        packed - the master may have been edited while offloaded) and again here; the windows
         whose digests differ are written back, and nothing else (`residency.digests` says what a
         digest detects).  With ``detect_edits=False`` the user promised not to edit, and tensors
         whose version counter moved are written back instead.
@@ -416,7 +416,7 @@ class Residency:
         if self._marked_dirty:
             return self._write_ranges([(0, self.inventory.layout.contiguous_nbytes)])
         if self._detector is not None:
-            return self._write_ranges(self._detector.changed_chunks(self._device_bytes()))
+            return self._write_ranges(self._detector.changed_windows(self._device_bytes()))
         if now_versions == self._loaded_versions:
             return 0
         moved = [i for i, (v, w) in enumerate(zip(now_versions, self._loaded_versions)) if v != w]
@@ -438,7 +438,7 @@ class Residency:
         if self._marked_dirty:
             ranges = [(0, self.inventory.layout.contiguous_nbytes)]
         else:
-            ranges = self._detector.changed_chunks(device_bytes)
+            ranges = self._detector.changed_windows(device_bytes)
         digest = digest_ranges(device_bytes, ranges) if ranges else None
         group = self.host_master.shared_group
         decision = agree_write_back(self.name, ranges, digest, group)

@@ -12,7 +12,7 @@
     with scheduler.resident("transformer"):       # the encoder and transformer_2 leave
         latents = pipe.transformer(latents, context)
 
-The grouping rule, in one place (`plan_components`):
+The grouping rule, in one place (`group_components`):
 
 * each selected DiT is its own exclusive group, named by its dotted path; a DiT that is a
   `SplitModel` gives one exclusive group per part and a resident-policy group, named by its path,
@@ -25,13 +25,13 @@ The grouping rule, in one place (`plan_components`):
 * every listed path (and every part name) is an alias: ``resident("text_encoder.encoder")`` enters
   the group holding that module.
 
-`plan_components` and `apply_plan` are pure building blocks for adapters that find modules their
-own way (the diffusers adapter); `scheduler_from_pipeline` is what ``Scheduler.from_pipeline`` runs.
+`group_components` and `register_groups` are pure building blocks for adapters that find modules
+their own way (the diffusers adapter); `scheduler_from_pipeline` is what
+``Scheduler.from_pipeline`` runs.
 """
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
@@ -41,7 +41,7 @@ import attrs
 import torch
 from torch import nn
 
-from residency.blocks import BlockPlan, plan_pipeline_blocks
+from residency.blocks import ModelBlocks, did_you_mean, follow_path, is_dotted, pipeline_blocks
 from residency.config import OffloadConfig, resolve_config
 from residency.enums import Policy
 from residency.errors import ConfigError
@@ -53,14 +53,17 @@ from residency.tensors import unique_submodules
 __all__ = [
     "ENCODER_GROUP",
     "VAE_GROUP",
-    "ComponentPlan",
+    "ComponentGroups",
+    "ComponentPlan",  # historical name
     "Member",
     "SupportsComponentDiscovery",
-    "apply_plan",
+    "apply_plan",  # historical name
+    "register_groups",
     "build_scheduler",
     "check_transfers_have_ranks",
     "declares_components",
-    "plan_components",
+    "group_components",
+    "plan_components",  # historical name
     "resolve_path",
     "scheduler_from_pipeline",
     "stage_note",
@@ -71,7 +74,7 @@ Member = tuple[str, nn.Module]
 
 
 class Registrar(Protocol):
-    """What `apply_plan` needs of a scheduler (`Scheduler` and `NoOffload` both are one).
+    """What `register_groups` needs of a scheduler (`Scheduler` and `NoOffload` both are one).
 
     Discovery sits below the scheduler: it is handed one (or a factory), never imports it.
     """
@@ -80,6 +83,7 @@ class Registrar(Protocol):
     def alias(self, path: str, name: str) -> None: ...
     def remove(self, name: str) -> object: ...
     def close(self) -> None: ...
+    def __contains__(self, name: object) -> bool: ...
 
 _log = logging.getLogger("residency")
 
@@ -125,17 +129,17 @@ def _proxy(mapping: Mapping) -> Mapping:
 
 
 @attrs.frozen(kw_only=True)
-class ComponentPlan:
+class ComponentGroups:
     """Which groups a pipeline's modules form: group name -> its members ((path, module) pairs).
 
-        plan = plan_components("MyPipeline", dits, encoders, vaes, residents, config)
-        apply_plan(scheduler, plan)
+        plan = group_components("MyPipeline", dits, encoders, vaes, residents, config)
+        register_groups(scheduler, plan)
         with scheduler.resident(next(iter(plan.exclusive))):
             ...
 
     A group's modules are the outermost of its members (a member nested in another member of the
     same group adds only an alias), less the subtrees `excluded` names for it (a split model's
-    shared group leaves out its parts).  Built by `plan_components`, which has checked every rule.
+    shared group leaves out its parts).  Built by `group_components`, which has checked every rule.
     """
 
     #: The pipeline's class name, for messages.
@@ -146,7 +150,7 @@ class ComponentPlan:
     resident: Mapping[str, tuple[Member, ...]] = attrs.field(converter=_proxy, hash=False)
     #: Module path or part name -> group name, for ``resident(path)`` (group names excluded).
     aliases: Mapping[str, str] = attrs.field(converter=_proxy, hash=False)
-    #: Split models whose `scheduler` attribute `apply_plan` sets, with their paths.
+    #: Split models whose `scheduler` attribute `register_groups` sets, with their paths.
     split_models: tuple[Member, ...] = ()
     #: Group name -> submodules left out of it, with all under them (``Scheduler.add(exclude=)``);
     #: only groups that leave something out are listed.
@@ -158,7 +162,7 @@ class ComponentPlan:
     categories: Mapping[str, str] = attrs.field(factory=dict, converter=_proxy, hash=False)
     #: Layer mode: group name -> the block plans its stream follows (``Scheduler.add(layers=)``);
     #: only groups that stream are listed.
-    blocks: Mapping[str, tuple[BlockPlan, ...]] = attrs.field(
+    blocks: Mapping[str, tuple[ModelBlocks, ...]] = attrs.field(
         factory=dict, converter=_proxy, hash=False
     )
     #: Group name -> "allgather" for groups whose ranks split each copy (the config's
@@ -199,7 +203,7 @@ def _outermost(members: Sequence[Member]) -> tuple[nn.Module, ...]:
 # -- planning -----------------------------------------------------------------------------------
 
 
-def plan_components(
+def group_components(
     owner_name: str,
     dits: Mapping[str, nn.Module],
     encoders: Mapping[str, nn.Module],
@@ -209,17 +213,17 @@ def plan_components(
     *,
     companions: Mapping[str, Mapping[str, nn.Module]] = MappingProxyType({}),
     pipeline: object = None,
-) -> ComponentPlan:
+) -> ComponentGroups:
     """Group a pipeline's modules (each keyed by its dotted path) as `config` selects.
 
     `config` None means offloading is off: every category is planned resident (for `NoOffload`).
 
-        plan = plan_components("WanPipeline", {"transformer": t1, "transformer_2": t2},
+        plan = group_components("WanPipeline", {"transformer": t1, "transformer_2": t2},
                                {"text_encoder": te}, {"vae": vae}, {}, config)
 
     `companions` maps a DiT's path to modules that run inside each of its steps (a ControlNet):
     they join that DiT's group, so a step never swaps (for a split model: its shared group).
-    In layer mode the selected DiTs and encoders get block plans (`layer_plans`; `pipeline`'s
+    In layer mode the selected DiTs and encoders get block plans (`layer_blocks`; `pipeline`'s
     ``_offload_plan`` is read there).
 
     Pure: reads the modules, changes nothing.  Raises `ConfigError` (naming `owner_name` and the
@@ -232,7 +236,7 @@ def plan_components(
     if config is not None:
         config.require_runnable()
         selected = set(config.components)
-    builder = _PlanBuilder(owner_name)
+    builder = _GroupsBuilder(owner_name)
     for path, dit in dits.items():
         builder.add_dit(path, dit, offload="dit" in selected,
                         companions=tuple(companions.get(path, {}).items()))
@@ -246,21 +250,21 @@ def plan_components(
     plan = builder.build()
     return attrs.evolve(
         plan, note=stage_note(plan, dits, encoders, selected),
-        blocks=layer_plans(plan, config, pipeline, dits, encoders),
+        blocks=layer_blocks(plan, config, pipeline, dits, encoders),
         weight_transfers=_weight_transfers(plan, config, pipeline, encoders),
     )
 
 
-def layer_plans(
-    plan: ComponentPlan,
+def layer_blocks(
+    plan: ComponentGroups,
     config: OffloadConfig | None,
     pipeline: object,
     dits: Mapping[str, nn.Module],
     encoders: Mapping[str, nn.Module],
-) -> dict[str, tuple[BlockPlan, ...]]:
+) -> dict[str, tuple[ModelBlocks, ...]]:
     """Layer mode: group name -> the block plans of its streamed modules (module mode: {}).
 
-    Each selected DiT streams its blocks (`residency.blocks.plan_pipeline_blocks`: declared by
+    Each selected DiT streams its blocks (`residency.blocks.pipeline_blocks`: declared by
     the pipeline's ``_offload_plan`` or the class - vLLM-Omni's declaration, then diffusers'
     ``_repeated_blocks`` - else found, each plan's source logged at INFO; ``resident_layers``
     keeps leading blocks); a selected encoder streams where its blocks are declared or found and
@@ -280,7 +284,7 @@ def layer_plans(
             )
     streamed_encoders = dict(encoders) if "text_encoder" in selected else {}
     resident = config.options_for("dit").resident_layers if "dit" in selected else 0
-    found = plan_pipeline_blocks(pipeline, streamed_dits, streamed_encoders,
+    found = pipeline_blocks(pipeline, streamed_dits, streamed_encoders,
                                  resident_layers=resident, owner=plan.owner)
     for path, why in found.whole.items():
         _log.info("%s: %s is swapped whole in layer mode (%s)", plan.owner, path, why)
@@ -295,7 +299,7 @@ def layer_plans(
 
 
 def _weight_transfers(
-    plan: ComponentPlan, config: OffloadConfig | None, pipeline: object,
+    plan: ComponentGroups, config: OffloadConfig | None, pipeline: object,
     encoders: Mapping[str, nn.Module],
 ) -> dict[str, str]:
     """Group name -> "allgather" where the config asks the ranks to split a component's copy."""
@@ -350,16 +354,16 @@ def _policy(component: str, selected: set[str]) -> Policy:
     return Policy.EXCLUSIVE if component in selected else Policy.RESIDENT
 
 
-def stage_note(plan: ComponentPlan, dits: Mapping, encoders: Mapping, selected) -> str | None:
+def stage_note(plan: ComponentGroups, dits: Mapping, encoders: Mapping, selected) -> str | None:
     """The one line that says what module mode does for a pipeline missing a stage, else None.
 
         note = stage_note(plan, {"transformer": t}, {}, {"dit", "text_encoder"})
         # "DiTPipeline has no encoder: 'transformer' is its only exclusive group, so ..."
 
-    The rule for a pipeline with no DiT or no encoder, in one place (`plan_components` stores the
-    line as ``plan.note``; `apply_plan` logs it).  As vLLM-Omni 0.30 does with the legacy switch,
-    such a pipeline is accepted, not refused; unlike 0.30 (which then offloads nothing, and
-    refuses an explicit config), the selected modules it has are still offloaded.
+    The rule for a pipeline with no DiT or no encoder, in one place (`group_components` stores the
+    line as ``plan.note``; `register_groups` logs it).  As vLLM-Omni 0.30 does with the legacy
+    switch, such a pipeline is accepted, not refused; unlike 0.30 (which then offloads nothing,
+    and refuses an explicit config), the selected modules it has are still offloaded.
     """
     if not {"dit", "text_encoder"} & set(selected):
         return None
@@ -380,8 +384,8 @@ def stage_note(plan: ComponentPlan, dits: Mapping, encoders: Mapping, selected) 
     return f"{has}: its exclusive groups {exclusive} take turns on the device"
 
 
-class _PlanBuilder:
-    """Collects groups and aliases for `plan_components`; `build` checks them all."""
+class _GroupsBuilder:
+    """Collects groups and aliases for `group_components`; `build` checks them all."""
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
@@ -441,7 +445,7 @@ class _PlanBuilder:
             self.add(path, Policy.RESIDENT, [(path, dit), *companions], excluded=part_modules,
                      category="dit")
 
-    def build(self) -> ComponentPlan:
+    def build(self) -> ComponentGroups:
         excluded = {name: modules for name, _, _, modules in self.groups if modules}
         listed = [(name, path, module)
                   for name, _, members, _ in self.groups for path, module in members]
@@ -456,7 +460,7 @@ class _PlanBuilder:
                     "the attribute or the part"
                 )
             tables[policy][name] = members
-        plan = ComponentPlan(
+        plan = ComponentGroups(
             owner=self.owner,
             exclusive=tables[Policy.EXCLUSIVE],
             resident=tables[Policy.RESIDENT],
@@ -534,7 +538,7 @@ def _check_disjoint(
                 )
 
 
-def _check_alias_names(plan: ComponentPlan) -> None:
+def _check_alias_names(plan: ComponentGroups) -> None:
     names = set(plan.exclusive) | set(plan.resident)
     for alias, group in plan.aliases.items():
         if alias in names:
@@ -556,39 +560,25 @@ def resolve_path(
         resolve_path("MyPipeline", pipe, "prompt_adapter.encoder", listed_in="_encoder_modules")
     """
     shown = f"{prefix}.{path}" if prefix else path
-    if not isinstance(path, str) or not path or "" in path.split("."):
+    if not is_dotted(path):
         raise ConfigError(
             f"{owner}: {listed_in} lists {shown!r}, which is not a dotted path; write attribute "
             "names joined by dots, for example 'text_encoder' or 'prompt_adapter.encoder'"
         )
-    target = root
-    walked = prefix
-    for name in path.split("."):
-        try:
-            target = getattr(target, name)
-        except AttributeError:
-            raise ConfigError(
-                f"{owner}: {listed_in} lists {shown!r}, which does not resolve: "
-                f"{type(target).__name__} at {repr(walked) if walked else 'the top'} has no "
-                f"attribute {name!r}.{_nearest(target, name)} Fix the path in {listed_in}"
-            ) from None
-        walked = f"{walked}.{name}" if walked else name
+    target, walked, missing = follow_path(root, path)
+    if missing is not None:
+        walked = ".".join(part for part in (prefix, walked) if part)
+        raise ConfigError(
+            f"{owner}: {listed_in} lists {shown!r}, which does not resolve: "
+            f"{type(target).__name__} at {repr(walked) if walked else 'the top'} has no "
+            f"attribute {missing!r}.{did_you_mean(target, missing)} Fix the path in {listed_in}"
+        )
     if not isinstance(target, nn.Module):
         raise ConfigError(
             f"{owner}: {listed_in} lists {shown!r}, which is a {type(target).__name__}, not an "
             "nn.Module; list module paths only"
         )
     return target
-
-
-def _nearest(target: object, name: str) -> str:
-    children = list(target._modules) if isinstance(target, nn.Module) else []
-    instance = [n for n in getattr(target, "__dict__", {}) if not n.startswith("__")]
-    for candidates in (children + instance, [n for n in dir(target) if not n.startswith("__")]):
-        close = difflib.get_close_matches(name, candidates, n=1)
-        if close:
-            return f" Did you mean {close[0]!r}?"
-    return ""
 
 
 def declares_components(pipeline: object) -> bool:
@@ -639,38 +629,65 @@ def _declared_modules(pipeline: object, declaration: str) -> dict[str, nn.Module
 # -- applying -----------------------------------------------------------------------------------
 
 
-def apply_plan(scheduler: Registrar, plan: ComponentPlan) -> None:
+def register_groups(scheduler: Registrar, plan: ComponentGroups) -> None:
     """Register the plan's groups and aliases on `scheduler` and attach its split models.
 
-        apply_plan(Scheduler("cuda"), plan_components("MyPipeline", dits, encoders, vaes, {}, c))
+        groups = group_components("MyPipeline", dits, encoders, vaes, {}, config)
+        register_groups(Scheduler("cuda"), groups)
 
-    Each group is added with ``exclude=`` its excluded subtrees and its category.  Unless offloading
-    is off (`NoOffload`), groups that would share a tensor are refused first (`ConfigError`); if a
-    registration fails anyway, the groups added so far are removed before the error propagates.
+    Each group is added with ``exclude=`` its excluded subtrees and its category.
+
+    All or nothing, in one way: on any exception - a refused or failed ``add``, an interrupt at
+    any line - every group of the plan the scheduler did not hold before is removed (with its
+    aliases) and the split models get their previous scheduler back, before the error
+    propagates.  The plan's ownership rules are read first (modules another scheduler owns,
+    tensors two groups would share: `ConfigError`, unless offloading is off), not for atomicity
+    but so that a refused plan moves no tensor: a removed group's weights stay in its host
+    master, where an ``add`` put them.
     """
     if not isinstance(scheduler, NoOffload):
         check_modules_unowned(plan.owner, _member_submodules(plan))
         check_tensors_disjoint(plan.owner, _member_tensors(plan))
         if plan.note is not None:
             _log.warning("%s", plan.note)
-    added: list[str] = []
+    names = [name for name, _, _, _ in plan.groups()]
+    held = {name for name in names if name in scheduler}  # `add` refuses these: never removed
+    attached = [(model, vars(model).get("scheduler")) for _, model in plan.split_models]
     try:
         for name, policy, modules, excluded in plan.groups():
             category = plan.categories.get(name)
             scheduler.add(name, modules, policy=policy, exclude=excluded, category=category,
                           **_layer_mode_options(plan, name))
-            added.append(name)
+        for path, name in plan.aliases.items():
+            scheduler.alias(path, name)
+        for model, _ in attached:
+            model.scheduler = scheduler
     except BaseException:
-        for name in reversed(added):
-            scheduler.remove(name)
+        _undo_plan(scheduler, [n for n in names if n not in held], attached)
         raise
-    for path, name in plan.aliases.items():
-        scheduler.alias(path, name)
-    for _, model in plan.split_models:
-        model.scheduler = scheduler
 
 
-def _layer_mode_options(plan: ComponentPlan, name: str) -> dict[str, object]:
+def _undo_plan(scheduler: Registrar, names: Sequence[str], attached) -> None:
+    """What `register_groups` did, undone from what the scheduler holds (not from a list the
+    interrupted code may not have written yet)."""
+    for model, previous in attached:
+        if previous is None:
+            vars(model).pop("scheduler", None)
+        else:
+            model.scheduler = previous
+    for name in reversed(names):
+        if name in scheduler:
+            scheduler.remove(name)
+
+
+#: The old names of `ComponentGroups`, `group_components` and `register_groups`, importable for one
+#: release (docs/surface.md): "plan" now means where each part of a group is during phases.
+ComponentPlan = ComponentGroups  # historical name
+plan_components = group_components  # historical name
+apply_plan = register_groups  # historical name
+
+
+def _layer_mode_options(plan: ComponentGroups, name: str) -> dict[str, object]:
     """``add`` keywords beyond module mode's: block plans and a non-default weight transfer."""
     options: dict[str, object] = {}
     if name in plan.blocks:
@@ -680,27 +697,27 @@ def _layer_mode_options(plan: ComponentPlan, name: str) -> dict[str, object]:
     return options
 
 
-def build_scheduler(plan: ComponentPlan, make_scheduler: Callable[[], Registrar]) -> Registrar:
+def build_scheduler(plan: ComponentGroups, make_scheduler: Callable[[], Registrar]) -> Registrar:
     """A new scheduler with `plan` applied; closed again if the plan cannot be applied.
 
         scheduler = build_scheduler(plan, lambda: Scheduler(device))
     """
     scheduler = make_scheduler()
     try:
-        apply_plan(scheduler, plan)
+        register_groups(scheduler, plan)
     except BaseException:
         scheduler.close()
         raise
     return scheduler
 
 
-def _member_submodules(plan: ComponentPlan) -> Iterator[tuple[str, nn.Module]]:
+def _member_submodules(plan: ComponentGroups) -> Iterator[tuple[str, nn.Module]]:
     for group, path, module in plan.members():
         for submodule in unique_submodules([module], plan.excluded.get(group, ())):
             yield path, submodule
 
 
-def _member_tensors(plan: ComponentPlan) -> Iterator[tuple[str, str, Iterable[torch.Tensor]]]:
+def _member_tensors(plan: ComponentGroups) -> Iterator[tuple[str, str, Iterable[torch.Tensor]]]:
     for group, path, module in plan.members():
         yield group, path, _group_tensors(module, plan.excluded.get(group, ()))
 
@@ -728,7 +745,7 @@ def scheduler_from_pipeline(
         raise ConfigError(_undeclared_message(pipeline))
     dits, encoders, vaes, residents = (_declared_modules(pipeline, d) for d in _DECLARATIONS)
     check_transfers_have_ranks(owner, parsed, process_group)
-    plan = plan_components(owner, dits, encoders, vaes, residents, parsed, pipeline=pipeline)
+    plan = group_components(owner, dits, encoders, vaes, residents, parsed, pipeline=pipeline)
     if parsed is None:
         return build_scheduler(plan, lambda: NoOffload(device))
     pin_memory = None if parsed.pin_memory else False

@@ -1,12 +1,12 @@
 """Layer mode: a group's blocks stream through two reused device slots while its phase runs.
 
-    scheduler.add("transformer", dit, layers=True)          # or layers=plan_blocks(dit, ...)
+    scheduler.add("transformer", dit, layers=True)          # or layers=model_blocks(dit, ...)
     with scheduler.resident("transformer") as group:
         latents = dit(latents, context)                      # each block streams in turn
         for block in group.layers():                         # the explicit form, same streaming
             hidden = block(hidden)
 
-Which blocks stream is `residency.blocks`'s answer (a `BlockPlan`); this file is *how*.  A
+Which blocks stream is `residency.blocks`'s answer (a `ModelBlocks`); this file is *how*.  A
 layer-mode group is one `Residency` for everything outside the streamed blocks (the kept blocks
 included: loaded at the phase's start, evicted at its end, as in module mode) and one small
 `Residency` per streamed block with its own host master.  `BlockStream` owns the block
@@ -64,7 +64,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from residency.blocks import BlockPlan, plan_blocks, replan
+from residency.blocks import ModelBlocks, model_blocks, reread_blocks
 from residency.component import Residency, slot_nbytes
 from residency.enums import Policy, ResidencyState
 from residency.errors import PhaseError, RegistrationError
@@ -83,10 +83,10 @@ _OFFLOADED, _LOADING, _RESIDENT = (
 
 def as_block_plans(
     name: str, roots: Sequence[nn.Module], layers: object, policy: Policy
-) -> tuple[BlockPlan, ...]:
+) -> tuple[ModelBlocks, ...]:
     """`Scheduler.add`'s ``layers=``: False -> (), True -> each root's plan, else the plans given.
 
-        as_block_plans("transformer", (dit,), True, Policy.EXCLUSIVE)   # (plan_blocks(dit),)
+        as_block_plans("transformer", (dit,), True, Policy.EXCLUSIVE)   # (model_blocks(dit),)
     """
     if layers is False or layers is None:
         return ()
@@ -97,8 +97,8 @@ def as_block_plans(
             "use policy='exclusive'"
         )
     if layers is True:
-        return tuple(plan_blocks(root) for root in roots)
-    if isinstance(layers, BlockPlan):
+        return tuple(model_blocks(root) for root in roots)
+    if isinstance(layers, ModelBlocks):
         plans = (layers,)
     elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)):
         plans = tuple(layers)
@@ -106,39 +106,39 @@ def as_block_plans(
         plans = (layers,)
     inside = {id(m) for root in roots for m in root.modules()}
     for plan in plans:
-        if not isinstance(plan, BlockPlan):
+        if not isinstance(plan, ModelBlocks):
             raise RegistrationError(
                 f"group {name!r}: layers={layers!r}; give True (plan each module's blocks) or "
-                "BlockPlans from residency.plan_blocks(model, resident_layers=...)"
+                "ModelBlocks from residency.model_blocks(model, resident_layers=...)"
             )
         if id(plan.model) not in inside:
             raise RegistrationError(
-                f"group {name!r}: the BlockPlan for {plan.model_path!r} is of a model outside "
+                f"group {name!r}: the ModelBlocks for {plan.model_path!r} is of a model outside "
                 "the group's modules; plan the modules you add"
             )
     return plans
 
 
-def streamed_modules(plans: Sequence[BlockPlan]) -> tuple[nn.Module, ...]:
+def streamed_modules(plans: Sequence[ModelBlocks]) -> tuple[nn.Module, ...]:
     """The modules of every streamed block of `plans`, in streaming order."""
     return tuple(block.module for plan in plans for block in plan.streamed)
 
 
-def restream(group: Residency) -> tuple[tuple[BlockPlan, ...], tuple[nn.Module, ...]]:
+def restream(group: Residency) -> tuple[tuple[ModelBlocks, ...], tuple[nn.Module, ...]]:
     """The block plans and the excluded modules `group` is re-registered with (``refresh``):
-    each plan made again (`residency.blocks.replan`), so a block replaced in its list streams in
+    each plan made again (`residency.blocks.reread_blocks`), so a block replaced in its list streams in
     its place."""
     if group.blocks is None:
         return (), group.excluded
     before = {id(m) for m in streamed_modules(group.blocks.plans)}
-    plans = tuple(replan(plan) for plan in group.blocks.plans)
+    plans = tuple(reread_blocks(plan) for plan in group.blocks.plans)
     excluded = tuple(m for m in group.excluded if id(m) not in before)
     return plans, excluded + streamed_modules(plans)
 
 
 def build_stream(
     group: Residency,
-    plans: tuple[BlockPlan, ...],
+    plans: tuple[ModelBlocks, ...],
     inventories: Sequence[Inventory],
     *,
     pack: Callable[[str, Inventory], HostMaster],
@@ -191,7 +191,7 @@ class BlockStream:
     def __init__(
         self,
         name: str,
-        plans: tuple[BlockPlan, ...],
+        plans: tuple[ModelBlocks, ...],
         blocks: list[Residency],
         slots: tuple[DeviceStorage, DeviceStorage],
         *,

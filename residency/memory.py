@@ -305,9 +305,9 @@ def _repoint_chunk(inventory: Inventory, regions, chunk: torch.Tensor, views: li
 def _views_into_chunk(
     inventory: Inventory, members: Sequence[int], chunk: torch.Tensor
 ) -> list[torch.Tensor]:
-    placements = [inventory.placements[i] for i in members]
+    places = [inventory.places[i] for i in members]
     return make_views(
-        placements, chunk.untyped_storage(), inventory.layout.region_offset, chunk.device
+        places, chunk.untyped_storage(), inventory.layout.region_offset, chunk.device
     )
 
 
@@ -315,4 +315,4 @@ def _views_into_buffer(inventory: Inventory, buffer: torch.Tensor) -> list[torch
     layout = inventory.layout
     bases = layout.chunk_base
     region_base = [bases[c] + o for c, o in zip(layout.region_chunk, layout.region_offset)]
-    return make_views(inventory.placements, buffer.untyped_storage(), region_base, buffer.device)
+    return make_views(inventory.places, buffer.untyped_storage(), region_base, buffer.device)

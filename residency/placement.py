@@ -31,7 +31,7 @@ from collections.abc import Iterable
 import torch
 from torch.profiler import record_function
 
-from residency.adoption import Adoption, check_budget, spans
+from residency.adoption import Adoption, check_budget
 from residency.buffers import DeviceBuffers
 from residency.component import Residency
 from residency.enums import Policy, ResidencyState
@@ -87,10 +87,6 @@ class Placement:
     def resident_names(self) -> list[str]:
         """Names of the groups whose weights are on the device now, in registration order."""
         return [g.name for g in self._planned if not g.exclusive or g is self.current]
-
-    def spans(self) -> list[tuple[int, int, Residency]]:
-        """[start, end) host and device addresses of every planned group's bytes."""
-        return spans(self._planned)
 
     def check_budget(self, name: str, needs: Iterable[tuple[Policy, int]]) -> None:
         """Refuse a group whose device bytes, with those of `needs` (every group and claim,

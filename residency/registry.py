@@ -28,19 +28,20 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 
 import attrs
 import torch
 from torch import nn
 
-from residency.arguments import unknown_group_message
+from residency.arguments import check_name, unknown_group_message
 from residency.component import Residency, device_need
 from residency.enums import Policy
 from residency.errors import ConfigError, RegistrationError, UnknownGroupError
 from residency.locks import CHECKING, check_held, locked
 from residency.sharded import ShardedLoad
-from residency.tensors import Inventory, storage_key
+from residency.subclasses import extent, first_shared, leaf_extents, overlapping_runs
+from residency.tensors import Inventory
 
 __all__ = [
     "Claim",
@@ -193,21 +194,21 @@ class Registry:
     def check_claimable(
         self,
         claim: Claim,
-        spans: Sequence[tuple[int, int, Residency]],
         *,
         replacing: Residency | None = None,
     ) -> None:
         """Refuse a claim whose name, modules or tensors are taken; changes nothing.
 
-        `spans` are the host and device address ranges of the registered groups (placement's);
-        `replacing` is a group being re-packed under its own name (`refresh`): its name, modules
-        and tensors do not count as taken.
+        A tensor is taken when its bytes overlap those of a registered group's or claim's
+        tensor in one storage (`residency.subclasses.overlapping_runs`: the one rule of shared
+        bytes), wherever those live now, so a view of another group's host master, device
+        storage or block slot is refused.  `replacing` is a group being re-packed under its own
+        name (`refresh`): its name, modules and tensors do not count as taken.
         """
         if replacing is None:
-            self._check_name_free(claim.name)
+            check_name(claim.name, self._groups, self._aliases, self._claims)
         self._check_modules_free(claim.name, owned_modules(claim), replacing)
-        for inventory in claim.inventories:
-            self._check_tensors_free(claim.name, inventory, spans, replacing)
+        self._check_tensors_free(claim, replacing)
 
     # -- mutators -------------------------------------------------------------------------------
 
@@ -314,37 +315,28 @@ class Registry:
 
     # -- ownership checks -------------------------------------------------------------------------
 
-    def _check_tensors_free(
-        self,
-        name: str,
-        inventory: Inventory,
-        spans: Sequence[tuple[int, int, Residency]],
-        ignore: Residency | None,
-    ) -> None:
-        """Refuse tensors that are another group's (by identity, or by address in its storage)."""
-        owners = {
-            id(t): other
-            for other in [*self._groups.values(), *self._claims.values()]
-            if other is not ignore and other.name != name
-            for inventory in other.inventories
-            for t in inventory.tensors
-        }
-        spans = [span for span in spans if span[2] is not ignore]
-        for tensor, slots in zip(inventory.tensors, inventory.slots):
-            other = owners.get(id(tensor)) or _owner_by_address(spans, tensor)
-            if other is not None:
+    def _check_tensors_free(self, claim: Claim, ignore: Residency | None) -> None:
+        """Refuse a claim whose tensors share bytes with another group's or claim's, wherever
+        those live now (a host master, device storage, a block slot, or the user's storage)."""
+        slots = [tensor_slots[0] for inventory in claim.inventories
+                 for tensor_slots in inventory.slots]
+        owners: list[Residency | Claim | None] = [None] * len(slots)
+        extents = [extent(t) for inventory in claim.inventories for t in inventory.tensors]
+        for other in [*self._groups.values(), *self._claims.values()]:
+            if other is not ignore and other.name != claim.name:
+                for inventory in other.inventories:
+                    owners += [other] * inventory.tensor_count
+                    extents += map(extent, inventory.tensors)
+        for run in overlapping_runs(extents):
+            sharing = [i for i in run.members if extents[i].nbytes]
+            mine = [i for i in sharing if owners[i] is None]
+            theirs = [owners[i] for i in sharing if owners[i] is not None]
+            if mine and theirs:
                 raise RegistrationError(
-                    f"cannot add group {name!r}: its {slots[0].describe()} shares storage with "
-                    f"group {other.name!r}. A tensor belongs to one group; put both modules in "
-                    "one group, or untie the weights before registering"
+                    f"cannot add group {claim.name!r}: its {slots[mine[0]].describe()} shares "
+                    f"storage with group {theirs[0].name!r}. A tensor belongs to one group; put "
+                    "both modules in one group, or untie the weights before registering"
                 )
-
-    def _check_name_free(self, name: str) -> None:
-        if name in self._groups or name in self._aliases or name in self._claims:
-            raise RegistrationError(
-                f"a group named {name!r} is already registered; choose another name, or call "
-                f"scheduler.remove({name!r}) first"
-            )
 
     def _check_modules_free(
         self, name: str, modules: Iterable[nn.Module], replacing: Residency | None
@@ -373,33 +365,25 @@ def _taken_message(
     )
 
 
-def _owner_by_address(spans, tensor: torch.Tensor) -> Residency | None:
-    if tensor.untyped_storage().nbytes() == 0:
-        return None
-    pointer = tensor.data_ptr()
-    for start, end, group in spans:
-        if start <= pointer < end:
-            return group
-    return None
-
-
 def check_tensors_disjoint(
     owner: str, members: Iterable[tuple[str, str, Iterable[torch.Tensor]]]
 ) -> None:
     """Refuse a plan in which two groups would hold one storage: (group, path, tensors) per listed
     module.  Discovery and the adapter ask this before registering anything, so a refused plan
     changes nothing; `Registry.check_claimable` applies the same rule group by group."""
-    owners: dict[object, tuple[str, str]] = {}
+    owners, paths, extents = [], [], []
     for group, path, tensors in members:
         for tensor in tensors:
-            if tensor.untyped_storage().nbytes() == 0:
-                continue
-            other_group, other_path = owners.setdefault(storage_key(tensor), (group, path))
-            if other_group != group:
-                raise ConfigError(
-                    f"{owner}: {path!r} (group {group!r}) shares a tensor with {other_path!r} "
-                    f"(group {other_group!r}); a tensor belongs to one group: list both modules in "
-                    "one category (in a split model: keep the tensor inside one part or outside "
-                    "every part), or untie the weights"
-                )
-
+            for _, found in leaf_extents(tensor):
+                owners.append(group)
+                paths.append(path)
+                extents.append(found)
+    shared = first_shared(extents, owners)
+    if shared is not None:
+        first, second = shared
+        raise ConfigError(
+            f"{owner}: {paths[second]!r} (group {owners[second]!r}) shares a tensor with "
+            f"{paths[first]!r} (group {owners[first]!r}); a tensor belongs to one group: list "
+            "both modules in one category (in a split model: keep the tensor inside one part or "
+            "outside every part), or untie the weights"
+        )

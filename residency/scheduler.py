@@ -57,7 +57,7 @@ from residency.adoption import Adoption
 from residency.agreement import PhaseLedger
 from residency.arguments import as_excluded, as_modules, check_flag, check_name, check_options
 from residency.arguments import parse_device, parse_policy
-from residency.blocks import BlockPlan
+from residency.blocks import ModelBlocks
 from residency.buffers import DeviceBuffers
 from residency.component import Residency
 from residency.discovery import scheduler_from_pipeline
@@ -251,7 +251,7 @@ class Scheduler:
         category: str | None = None,
         detect_edits: bool = True,
         weight_transfer: str = "rank-local",
-        layers: bool | BlockPlan | Iterable[BlockPlan] = False,
+        layers: bool | ModelBlocks | Iterable[ModelBlocks] = False,
     ) -> Residency:
         """Register `modules` as group `name` and pack their weights into a host master.
 
@@ -261,13 +261,13 @@ class Scheduler:
         resident is lost; ``detect_edits=False`` is the opt-out for weights you promise not to edit
         behind the version counter (docs/guarantees.md).  ``weight_transfer="allgather"``: the
         ranks of a node split the copy, then all-gather (`residency.sharded`).  ``layers=True``
-        (or `BlockPlan`s from `plan_blocks`) streams the blocks of an exclusive group through two
+        (or `ModelBlocks`s from `model_blocks`) streams the blocks of an exclusive group through two
         device slots while its phase runs (`residency.layers`).  A refused call changes nothing.
 
             scheduler.add("text_encoder", [clip, t5])
             scheduler.add("vae", pipe.vae, policy="resident")
             scheduler.add("shared", model, policy="resident", exclude=[model.reasoner, model.generator])
-            scheduler.add("transformer", dit, layers=plan_blocks(dit, resident_layers=2))
+            scheduler.add("transformer", dit, layers=model_blocks(dit, resident_layers=2))
         """
         check_open(self._holds.closed)
         policy = parse_policy(policy)

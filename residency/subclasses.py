@@ -14,6 +14,11 @@ which plain tensors a subclass holds, and rebuilds the wrappers whose device is 
   ``__dict__`` of the parameter, of its module, and of the plain objects those hold.
 * Anything else is refused with `unsupported_message`.
 
+It also holds the one rule of "these tensors share bytes", through whatever subclass holds them:
+a tensor reads an `Extent` (a byte range of one storage; a wrapper reads its inner tensors'), and
+`overlapping_runs` groups extents into runs of overlapping bytes.  The inventory's regions, the
+registry's ownership checks, discovery's and layer mode's refusals of tied weights all ask it.
+
 [Note: re-pointing wrapper subclasses]
 A wrapper's inner tensors are plain tensors, re-pointed with ``.data = view`` like any other: the
 wrapper object keeps reading them, so on a CPU device the wrapper is kept as it is (its identity,
@@ -36,8 +41,8 @@ weights are rarely trained; plain parameters and parameter subclasses never chan
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -46,14 +51,21 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from residency.errors import RegistrationError
 
 __all__ = [
+    "Extent",
     "ModuleSlot",
+    "Run",
     "WrapperSet",
     "attached_tensors",
     "check_rebuild_keeps_inner_tensors",
+    "extent",
+    "first_shared",
     "inner_tensors",
     "is_plain",
     "is_plain_storage_parameter",
     "is_wrapper",
+    "leaf_extents",
+    "overlapping_runs",
+    "storage_key",
     "unsupported_message",
 ]
 
@@ -247,3 +259,111 @@ def _normalised(device: torch.device) -> torch.device:
         if module is not None and hasattr(module, "current_device"):
             return torch.device(device.type, module.current_device())
     return device
+
+
+# -- the bytes a tensor reads ---------------------------------------------------------------------
+
+
+class Extent(NamedTuple):
+    """The bytes a plain tensor can read: ``[start, end)`` of the storage `storage` names.
+
+        extent(weight)   # Extent(storage=(device(type='cpu'), 94..), start=0, end=1024)
+    """
+
+    #: `storage_key` of the tensor: tensors share bytes only within one storage.
+    storage: Hashable
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+class Run(NamedTuple):
+    """A run of overlapping bytes of one storage (`overlapping_runs`): what packs as one region."""
+
+    storage: Hashable
+    start: int
+    end: int
+    #: Indices of the extents in the run, in byte order (ties in the order given).
+    members: tuple[int, ...]
+
+
+def storage_key(tensor: torch.Tensor) -> Hashable:
+    """What tells storages apart: (device, first byte's address).  A tensor on the meta device or
+    with an empty storage holds no bytes to share: it is its own storage."""
+    if tensor.is_meta:
+        return ("object", id(tensor))
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return ("empty", id(tensor))
+    return (storage.device, storage.data_ptr())
+
+
+def extent(tensor: torch.Tensor) -> Extent:
+    """The bytes of its storage a plain tensor can read (by its offset, sizes and strides)."""
+    itemsize = tensor.element_size()
+    start = tensor.storage_offset() * itemsize
+    if tensor.numel() == 0:
+        return Extent(storage_key(tensor), start, start)
+    reach = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return Extent(storage_key(tensor), start, start + reach * itemsize)
+
+
+def leaf_extents(tensor: torch.Tensor) -> list[tuple[Path, Extent]]:
+    """(attribute path, extent) of the plain tensors `tensor` reads: a wrapper subclass's inner
+    tensors (`inner_tensors`), or the tensor itself at path ``()``.
+
+        leaf_extents(int8_weight)   # [(("qdata",), Extent(...)), (("scale",), Extent(...)), ...]
+    """
+    if is_wrapper(tensor):
+        return [(path, extent(inner)) for path, inner in inner_tensors(tensor)]
+    return [((), extent(tensor))]
+
+
+def overlapping_runs(extents: Sequence[Extent]) -> list[Run]:
+    """The extents grouped into runs of overlapping bytes of one storage, in the order of each
+    run's first extent given.
+
+        overlapping_runs([extent(w), extent(w.T), extent(b)])   # [Run(..., members=(0, 1)),
+                                                                #  Run(..., members=(2,))]
+
+    Extents that merely sit side by side in one storage are in runs of their own; an extent of
+    no bytes joins the run it sits strictly inside (a view of nothing in a region).
+    """
+    by_storage: dict[Hashable, list[int]] = {}
+    for index, found in enumerate(extents):
+        by_storage.setdefault(found.storage, []).append(index)
+    runs: list[Run] = []
+    for key, members in by_storage.items():
+        members.sort(key=lambda i: (extents[i].start, extents[i].end))
+        run: list[int] = []
+        start = end = 0
+        for index in members:
+            if run and extents[index].start < end:
+                end = max(end, extents[index].end)
+            else:
+                if run:
+                    runs.append(Run(key, start, end, tuple(run)))
+                run, start, end = [], extents[index].start, extents[index].end
+            run.append(index)
+        runs.append(Run(key, start, end, tuple(run)))
+    return sorted(runs, key=lambda r: min(r.members))
+
+
+def first_shared(extents: Sequence[Extent], owners: Sequence[Hashable]) -> tuple[int, int] | None:
+    """The first two extents of different `owners` (one per extent) that share bytes, as
+    (the run's first extent, the first of another owner in it); None when no bytes are shared.
+
+        first_shared([extent(a), extent(b)], ["block 0", "block 1"])   # (0, 1) if a and b overlap
+
+    Extents of no bytes share nothing.
+    """
+    kept = [i for i, found in enumerate(extents) if found.end > found.start]
+    for run in overlapping_runs([extents[i] for i in kept]):
+        first = kept[run.members[0]]
+        for member in run.members[1:]:
+            if owners[kept[member]] != owners[first]:
+                return first, kept[member]
+    return None

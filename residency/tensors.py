@@ -48,10 +48,12 @@ from residency.subclasses import (
     WrapperSet,
     attached_tensors,
     check_rebuild_keeps_inner_tensors,
+    extent,
     inner_tensors,
     is_plain,
     is_plain_storage_parameter,
     is_wrapper,
+    overlapping_runs,
     unsupported_message,
 )
 
@@ -64,14 +66,13 @@ __all__ = [
     "InnerSlot",
     "Inventory",
     "PackLayout",
-    "Placement",
     "Slot",
+    "TensorPlace",
     "TensorSlot",
     "alignment_for",
     "make_views",
     "repoint",
     "repoint_group",
-    "storage_key",
     "take_inventory",
 ]
 
@@ -193,8 +194,9 @@ def _follow(start: object, path: Sequence[str]) -> torch.Tensor | None:
 
 
 @attrs.frozen
-class Placement:
-    """Where one unique tensor sits inside its region: element offset, size and stride."""
+class TensorPlace:
+    """A tensor's place in the pack layout: its region, its byte offset in it, size, stride and
+    dtype (not `residency.placement.Placement`, which says what is on the device)."""
 
     region: int
     #: Offset from the region's first byte, in bytes (a multiple of the dtype's itemsize).
@@ -253,7 +255,7 @@ class Inventory:
     #: Parameter subclasses and the tensors attached to them.
     tensors: tuple[torch.Tensor, ...]
     slots: tuple[tuple[Slot, ...], ...]
-    placements: tuple[Placement, ...]
+    places: tuple[TensorPlace, ...]
     layout: PackLayout
     #: Per region: (source storage, first byte in it) to copy from; dropped once packed.
     source_regions: list[tuple[torch.UntypedStorage, int]] | None
@@ -273,15 +275,15 @@ class Inventory:
 
     def shares_region(self, index: int) -> bool:
         """Whether tensor `index` shares its storage (region) with another tensor of the group."""
-        region = self.placements[index].region
-        return sum(p.region == region for p in self.placements) > 1
+        region = self.places[index].region
+        return sum(p.region == region for p in self.places) > 1
 
     def regions_in_chunk(self, chunk: int) -> list[int]:
         return [r for r, c in enumerate(self.layout.region_chunk) if c == chunk]
 
     def tensors_in_regions(self, regions: Iterable[int]) -> list[int]:
         wanted = set(regions)
-        return [i for i, p in enumerate(self.placements) if p.region in wanted]
+        return [i for i, p in enumerate(self.places) if p.region in wanted]
 
     def changed_structure(self) -> str | None:
         """Describe how the modules changed since registration; None if they did not.
@@ -334,7 +336,7 @@ def take_inventory(
         owners, wrapped = _reach_through_subclasses(owners)
     tensors = tuple(tensor for tensor, _ in owners.values())
     slots = tuple(tuple(s) for _, s in owners.values())
-    placements, region_sources, region_nbytes = _place_in_regions(tensors)
+    places, region_sources, region_nbytes = _place_in_regions(tensors)
     skews = [_skew(source, alignment) for source in region_sources]
     layout = _lay_out(region_nbytes, skews, chunk_nbytes, alignment.boundary)
     structure = Structure(submodules)
@@ -342,7 +344,7 @@ def take_inventory(
         modules=tuple(submodules),
         tensors=tensors,
         slots=slots,
-        placements=placements,
+        places=places,
         layout=layout,
         source_regions=region_sources,
         structure=structure,
@@ -419,7 +421,7 @@ class Structure:
 
 
 def make_views(
-    placements: Sequence[Placement],
+    places: Sequence[TensorPlace],
     storage: torch.UntypedStorage,
     region_base: Sequence[int],
     device: torch.device,
@@ -428,12 +430,12 @@ def make_views(
     # Views outlive the call; made under inference mode they could never be written again.
     # Entered on one line: see [Note: a context on one line] in `residency.locks`.
     return in_context(torch.inference_mode(False), in_context, torch.no_grad(), _make_views,
-                      placements, storage, region_base, device)
+                      places, storage, region_base, device)
 
 
-def _make_views(placements, storage, region_base, device) -> list[torch.Tensor]:
+def _make_views(places, storage, region_base, device) -> list[torch.Tensor]:
     views = []
-    for p in placements:
+    for p in places:
         byte_offset = region_base[p.region] + p.byte_offset
         view = torch.empty(0, dtype=p.dtype, device=device)
         view.set_(storage, byte_offset // p.dtype.itemsize, p.size, p.stride)
@@ -543,65 +545,27 @@ def _check_dense(tensor: torch.Tensor, slot: Slot) -> None:
         )
 
 
-def storage_key(tensor: torch.Tensor) -> tuple:
-    """What tells storages apart: (device, first byte's address); an empty storage is its own."""
-    storage = tensor.untyped_storage()
-    if storage.nbytes() == 0:
-        return ("empty", id(tensor))
-    return (storage.device, storage.data_ptr())
-
-
 def _place_in_regions(
     tensors: Sequence[torch.Tensor],
-) -> tuple[tuple[Placement, ...], list[tuple[torch.UntypedStorage, int]], list[int]]:
+) -> tuple[tuple[TensorPlace, ...], list[tuple[torch.UntypedStorage, int]], list[int]]:
     """Group tensors into regions: each run of overlapping bytes of one storage is one region.
 
     Tensors that overlap (tied views, a fused weight and its slices) stay views of one region;
     tensors that merely sit in one storage side by side (as they do in our own host master, when a
     group is refreshed) get regions of their own.
     """
-    placements: list[Placement | None] = [None] * len(tensors)
+    places: list[TensorPlace | None] = [None] * len(tensors)
     sources, nbytes = [], []
-    for cluster in _overlapping_clusters(tensors):
-        spans = [_byte_span(tensors[i]) for i in cluster]
-        first = min(start for start, _ in spans)
-        last = max(end for _, end in spans)
+    extents = [extent(tensor) for tensor in tensors]
+    for run in overlapping_runs(extents):
         region = len(sources)
-        sources.append((tensors[cluster[0]].untyped_storage(), first))
-        nbytes.append(last - first)
-        for i, (start, _) in zip(cluster, spans):
+        sources.append((tensors[run.members[0]].untyped_storage(), run.start))
+        nbytes.append(run.end - run.start)
+        for i in run.members:
             t = tensors[i]
-            placements[i] = Placement(region, start - first, tuple(t.shape), t.stride(), t.dtype)
-    return tuple(placements), sources, nbytes  # type: ignore[return-value]
-
-
-def _overlapping_clusters(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Indices of `tensors` in clusters whose byte spans overlap within one storage."""
-    by_storage: dict[tuple, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_storage.setdefault(storage_key(tensor), []).append(index)
-    clusters: list[list[int]] = []
-    for members in by_storage.values():
-        members = sorted(members, key=lambda i: _byte_span(tensors[i]))
-        end = None
-        for i in members:
-            start, stop = _byte_span(tensors[i])
-            if end is None or start >= end:
-                clusters.append([])
-                end = stop
-            clusters[-1].append(i)
-            end = max(end, stop)
-    return sorted(clusters, key=min)
-
-
-def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """[first, end) bytes of the storage that `tensor` can read."""
-    itemsize = tensor.element_size()
-    start = tensor.storage_offset() * itemsize
-    if tensor.numel() == 0:
-        return start, start
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return start, start + extent * itemsize
+            places[i] = TensorPlace(region, extents[i].start - run.start, tuple(t.shape),
+                                      t.stride(), t.dtype)
+    return tuple(places), sources, nbytes  # type: ignore[return-value]
 
 
 def _lay_out(

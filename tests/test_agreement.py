@@ -112,7 +112,7 @@ def test_digest_ranges_covers_the_bytes_and_the_ranges():
     assert digest_ranges(buffer, [(65536, 69632), (69632, 73728)]) != digest_ranges(
         other, [(65536, 69632), (69632, 73728)])
     assert digest_ranges(buffer, [(0, 4096)]) != digest_ranges(buffer, [(0, 4095)])
-    with pytest.raises(ValueError, match="non-empty, increasing and disjoint.*changed_chunks"):
+    with pytest.raises(ValueError, match="non-empty, increasing and disjoint.*changed_windows"):
         digest_ranges(buffer, [(4096, 8192), (0, 4096)])
 
 
@@ -468,10 +468,10 @@ TENSORS = [(f"blocks.{i}.weight", 4 * CHUNK * i, 4 * CHUNK * (i + 1)) for i in r
 def _write_back(rank: int, edit) -> dict:
     """Load a 64 KiB buffer, let `edit` change it, agree on what to write back."""
     buffer = torch.arange(16 * CHUNK // 8, dtype=torch.int64).view(torch.uint8)
-    detector = ChangeDetector(DigestLayout(chunk_nbytes=CHUNK, columns=64))
+    detector = ChangeDetector(DigestLayout(window_nbytes=CHUNK, columns=64))
     detector.remember(buffer)
     edit(buffer)
-    changed = detector.changed_chunks(buffer)
+    changed = detector.changed_windows(buffer)
 
     def call():
         decision = agree_write_back("dit", changed, digest_ranges(buffer, changed),

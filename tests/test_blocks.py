@@ -13,10 +13,10 @@ from torch import nn
 
 from residency.blocks import (
     Block,
-    BlockPlan,
+    ModelBlocks,
     find_block_lists,
-    plan_blocks,
-    plan_pipeline_blocks,
+    model_blocks,
+    pipeline_blocks,
 )
 from residency.errors import ConfigError
 
@@ -145,7 +145,7 @@ def undeclared(model: nn.Module) -> nn.Module:
 
 
 def test_flux_streams_the_two_lists_its_repeated_blocks_name_double_then_single(flux):
-    plan = plan_blocks(flux, path="transformer")
+    plan = model_blocks(flux, path="transformer")
     assert plan.source == "repeated_blocks"
     assert plan.lists == ("transformer_blocks", "single_transformer_blocks")
     assert [b.path for b in plan.streamed] == [
@@ -168,7 +168,7 @@ def test_a_wan_transformer_whose_two_blocks_hold_under_half_streams_by_its_decla
     with pytest.raises(ConfigError, match=r"found only blocks \(2 x WanTransformerBlock\) "
                                           r"holding 49%"):
         find_block_lists(model)
-    plan = plan_blocks(model, path="transformer")
+    plan = model_blocks(model, path="transformer")
     assert (plan.source, plan.lists) == ("repeated_blocks", ("blocks",))
     assert [b.module for b in plan.streamed] == list(model.blocks)
     assert plan.note == (
@@ -182,7 +182,7 @@ def test_a_wan_transformer_whose_two_blocks_hold_under_half_streams_by_its_decla
 def test_the_vllm_omni_class_declaration_wins_over_repeated_blocks():
     model = tiny_wan_expert(num_layers=2)
     kind = type("DeclaredWan", (type(model),), {"_layerwise_offload_blocks_attrs": ["blocks"]})
-    plan = plan_blocks(kind.from_config(model.config))
+    plan = model_blocks(kind.from_config(model.config))
     assert plan.source == "class" and plan.note is None
 
 
@@ -195,7 +195,7 @@ def test_repeated_blocks_spread_over_several_modules_are_not_read_and_a_unet_is_
     assert type(unet)._repeated_blocks == ["BasicTransformerBlock"]
     assert repeated_block_lists(unet) is None
     with pytest.raises(ConfigError, match="UNet2DConditionModel has no list of repeated blocks"):
-        plan_blocks(unet, path="unet")
+        model_blocks(unet, path="unet")
 
 
 def test_a_repeated_blocks_that_is_not_a_list_of_class_names_is_refused():
@@ -206,7 +206,7 @@ def test_a_repeated_blocks_that_is_not_a_list_of_class_names_is_refused():
         "Odd._repeated_blocks is 'Block'; it must be a list of block class names, for example "
         "['WanTransformerBlock']"
     )):
-        plan_blocks(Odd(blocks=2))
+        model_blocks(Odd(blocks=2))
 
 
 # -- found lists: diffusers DiTs ------------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_a_repeated_blocks_that_is_not_a_list_of_class_names_is_refused():
 
 def test_flux_without_a_declaration_has_its_double_then_single_blocks_found_in_order(flux):
     model = undeclared(flux)
-    plan = plan_blocks(model, path="transformer")
+    plan = model_blocks(model, path="transformer")
     assert plan.source == "found"
     assert plan.lists == ("transformer_blocks", "single_transformer_blocks")
     assert [b.path for b in plan.streamed] == [
@@ -227,13 +227,13 @@ def test_flux_without_a_declaration_has_its_double_then_single_blocks_found_in_o
 
 
 def test_sizes_are_unique_bytes_per_block_and_the_rest_is_outside(flux):
-    plan = plan_blocks(flux, path="transformer", resident_layers=1)
+    plan = model_blocks(flux, path="transformer", resident_layers=1)
     for block in plan.blocks:
         assert block.nbytes == unique_nbytes(block.module) > 0
     assert plan.nbytes == unique_nbytes(flux)
     assert plan.outside_nbytes == unique_nbytes(flux) - sum(b.nbytes for b in plan.blocks)
     largest = max(plan.streamed, key=lambda b: b.nbytes)
-    assert plan.largest_streamed is largest and plan.slot_nbytes == largest.nbytes
+    assert plan.largest_streamed is largest and plan.largest_streamed_nbytes == largest.nbytes
     assert largest.path.startswith("transformer_blocks")  # a double block is the larger
     kept = plan.kept[0].nbytes
     assert plan.device_nbytes() == plan.outside_nbytes + kept + 2 * largest.nbytes
@@ -243,19 +243,19 @@ def test_sizes_are_unique_bytes_per_block_and_the_rest_is_outside(flux):
 def test_resident_layers_keeps_the_leading_blocks_and_more_than_all_keeps_all(
     flux, resident_layers, kept
 ):
-    plan = plan_blocks(flux, path="transformer", resident_layers=resident_layers)
+    plan = model_blocks(flux, path="transformer", resident_layers=resident_layers)
     assert plan.kept_count == kept and len(plan.streamed) == 5 - kept
     assert [b.path for b in plan.kept] == [b.path for b in plan.blocks[:kept]]
     if resident_layers > 5:
         assert "resident_layers 99 is more than the 5 blocks: all are kept" in plan.note
-        assert plan.largest_streamed is None and plan.slot_nbytes == 0
+        assert plan.largest_streamed is None and plan.largest_streamed_nbytes == 0
         assert plan.device_nbytes() == plan.nbytes
     else:
         assert "resident_layers" not in plan.note
 
 
 def test_describe_gives_source_counts_sizes_and_the_slot(flux):
-    text = plan_blocks(flux, path="transformer", resident_layers=1).describe()
+    text = model_blocks(flux, path="transformer", resident_layers=1).describe()
     assert text.startswith(
         "transformer (FluxTransformer2DModel): 5 blocks in transformer_blocks, "
         "single_transformer_blocks (repeated_blocks); kept 1, streamed 4"
@@ -270,7 +270,7 @@ def test_a_unet_has_no_flat_list_of_repeated_blocks_and_is_refused():
         "least 2 blocks of one class, in one module, holding at least half its parameter bytes); "
         "found only up_blocks.0.resnets (2 x ResnetBlock2D) holding 29%"
     )) as caught:
-        plan_blocks(_sd_unet(), path="unet")
+        model_blocks(_sd_unet(), path="unet")
     assert "no one module's lists hold half. Declare the block lists on the class " \
            "(_layerwise_offload_blocks_attrs = ['blocks']) or in the pipeline's " \
            "_offload_plan.block_attrs, or offload this model in module mode" in str(caught.value)
@@ -290,7 +290,7 @@ def test_one_odd_block_is_allowed_in_a_found_list():
     torch.manual_seed(0)
     t5 = T5EncoderModel(T5Config(vocab_size=12, d_model=32, d_kv=8, d_ff=37, num_layers=3,
                                  num_heads=4, relative_attention_num_buckets=8))
-    plan = plan_blocks(t5, path="text_encoder_2")
+    plan = model_blocks(t5, path="text_encoder_2")
     assert plan.lists == ("encoder.block",) and len(plan.blocks) == 3
     assert plan.blocks[0].nbytes > plan.blocks[1].nbytes == plan.blocks[2].nbytes
 
@@ -300,7 +300,7 @@ def test_one_odd_block_is_allowed_in_a_found_list():
 
 def test_the_class_declaration_wins_over_finding_and_keeps_its_order():
     model = Declared()
-    plan = plan_blocks(model, resident_layers=1)
+    plan = model_blocks(model, resident_layers=1)
     assert plan.source == "class" and plan.note is None
     assert plan.lists == ("stack.late", "early")
     assert [b.path for b in plan.blocks] == ["stack.late.0", "stack.late.1", "early.0",
@@ -310,12 +310,12 @@ def test_the_class_declaration_wins_over_finding_and_keeps_its_order():
 
 
 def test_the_deprecated_singular_declaration_is_read():
-    plan = plan_blocks(OldStyle())
+    plan = model_blocks(OldStyle())
     assert plan.source == "class" and plan.lists == ("layers",)
 
 
 def test_a_declared_plan_wins_over_the_class_declaration():
-    plan = plan_blocks(Declared(), path="transformer", declared=("early",))
+    plan = model_blocks(Declared(), path="transformer", declared=("early",))
     assert plan.source == "offload_plan" and plan.lists == ("early",)
     assert plan.outside_nbytes == unique_nbytes(Declared().stack) + unique_nbytes(Declared().head)
 
@@ -326,7 +326,7 @@ def test_a_declared_plan_wins_over_the_class_declaration():
 def test_wan22_plan_keeps_blocks_of_the_resident_dit_paths_only(experts):
     plan = OffloadPlan(block_attrs={"transformer": ("blocks",), "transformer_2": ("blocks",)},
                        resident_dit_paths=frozenset({"transformer"}))
-    blocks = plan_pipeline_blocks(pipeline_with(plan, **experts), experts, resident_layers=2)
+    blocks = pipeline_blocks(pipeline_with(plan, **experts), experts, resident_layers=2)
     assert blocks.keeping == ("transformer",)
     first, second = blocks.dits["transformer"], blocks.dits["transformer_2"]
     assert first.source == second.source == "offload_plan"
@@ -338,7 +338,7 @@ def test_wan22_plan_keeps_blocks_of_the_resident_dit_paths_only(experts):
 
 def test_without_resident_dit_paths_every_dit_keeps_its_leading_blocks(experts):
     """An extension: vLLM-Omni 0.30 refuses resident_layers without resident_dit_paths."""
-    blocks = plan_pipeline_blocks(Pipeline(**experts), experts, resident_layers=1)
+    blocks = pipeline_blocks(Pipeline(**experts), experts, resident_layers=1)
     assert blocks.keeping == ("transformer", "transformer_2")
     assert [p.kept_count for p in blocks.dits.values()] == [1, 1]
     assert all(p.source == "repeated_blocks" for p in blocks.dits.values())
@@ -350,11 +350,11 @@ def test_the_tiny_wan22_pipeline_streams_its_one_block_experts_by_their_declarat
     dits = {"transformer": pipe.transformer, "transformer_2": pipe.transformer_2}
     with pytest.raises(ConfigError, match="WanTransformer3DModel has no list of repeated blocks"):
         find_block_lists(pipe.transformer)
-    blocks = plan_pipeline_blocks(pipe, dits)
+    blocks = pipeline_blocks(pipe, dits)
     assert [(p.source, len(p.streamed)) for p in blocks.dits.values()] == [
         ("repeated_blocks", 1), ("repeated_blocks", 1)]
     plan = OffloadPlan(block_attrs={"transformer": ["blocks"], "transformer_2": ["blocks"]})
-    blocks = plan_pipeline_blocks(pipeline_with(plan, **dits), dits, resident_layers=0)
+    blocks = pipeline_blocks(pipeline_with(plan, **dits), dits, resident_layers=0)
     assert [(p.source, len(p.streamed)) for p in blocks.dits.values()] == [
         ("offload_plan", 1), ("offload_plan", 1)]
 
@@ -365,7 +365,7 @@ def test_encoders_stream_where_declared_or_found_and_are_swapped_whole_otherwise
     plan = OffloadPlan(encoder_block_attrs={"text_encoder": ("text_model.encoder.layers",)})
     if not hasattr(pipe.text_encoder, "text_model"):  # transformers 5 flattened CLIPTextModel
         plan = OffloadPlan(encoder_block_attrs={"text_encoder": ("encoder.layers",)})
-    blocks = plan_pipeline_blocks(pipeline_with(plan), {"transformer": flux}, encoders)
+    blocks = pipeline_blocks(pipeline_with(plan), {"transformer": flux}, encoders)
     assert list(blocks.encoders) == ["text_encoder"]
     assert blocks.encoders["text_encoder"].source == "offload_plan"
     assert blocks.whole["text_encoder_2"].startswith(
@@ -378,14 +378,14 @@ def test_an_on_demand_encoder_is_swapped_whole_even_with_declared_blocks(flux):
     encoder = Repeated()
     plan = OffloadPlan(on_demand_component_paths=frozenset({"text_encoder"}),
                        encoder_block_attrs={"text_encoder": ("blocks",)})
-    blocks = plan_pipeline_blocks(pipeline_with(plan), {"transformer": flux},
+    blocks = pipeline_blocks(pipeline_with(plan), {"transformer": flux},
                                   {"text_encoder": encoder})
     assert blocks.whole == {"text_encoder": "on demand in the pipeline's _offload_plan"}
     assert blocks.encoders == {}
 
 
 def test_a_found_encoder_streams_and_keeps_no_blocks(flux):
-    blocks = plan_pipeline_blocks(Pipeline(), {"transformer": flux},
+    blocks = pipeline_blocks(Pipeline(), {"transformer": flux},
                                   {"text_encoder": Repeated()}, resident_layers=2)
     assert blocks.encoders["text_encoder"].kept_count == 0
     assert blocks.dits["transformer"].kept_count == 2
@@ -394,7 +394,7 @@ def test_a_found_encoder_streams_and_keeps_no_blocks(flux):
 def test_offload_submodules_stream_after_the_dits_own_blocks_and_are_never_kept():
     dit = WithContextEncoder()
     plan = OffloadPlan(offload_submodules={"context_encoder": "layers", "absent": "layers"})
-    blocks = plan_pipeline_blocks(pipeline_with(plan, transformer=dit), {"transformer": dit},
+    blocks = pipeline_blocks(pipeline_with(plan, transformer=dit), {"transformer": dit},
                                   resident_layers=99)
     result = blocks.dits["transformer"]
     assert result.lists == ("blocks", "context_encoder.layers")
@@ -412,7 +412,7 @@ def test_a_declared_attribute_that_does_not_resolve_is_refused_with_the_nearest_
         "Repeated has no attribute 'blokcs'. Did you mean 'blocks'? Fix _offload_plan for "
         "'transformer'"
     )):
-        plan_blocks(Repeated(), path="transformer", declared=["blokcs"])
+        model_blocks(Repeated(), path="transformer", declared=["blokcs"])
 
 
 def test_a_declared_attribute_that_is_not_a_module_list_is_refused():
@@ -420,7 +420,7 @@ def test_a_declared_attribute_that_is_not_a_module_list_is_refused():
         "Declared: Declared._layerwise_offload_blocks_attrs names 'head', which is a Linear, not "
         "an nn.ModuleList of blocks; name the ModuleList that holds the repeated blocks"
     )):
-        plan_blocks(type("Declared", (Declared,), {"_layerwise_offload_blocks_attrs": ["head"]})())
+        model_blocks(type("Declared", (Declared,), {"_layerwise_offload_blocks_attrs": ["head"]})())
 
 
 def test_an_empty_declared_list_is_refused():
@@ -429,7 +429,7 @@ def test_an_empty_declared_list_is_refused():
     with pytest.raises(ConfigError, match=re.escape(
         "names 'blocks', an empty ModuleList; name a list that holds the blocks, or remove it"
     )):
-        plan_blocks(model, declared=("blocks",))
+        model_blocks(model, declared=("blocks",))
 
 
 @pytest.mark.parametrize("declared", ["blocks", {"blocks": 1}, 3])
@@ -439,21 +439,21 @@ def test_a_declaration_that_is_not_a_list_of_names_is_refused(declared):
         f"Odd: Odd._layerwise_offload_blocks_attrs is {declared!r}; it must be a list of dotted "
         "attribute names, for example ['transformer_blocks', 'single_transformer_blocks']"
     )):
-        plan_blocks(kind())
+        model_blocks(kind())
 
 
 def test_a_dotted_attribute_must_be_a_dotted_name():
     with pytest.raises(ConfigError, match=re.escape(
         "names 'blocks..0', which is not a dotted attribute; write attribute names joined by dots"
     )):
-        plan_blocks(Repeated(), declared=["blocks..0"])
+        model_blocks(Repeated(), declared=["blocks..0"])
 
 
 def test_a_block_list_declared_twice_is_refused():
     with pytest.raises(ConfigError, match=re.escape(
         "gives one block twice, as 'blocks.0' and 'blocks.0'; list each block list once"
     )):
-        plan_blocks(Repeated(), declared=["blocks", "blocks"])
+        model_blocks(Repeated(), declared=["blocks", "blocks"])
 
 
 def test_a_list_inside_a_block_is_refused():
@@ -463,7 +463,7 @@ def test_a_list_inside_a_block_is_refused():
         "gives the block 'blocks.0.inner.0', which sits inside the block 'blocks.0'; declare "
         "only the outer list of blocks"
     )):
-        plan_blocks(model, declared=["blocks", "blocks.0.inner"])
+        model_blocks(model, declared=["blocks", "blocks.0.inner"])
 
 
 def test_a_weight_tied_across_two_blocks_is_refused_naming_both_tensors():
@@ -475,7 +475,7 @@ def test_a_weight_tied_across_two_blocks_is_refused_naming_both_tensors():
         "separately. Untie them (clone one), or declare block lists that keep both tensors in "
         "one block or both outside the blocks"
     )):
-        plan_blocks(model, path="transformer", declared=["blocks"])
+        model_blocks(model, path="transformer", declared=["blocks"])
 
 
 def test_a_block_viewing_bytes_of_the_outside_is_refused():
@@ -486,14 +486,14 @@ def test_a_block_viewing_bytes_of_the_outside_is_refused():
         "'blocks.1.proj.bias' (in block 'blocks.1') shares its bytes with 'embed.weight' "
         "(outside the blocks)"
     )):
-        plan_blocks(model, declared=["blocks"])
+        model_blocks(model, declared=["blocks"])
 
 
 def test_a_submodule_shared_by_a_block_and_the_outside_is_refused():
     model = Repeated()
     model.shared = model.blocks[0].proj
     with pytest.raises(ConfigError, match="shares its bytes with 'blocks.0.proj.weight'"):
-        plan_blocks(model, declared=["blocks"])
+        model_blocks(model, declared=["blocks"])
 
 
 def test_disjoint_views_of_one_storage_are_separate_and_counted_by_their_spans():
@@ -502,7 +502,7 @@ def test_disjoint_views_of_one_storage_are_separate_and_counted_by_their_spans()
     with torch.no_grad():
         for index, block in enumerate(model.blocks):
             block.proj.weight = nn.Parameter(flat[16 * index: 16 * index + 16].view(4, 4))
-    plan = plan_blocks(model, declared=["blocks"])
+    plan = model_blocks(model, declared=["blocks"])
     assert [b.nbytes for b in plan.blocks] == [(16 + 4) * 4] * 2
 
 
@@ -514,8 +514,8 @@ def test_resident_dit_paths_that_name_no_dit_are_refused_when_blocks_are_to_be_k
         "['dit'] names none of its DiTs ['transformer', 'transformer_2']; fix resident_dit_paths, "
         "or set resident_layers to 0"
     )):
-        plan_pipeline_blocks(pipe, experts, resident_layers=2)
-    assert plan_pipeline_blocks(pipe, experts).keeping == ()
+        pipeline_blocks(pipe, experts, resident_layers=2)
+    assert pipeline_blocks(pipe, experts).keeping == ()
 
 
 def test_a_plan_field_of_the_wrong_kind_is_refused(flux):
@@ -524,7 +524,7 @@ def test_a_plan_field_of_the_wrong_kind_is_refused(flux):
         "PlannedPipeline._offload_plan.resident_dit_paths is 'transformer'; it must be a set of "
         "paths, as in vLLM-Omni's OffloadPlan"
     )):
-        plan_pipeline_blocks(pipeline_with(plan), {"transformer": flux}, resident_layers=1)
+        pipeline_blocks(pipeline_with(plan), {"transformer": flux}, resident_layers=1)
 
 
 def test_block_attrs_given_as_a_string_are_refused(flux):
@@ -533,7 +533,7 @@ def test_block_attrs_given_as_a_string_are_refused(flux):
         "transformer: _offload_plan.block_attrs['transformer'] is 'transformer_blocks'; it must "
         "be a list of dotted attribute names"
     )):
-        plan_pipeline_blocks(pipeline_with(plan), {"transformer": flux})
+        pipeline_blocks(pipeline_with(plan), {"transformer": flux})
 
 
 def test_two_models_claiming_one_block_are_refused():
@@ -544,7 +544,7 @@ def test_two_models_claiming_one_block_are_refused():
         "Pipeline: the block text_encoder.layers.0 is also transformer.blocks.0; declare one "
         "owner for each block list"
     )):
-        plan_pipeline_blocks(Pipeline(), {"transformer": model},
+        pipeline_blocks(Pipeline(), {"transformer": model},
                              {"text_encoder": holder})
 
 
@@ -552,19 +552,19 @@ def test_a_negative_resident_layers_is_refused():
     with pytest.raises(ConfigError, match=re.escape(
         "transformer: resident_layers is -1; give a whole number of at least 0"
     )):
-        plan_blocks(Repeated(), path="transformer", resident_layers=-1)
+        model_blocks(Repeated(), path="transformer", resident_layers=-1)
 
 
 def test_a_block_plan_validates_itself():
     model = Repeated()
     block = Block(path="blocks.0", module=model.blocks[0], nbytes=80)
     with pytest.raises(ConfigError, match=re.escape(
-        "a BlockPlan for 'x' keeps 2 of 1 own blocks (1 in all); keep between 0 and 1"
+        "a ModelBlocks for 'x' keeps 2 of 1 own blocks (1 in all); keep between 0 and 1"
     )):
-        BlockPlan(model_path="x", model=model, source="found", lists=["blocks"], blocks=[block],
+        ModelBlocks(model_path="x", model=model, source="found", lists=["blocks"], blocks=[block],
                   own_count=1, kept_count=2, outside_nbytes=0)
-    with pytest.raises(ConfigError, match="BlockPlan source 'guess'"):
-        BlockPlan(model_path="x", model=model, source="guess", lists=["blocks"], blocks=[block],
+    with pytest.raises(ConfigError, match="ModelBlocks source 'guess'"):
+        ModelBlocks(model_path="x", model=model, source="guess", lists=["blocks"], blocks=[block],
                   own_count=1, kept_count=0, outside_nbytes=0)
 
 
@@ -574,7 +574,7 @@ def test_a_block_plan_validates_itself():
 def test_meta_models_are_planned_from_tensor_metadata():
     with torch.device("meta"):
         model = Repeated()
-    plan = plan_blocks(model)
+    plan = model_blocks(model)
     assert [b.nbytes for b in plan.blocks] == [(16 + 4) * 4] * 3
 
 
@@ -599,6 +599,44 @@ def test_planning_moves_no_tensor_and_sets_no_attribute(experts):
                          text_encoder=encoder)
     before = _snapshot(pipe)
     pipeline_dict = sorted(pipe.__dict__)
-    plan_pipeline_blocks(pipe, {"transformer": dit, "transformer_2": experts["transformer_2"]},
+    pipeline_blocks(pipe, {"transformer": dit, "transformer_2": experts["transformer_2"]},
                          {"text_encoder": encoder}, resident_layers=1)
     assert _snapshot(pipe) == before and sorted(pipe.__dict__) == pipeline_dict
+
+
+def test_block_lists_and_pipeline_components_resolve_by_one_walk():
+    """`follow_path` is the one dotted-path walk: model_blocks and discovery both ask it, so a
+    block list behind a plain attribute and a misspelt name read the same in both."""
+    from residency.blocks import did_you_mean, follow_path
+    from residency.discovery import resolve_path
+
+    model = Repeated()
+    holder = type("Holder", (), {})()
+    holder.stack = model.blocks
+    model.__dict__["holder"] = holder  # a plain object attribute, not a child module
+    assert follow_path(model, "holder.stack") == (model.blocks, "holder.stack", None)
+    assert follow_path(model, "holder.stakc") == (holder, "holder", "stakc")
+    assert did_you_mean(holder, "stakc") == " Did you mean 'stack'?"
+    assert [b.path for b in model_blocks(model, declared=["holder.stack"]).blocks][:1] == [
+        "holder.stack.0"]
+    with pytest.raises(ConfigError, match=re.escape(
+        "names 'holder.stakc', which does not resolve: Holder has no attribute 'stakc'. Did you "
+        "mean 'stack'?")):
+        model_blocks(model, declared=["holder.stakc"])
+    with pytest.raises(ConfigError, match=re.escape(
+        "lists 'holder.stakc', which does not resolve: Holder at 'holder' has no attribute "
+        "'stakc'. Did you mean 'stack'?")):
+        resolve_path("Owner", model, "holder.stakc", listed_in="_dit_modules")
+
+
+def test_the_historical_names_lead_to_the_renamed_ones():
+    """"plan" means where a group's parts are during phases; the old names stay importable."""
+    import residency
+    from residency import blocks, discovery
+
+    assert residency.plan_blocks is blocks.plan_blocks is residency.model_blocks
+    assert residency.BlockPlan is residency.ModelBlocks
+    assert residency.ComponentPlan is discovery.ComponentGroups
+    assert residency.plan_components is residency.group_components
+    assert residency.apply_plan is residency.register_groups
+    assert residency.plan_blocks(Repeated(), declared=["blocks"]).lists == ("blocks",)

@@ -829,3 +829,21 @@ def test_phases_of_other_groups_run_while_a_group_is_being_packed():
     with scheduler.resident("slow"):
         assert torch.equal(run_block(slow, x), run_block(plain, x))
     scheduler.close()
+
+
+@pytest.mark.parametrize("taken", ["enc", "pipe.enc"], ids=["group", "alias"])
+def test_a_taken_name_is_refused_in_one_wording_by_scheduler_and_no_offload(scheduler, taken):
+    """`arguments.check_name` is the one name check: the registry's and NoOffload's."""
+    off = NoOffload()
+    for registrar in (scheduler, off):
+        registrar.add("enc", make_block(seed=0))
+        registrar.alias("pipe.enc", "enc")
+    messages = []
+    for registrar in (scheduler, off):
+        with pytest.raises(RegistrationError) as refused:
+            registrar.add(taken, make_block(seed=5))
+        messages.append(str(refused.value))
+    assert messages[0] == messages[1] == (
+        f"a group named {taken!r} is already registered; choose another name, or call "
+        f"scheduler.remove({taken!r}) first")
+    assert list(scheduler) == ["enc"] and list(off) == ["enc"]

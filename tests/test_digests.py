@@ -1,7 +1,7 @@
 """The change-detection primitive: every bit flip and every swap of two elements is caught.
 
-Small layouts (a chunk of 256 bytes as 8 rows x 4 words) make exhaustive checks cheap; the default
-layouts are checked at their chunk boundaries.  Speed lives in benchmarks/test_change_detection.py.
+Small layouts (a window of 256 bytes as 8 rows x 4 words) make exhaustive checks cheap; the default
+layouts are checked at their window boundaries.  Speed lives in benchmarks/test_change_detection.py.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import itertools
 import pytest
 import torch
 
-from residency.digests import ChangeDetector, DigestLayout, chunk_digests
+from residency.digests import ChangeDetector, DigestLayout, window_digests
 
 from _accelerator import device as accelerator_device
 
-SMALL = DigestLayout(chunk_nbytes=256, columns=4)  # 8 rows x 4 int64 words per chunk
+SMALL = DigestLayout(window_nbytes=256, columns=4)  # 8 rows x 4 int64 words per window
 #: One integer dtype per element size: a swap of 2-byte elements is the same bytes for int16 and
 #: bfloat16, and integer equality is byte equality (no NaN).
 ELEMENT_DTYPES = [torch.uint8, torch.int16, torch.int32, torch.int64]
@@ -32,8 +32,8 @@ def remembered(buffer: torch.Tensor, layout: DigestLayout = SMALL) -> ChangeDete
     return detector
 
 
-def chunk_range(index: int, nbytes: int, layout: DigestLayout = SMALL) -> tuple[int, int]:
-    return index * layout.chunk_nbytes, min((index + 1) * layout.chunk_nbytes, nbytes)
+def window_range(index: int, nbytes: int, layout: DigestLayout = SMALL) -> tuple[int, int]:
+    return index * layout.window_nbytes, min((index + 1) * layout.window_nbytes, nbytes)
 
 
 def flip_bit(buffer: torch.Tensor, byte: int, bit: int) -> None:
@@ -49,7 +49,7 @@ def swap(elements: torch.Tensor, i: int, j: int) -> None:
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 255, 256, 257, 1000, 1024])
 def test_an_unchanged_buffer_reports_nothing(nbytes):
     buffer = random_bytes(nbytes)
-    assert remembered(buffer).changed_chunks(buffer) == []
+    assert remembered(buffer).changed_windows(buffer) == []
 
 
 def test_the_same_bytes_give_the_same_digests_in_any_buffer():
@@ -57,118 +57,119 @@ def test_the_same_bytes_give_the_same_digests_in_any_buffer():
     layout = DigestLayout.for_device(buffer.device)
     copy = torch.empty(buffer.numel() + 64, dtype=torch.uint8)[64:]
     copy.copy_(buffer)
-    assert torch.equal(chunk_digests(buffer, layout), chunk_digests(buffer, layout))
-    assert torch.equal(chunk_digests(buffer, layout), chunk_digests(copy, layout))
+    assert torch.equal(window_digests(buffer, layout), window_digests(buffer, layout))
+    assert torch.equal(window_digests(buffer, layout), window_digests(copy, layout))
 
 
-def test_digests_are_small_and_one_row_per_chunk():
+def test_digests_are_small_and_one_row_per_window():
     layout = DigestLayout.for_device(torch.device("cpu"))
-    digests = chunk_digests(random_bytes(5 * 2**20 + 3), layout)
+    digests = window_digests(random_bytes(5 * 2**20 + 3), layout)
     assert digests.dtype == torch.int64
     assert digests.shape == (6, layout.rows + layout.columns)
-    assert digests.numel() * 8 < 0.01 * 6 * layout.chunk_nbytes
+    assert digests.numel() * 8 < 0.01 * 6 * layout.window_nbytes
 
 
-def test_an_empty_buffer_has_no_chunks():
+def test_an_empty_buffer_has_no_windows():
     empty = torch.empty(0, dtype=torch.uint8)
-    assert chunk_digests(empty, SMALL).shape == (0, SMALL.digest_words)
-    assert remembered(empty).changed_chunks(empty) == []
+    assert window_digests(empty, SMALL).shape == (0, SMALL.digest_words)
+    assert remembered(empty).changed_windows(empty) == []
 
 
-def test_the_last_partial_chunk_counts_its_own_bytes_not_the_padding():
+def test_the_last_partial_window_counts_its_own_bytes_not_the_padding():
     buffer = random_bytes(2 * 256 + 3)
     zeros_beyond = torch.cat([buffer, torch.zeros(256 - 3, dtype=torch.uint8)])
-    assert torch.equal(chunk_digests(buffer, SMALL), chunk_digests(zeros_beyond, SMALL))
+    assert torch.equal(window_digests(buffer, SMALL), window_digests(zeros_beyond, SMALL))
     detector = remembered(buffer)
     buffer[-1] ^= 0x80
-    assert detector.changed_chunks(buffer) == [(512, 515)]
+    assert detector.changed_windows(buffer) == [(512, 515)]
 
 
 @pytest.mark.parametrize("tail", [8, 1024, 1024 + 8, 4096 - 8, 5000])
-def test_a_short_last_chunk_digests_as_its_zero_padded_full_chunk(tail):
-    """Only the rows a short chunk fills are summed (the layer-mode case: blocks far smaller than
-    a chunk); the digest equals that of the chunk zero-padded to full size."""
+def test_a_short_last_window_digests_as_its_zero_padded_full_window(tail):
+    """Only the rows a short window fills are summed (the layer-mode case: blocks far smaller than
+    a window); the digest equals that of the window zero-padded to full size."""
     layout = DigestLayout.for_device(torch.device("cpu"))
-    buffer = random_bytes(layout.chunk_nbytes + tail)
-    padded = torch.cat([buffer, torch.zeros(layout.chunk_nbytes - tail, dtype=torch.uint8)])
-    assert torch.equal(chunk_digests(buffer, layout), chunk_digests(padded, layout))
+    buffer = random_bytes(layout.window_nbytes + tail)
+    padded = torch.cat([buffer, torch.zeros(layout.window_nbytes - tail, dtype=torch.uint8)])
+    assert torch.equal(window_digests(buffer, layout), window_digests(padded, layout))
 
 
 # --- bit flips ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("nbytes", [256 * 3, 256 * 2 + 13])
-def test_every_single_bit_flip_is_detected_in_its_chunk(nbytes):
+def test_every_single_bit_flip_is_detected_in_its_window(nbytes):
     buffer = random_bytes(nbytes, seed=1)
     detector = remembered(buffer)
     for byte, bit in itertools.product(range(nbytes), range(8)):
         flip_bit(buffer, byte, bit)
-        assert detector.changed_chunks(buffer) == [chunk_range(byte // 256, nbytes)], (byte, bit)
+        assert detector.changed_windows(buffer) == [window_range(byte // 256, nbytes)], (byte, bit)
         flip_bit(buffer, byte, bit)
-    assert detector.changed_chunks(buffer) == []
+    assert detector.changed_windows(buffer) == []
 
 
-def test_bit_flips_at_the_default_chunk_boundaries():
+def test_bit_flips_at_the_default_window_boundaries():
     layout = DigestLayout.for_device(torch.device("cpu"))
-    chunk = layout.chunk_nbytes
-    nbytes = 3 * chunk + 4099  # a last partial chunk, not a multiple of 8
+    window = layout.window_nbytes
+    nbytes = 3 * window + 4099  # a last partial window, not a multiple of 8
     buffer = random_bytes(nbytes, seed=2)
     detector = remembered(buffer, layout)
-    for byte in (0, chunk - 1, chunk, 2 * chunk - 1, 3 * chunk, nbytes - 1):
+    for byte in (0, window - 1, window, 2 * window - 1, 3 * window, nbytes - 1):
         for bit in (0, 7):
             flip_bit(buffer, byte, bit)
-            assert detector.changed_chunks(buffer) == [chunk_range(byte // chunk, nbytes, layout)]
+            expected = [window_range(byte // window, nbytes, layout)]
+            assert detector.changed_windows(buffer) == expected
             flip_bit(buffer, byte, bit)
 
 
 # --- swaps ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ELEMENT_DTYPES)
-def test_swaps_of_two_different_elements_anywhere_in_a_chunk_are_detected(dtype):
+def test_swaps_of_two_different_elements_anywhere_in_a_window_are_detected(dtype):
     buffer = random_bytes(256 * 2)
     elements = buffer.view(dtype)
-    per_chunk = 256 // elements.element_size()
+    per_window = 256 // elements.element_size()
     detector = remembered(buffer)
     step = 1 if elements.element_size() >= 4 else 3  # all pairs of words; a third of the small ones
-    for chunk in range(2):
-        indices = range(chunk * per_chunk, (chunk + 1) * per_chunk, step)
+    for window in range(2):
+        indices = range(window * per_window, (window + 1) * per_window, step)
         for i, j in itertools.combinations(indices, 2):
             if elements[i] == elements[j]:
                 continue  # the same bytes: swapping them changes nothing
             swap(elements, i, j)
-            assert detector.changed_chunks(buffer) == [chunk_range(chunk, 512)], (dtype, i, j)
+            assert detector.changed_windows(buffer) == [window_range(window, 512)], (dtype, i, j)
             swap(elements, i, j)
 
 
 @pytest.mark.parametrize("dtype", ELEMENT_DTYPES)
 def test_swaps_of_neighbours_same_row_and_same_column_in_the_default_layout(dtype):
     layout = DigestLayout.for_device(torch.device("cpu"))
-    nbytes = 2 * layout.chunk_nbytes + 1000  # the last chunk is partial
+    nbytes = 2 * layout.window_nbytes + 1000  # the last window is partial
     buffer = random_bytes(nbytes, seed=3)
     elements = buffer.view(dtype)
     size = elements.element_size()
     row = 8 * layout.columns // size  # elements per row
     detector = remembered(buffer, layout)
-    chunk_elements = layout.chunk_nbytes // size
+    window_elements = layout.window_nbytes // size
     last = elements.numel() - 1
     pairs = [(0, 1), (0, row - 1), (5, 5 + row), (7, 7 + (layout.rows - 1) * row),
-             (chunk_elements - 1, chunk_elements - 2), (2 * chunk_elements, last),
+             (window_elements - 1, window_elements - 2), (2 * window_elements, last),
              (last - 1, last)]
     for i, j in pairs:
         if elements[i] == elements[j]:
             elements[j] += 1
             detector.remember(buffer)
         swap(elements, i, j)
-        chunk = (i * size) // layout.chunk_nbytes
-        assert detector.changed_chunks(buffer) == [chunk_range(chunk, nbytes, layout)], (i, j)
+        window = (i * size) // layout.window_nbytes
+        assert detector.changed_windows(buffer) == [window_range(window, nbytes, layout)], (i, j)
         swap(elements, i, j)
 
 
-def test_a_swap_across_a_chunk_boundary_reports_both_chunks_as_one_range():
+def test_a_swap_across_a_window_boundary_reports_both_windows_as_one_range():
     buffer = random_bytes(256 * 4)
     words = buffer.view(torch.float64)
     detector = remembered(buffer)
-    swap(words, 32 - 1, 32)  # the last word of chunk 0, the first of chunk 1
-    assert detector.changed_chunks(buffer) == [(0, 512)]
+    swap(words, 32 - 1, 32)  # the last word of window 0, the first of window 1
+    assert detector.changed_windows(buffer) == [(0, 512)]
 
 
 def test_swapping_x_and_minus_x_is_detected():
@@ -178,20 +179,20 @@ def test_swapping_x_and_minus_x_is_detected():
     values[3], values[3 + 4] = 1.5, -1.5  # one row apart, same column
     detector = remembered(buffer)
     swap(values, 3, 7)
-    assert detector.changed_chunks(buffer) == [(0, 256)]
+    assert detector.changed_windows(buffer) == [(0, 256)]
     values[3], values[7] = 1.5, -1.5
     values[10], values[20] = -values[10], -values[20]  # two sign flips of zeros: -0.0
-    assert detector.changed_chunks(buffer) == [(0, 256)]
+    assert detector.changed_windows(buffer) == [(0, 256)]
 
 
-def test_one_chunk_per_call_and_all_chunks_per_call_give_the_same_digests(monkeypatch):
-    """The CPU path (one chunk per pair of sums) and the accelerator path (every chunk at once)."""
+def test_one_window_per_call_and_all_windows_per_call_give_the_same_digests(monkeypatch):
+    """The CPU path (one window per pair of sums) and the accelerator path (all windows at once)."""
     import residency.digests as digests
 
     buffer = random_bytes(256 * 7 + 100)
-    per_chunk = chunk_digests(buffer, SMALL)
-    monkeypatch.setattr(digests, "_chunks_per_call", lambda device, count: max(count, 1))
-    assert torch.equal(chunk_digests(buffer, SMALL), per_chunk)
+    per_window = window_digests(buffer, SMALL)
+    monkeypatch.setattr(digests, "_windows_per_call", lambda device, count: max(count, 1))
+    assert torch.equal(window_digests(buffer, SMALL), per_window)
 
 
 # --- edits the version counter cannot see ---------------------------------------------------------
@@ -203,7 +204,7 @@ def test_an_edit_through_data_of_a_typed_view_is_detected(dtype):
     weight.copy_(torch.randn(weight.shape).to(dtype))
     detector = remembered(buffer)
     weight.data[3] += torch.ones_like(weight[3])  # peft's merge: weight.data += delta
-    assert detector.changed_chunks(buffer) == [chunk_range(2, buffer.numel())]
+    assert detector.changed_windows(buffer) == [window_range(2, buffer.numel())]
 
 
 def test_several_changed_chunks_give_merged_ranges_in_order():
@@ -211,7 +212,7 @@ def test_several_changed_chunks_give_merged_ranges_in_order():
     detector = remembered(buffer)
     for byte in (256 * 5 + 3, 256 * 1 + 7, 256 * 2, 256 * 6 + 9):
         buffer[byte] += 1
-    assert detector.changed_chunks(buffer) == [(256, 768), (1280, 1546)]
+    assert detector.changed_windows(buffer) == [(256, 768), (1280, 1546)]
 
 
 def test_the_reference_is_the_last_remembered_state():
@@ -219,9 +220,9 @@ def test_the_reference_is_the_last_remembered_state():
     detector = remembered(buffer)
     buffer[10] += 1
     detector.remember(buffer)  # the next load brought the edited bytes
-    assert detector.changed_chunks(buffer) == []
+    assert detector.changed_windows(buffer) == []
     buffer[10] -= 1  # edited back to the packed bytes: a change from the load, not from the pack
-    assert detector.changed_chunks(buffer) == [(0, 256)]
+    assert detector.changed_windows(buffer) == [(0, 256)]
 
 
 def test_the_documented_blind_spot_is_a_rectangle_of_cancelling_changes():
@@ -231,14 +232,14 @@ def test_the_documented_blind_spot_is_a_rectangle_of_cancelling_changes():
     detector = remembered(buffer)
     columns = SMALL.columns
     words[0], words[1], words[columns], words[columns + 1] = 5, -5, -5, 5
-    assert detector.changed_chunks(buffer) == []
+    assert detector.changed_windows(buffer) == []
 
 
 # --- misuse ---------------------------------------------------------------------------------------
 
 def test_changed_chunks_before_remember_raises():
     with pytest.raises(RuntimeError, match="remember"):
-        ChangeDetector(SMALL).changed_chunks(random_bytes(256))
+        ChangeDetector(SMALL).changed_windows(random_bytes(256))
 
 
 @pytest.mark.parametrize("bad, error", [
@@ -250,7 +251,7 @@ def test_changed_chunks_before_remember_raises():
 ])
 def test_a_buffer_that_is_not_aligned_contiguous_bytes_is_refused(bad, error):
     with pytest.raises(error):
-        chunk_digests(bad, SMALL)
+        window_digests(bad, SMALL)
     with pytest.raises(error):
         ChangeDetector(SMALL).remember(bad)
 
@@ -258,23 +259,23 @@ def test_a_buffer_that_is_not_aligned_contiguous_bytes_is_refused(bad, error):
 def test_a_buffer_of_another_length_is_refused():
     detector = remembered(random_bytes(512))
     with pytest.raises(ValueError, match="remember"):
-        detector.changed_chunks(random_bytes(256))
+        detector.changed_windows(random_bytes(256))
 
 
-@pytest.mark.parametrize("chunk_nbytes, columns", [(0, 4), (256, 0), (100, 4), (256, 64)])
-def test_a_layout_that_does_not_tile_a_chunk_is_refused(chunk_nbytes, columns):
+@pytest.mark.parametrize("window_nbytes, columns", [(0, 4), (256, 0), (100, 4), (256, 64)])
+def test_a_layout_that_does_not_tile_a_window_is_refused(window_nbytes, columns):
     with pytest.raises(ValueError):
-        DigestLayout(chunk_nbytes=chunk_nbytes, columns=columns)
+        DigestLayout(window_nbytes=window_nbytes, columns=columns)
 
 
 def test_forget_drops_the_reference_and_repr_says_so():
     buffer = random_bytes(600)
     detector = remembered(buffer)
-    assert "600 bytes in 3 chunks" in repr(detector)
+    assert "600 bytes in 3 windows" in repr(detector)
     detector.forget()
     assert "nothing remembered" in repr(detector)
     with pytest.raises(RuntimeError):
-        detector.changed_chunks(buffer)
+        detector.changed_windows(buffer)
 
 
 # --- accelerator ----------------------------------------------------------------------------------
@@ -285,10 +286,10 @@ def test_device_digests_equal_cpu_digests_and_detect_edits_on_the_device():
     buffer = random_bytes(9 * 2**20 + 13, seed=4)  # an odd length: no dtype view of it all
     for layout in (DigestLayout.for_device(device), DigestLayout.for_device(torch.device("cpu"))):
         on_device = buffer.to(device)
-        assert torch.equal(chunk_digests(on_device, layout).cpu(), chunk_digests(buffer, layout))
+        assert torch.equal(window_digests(on_device, layout).cpu(), window_digests(buffer, layout))
         detector = remembered(on_device, layout)
-        assert detector.changed_chunks(on_device) == []
-        edited = 4 * 2**20  # in chunk 4 MiB // chunk_nbytes
+        assert detector.changed_windows(on_device) == []
+        edited = 4 * 2**20  # in window 4 MiB // window_nbytes
         on_device[edited:edited + 4].view(torch.float32).add_(1.0)
-        chunk = (4 * 2**20) // layout.chunk_nbytes
-        assert detector.changed_chunks(on_device) == [chunk_range(chunk, buffer.numel(), layout)]
+        window = (4 * 2**20) // layout.window_nbytes
+        assert detector.changed_windows(on_device) == [window_range(window, buffer.numel(), layout)]

@@ -12,10 +12,10 @@ from torch import nn
 from residency import NoOffload, Scheduler
 from residency.config import OffloadConfig
 from residency.discovery import (
-    ComponentPlan,
+    ComponentGroups,
     SupportsComponentDiscovery,
-    apply_plan,
-    plan_components,
+    register_groups,
+    group_components,
 )
 from residency.errors import ConfigError, RegistrationError, UnknownGroupError
 
@@ -270,8 +270,8 @@ def _categories(pipe):
 
 def test_plan_components_is_pure_and_lists_groups(pipe):
     pointers = [t.data_ptr() for t in pipe.state_dict().values()]
-    plan = plan_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
-    assert isinstance(plan, ComponentPlan)
+    plan = group_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
+    assert isinstance(plan, ComponentGroups)
     assert list(plan.exclusive) == ["transformer", "transformer_2", "text_encoder"]
     assert list(plan.resident) == ["vae", "time_embed"]
     assert plan.exclusive["text_encoder"] == (
@@ -286,23 +286,23 @@ def test_plan_components_is_pure_and_lists_groups(pipe):
 
 def test_a_member_nested_in_a_member_of_the_same_group_adds_only_an_alias(pipe):
     encoders = {"text_encoder": pipe.text_encoder, "text_encoder.0": pipe.text_encoder[0]}
-    plan = plan_components("P", {"transformer": pipe.transformer}, encoders, {}, {},
+    plan = group_components("P", {"transformer": pipe.transformer}, encoders, {}, {},
                            OffloadConfig(mode="module", components=["dit", "text_encoder"]))
     groups = {name: modules for name, _, modules, _ in plan.groups()}
     assert groups["text_encoder"] == (pipe.text_encoder,)
     scheduler = Scheduler("cpu")
-    apply_plan(scheduler, plan)
+    register_groups(scheduler, plan)
     with scheduler.resident("text_encoder.0"):
         assert scheduler.current == "text_encoder"
     scheduler.close()
 
 
 def test_apply_plan_removes_what_it_added_when_a_registration_fails(pipe):
-    plan = plan_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
+    plan = group_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
     scheduler = Scheduler("cpu")
     scheduler.add("time_embed", nn.Linear(2, 2), policy="resident")
     with pytest.raises(RegistrationError, match=r"a group named 'time_embed' is already"):
-        apply_plan(scheduler, plan)
+        register_groups(scheduler, plan)
     assert list(scheduler) == ["time_embed"]
     assert "prompt_adapter.encoder" not in scheduler
     scheduler.close()
@@ -503,7 +503,7 @@ def test_allgathered_encoders_not_declared_replicated_are_refused(pipe):
                        r"_offload_plan.encoder_dlo_weight_replication \['text_encoder'\]: .* Give "
                        r"text_encoder \"weight_transfer\": \"rank-local\", or declare them "
                        r"replicated$"):
-        plan_components("TwoExpertPipeline", dits, encoders, vaes, residents,
+        group_components("TwoExpertPipeline", dits, encoders, vaes, residents,
                         OffloadConfig.from_dict(ALLGATHER_ENCODERS), pipeline=pipe)
 
 
@@ -512,7 +512,7 @@ def test_allgathered_encoders_declared_replicated_or_undeclared_plan_to_allgathe
     config = OffloadConfig.from_dict(ALLGATHER_ENCODERS)
     for offload_plan in (None, _OffloadPlan({"text_encoder", "prompt_adapter.encoder"})):
         pipe._offload_plan = offload_plan
-        plan = plan_components("TwoExpertPipeline", dits, encoders, vaes, residents, config,
+        plan = group_components("TwoExpertPipeline", dits, encoders, vaes, residents, config,
                                pipeline=pipe)
         assert dict(plan.weight_transfers) == {"text_encoder": "allgather"}
 
@@ -524,3 +524,87 @@ def test_from_pipeline_refuses_allgather_without_a_process_group_before_packing(
                                           r"no process_group was given"):
         Scheduler.from_pipeline(pipe, ALLGATHER_ENCODERS, device="cpu")
     assert [t.data_ptr() for t in pipe.parameters()] == before
+
+
+def test_groups_whose_tensors_sit_side_by_side_in_one_storage_are_accepted():
+    """Tensors share a tensor only where their bytes overlap (the one rule: a region of its own
+    for each, as registration packs them); main refused any two groups of one storage."""
+    pipe = TwoExpertPipeline()
+    reference = copy.deepcopy(pipe)
+    flat = torch.empty(2 * WIDTH * WIDTH)
+    with torch.no_grad():
+        for index, dit in enumerate((pipe.transformer, pipe.transformer_2)):
+            half = flat[index * WIDTH * WIDTH:(index + 1) * WIDTH * WIDTH].view(WIDTH, WIDTH)
+            half.copy_(dit[0].weight)
+            dit[0].weight = nn.Parameter(half)
+    scheduler = Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    prompt = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        expected = reference.generate(prompt, NoOffload())
+        assert torch.equal(pipe.generate(prompt, scheduler), expected)
+    scheduler.close()
+
+
+def test_a_wrapper_subclass_whose_inner_tensor_is_tied_across_groups_is_refused():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    pipe = TwoExpertPipeline()
+    shared = torch.randn(WIDTH, WIDTH)
+    pipe.transformer[0].weight = nn.Parameter(TwoTensor(shared, torch.randn(WIDTH, WIDTH)),
+                                              requires_grad=False)
+    pipe.transformer_2[0].weight = nn.Parameter(TwoTensor(torch.randn(WIDTH, WIDTH), shared),
+                                                requires_grad=False)
+    with pytest.raises(ConfigError, match=r"TwoExpertPipeline: 'transformer_2' \(group "
+                                          r"'transformer_2'\) shares a tensor with 'transformer' "
+                                          r"\(group 'transformer'\)"):
+        Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
+    assert pipe.transformer[0].weight.a.data_ptr() == shared.data_ptr()  # nothing moved
+
+
+class _InterruptedAfter:
+    """A scheduler whose `call` (an ``add`` or an ``alias``) of `name` completes and then raises,
+    as a KeyboardInterrupt landing on the line after it would."""
+
+    def __init__(self, scheduler, call: str, name: str) -> None:
+        self.scheduler, self.call, self.name = scheduler, call, name
+
+    def __getattr__(self, attribute):
+        return getattr(self.scheduler, attribute)
+
+    def __contains__(self, name) -> bool:
+        return name in self.scheduler
+
+    def add(self, name, *args, **kwargs):
+        self.scheduler.add(name, *args, **kwargs)
+        if self.call == "add" and name == self.name:
+            raise KeyboardInterrupt
+
+    def alias(self, path, name):
+        self.scheduler.alias(path, name)
+        if self.call == "alias" and path == self.name:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(("call", "name"), [("add", "transformer_2"), ("add", "time_embed"),
+                                            ("alias", "prompt_adapter.encoder")])
+def test_an_interrupted_apply_plan_leaves_no_group_of_the_plan(call, name):
+    """Also when the interrupt lands after an ``add`` returned (main lost that group)."""
+    pipe, reference = TwoExpertPipeline(), TwoExpertPipeline()
+    scheduler = Scheduler("cpu")
+    scheduler.add("other", make_block(WIDTH, seed=9))
+    plan = group_components("TwoExpertPipeline", {"transformer": pipe.transformer,
+                                                 "transformer_2": pipe.transformer_2},
+                           {"text_encoder": pipe.text_encoder,
+                            "prompt_adapter.encoder": pipe.prompt_adapter.encoder},
+                           {"vae": pipe.vae}, {"time_embed": pipe.time_embed},
+                           OffloadConfig.from_dict(CONFIG))
+    with pytest.raises(KeyboardInterrupt):
+        register_groups(_InterruptedAfter(scheduler, call, name), plan)
+    assert list(scheduler) == ["other"]  # the group it held before stays
+    assert "prompt_adapter.encoder" not in scheduler
+    register_groups(scheduler, plan)  # nothing of the first try is left in the way
+    prompt = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        expected = reference.generate(prompt, NoOffload())
+        assert torch.equal(pipe.generate(prompt, scheduler), expected)
+    scheduler.close()

@@ -29,7 +29,7 @@ from torch import nn
 pytest.importorskip("diffusers")
 
 from residency import Scheduler  # noqa: E402
-from residency.blocks import plan_blocks  # noqa: E402
+from residency.blocks import model_blocks  # noqa: E402
 from residency.enums import ResidencyState  # noqa: E402
 from residency.errors import ConfigError, PhaseError, RegistrationError  # noqa: E402
 from residency.layers import _BlockForward  # noqa: E402
@@ -392,7 +392,7 @@ def test_resident_layers_keeps_the_leading_blocks_and_streams_the_rest(
 ):
     model = tiny_wan_expert(num_layers=5)
     reference = copy.deepcopy(model)
-    plan = plan_blocks(model, resident_layers=resident_layers)
+    plan = model_blocks(model, resident_layers=resident_layers)
     scheduler = layer_scheduler(schedulers, model, layers=plan)
     group = scheduler["dit"]
     kept = min(resident_layers, 5)
@@ -423,7 +423,7 @@ def test_device_bytes_at_every_block_stay_within_the_rest_plus_two_slots(
     """Sampled inside every block's forward: the outside part (kept blocks included) plus two
     slots of the largest streamed block - never the whole model (when anything streams)."""
     model = tiny_wan_expert(num_layers=5)
-    plan = plan_blocks(model, resident_layers=resident_layers)
+    plan = model_blocks(model, resident_layers=resident_layers)
     whole = schedulers().add("whole", copy.deepcopy(model)).inventory.layout.contiguous_nbytes
     transport = CountingTransport()
     scheduler = schedulers(transport=transport)
@@ -757,7 +757,7 @@ def test_an_edit_to_a_block_between_forwards_survives_swaps_and_close(schedulers
     model = tiny_wan_expert(num_layers=4)
     reference = copy.deepcopy(model)
     scheduler = layer_scheduler(
-        schedulers, model, layers=plan_blocks(model, resident_layers=resident_layers))
+        schedulers, model, layers=model_blocks(model, resident_layers=resident_layers))
     group = scheduler["dit"]
     with scheduler.resident("dit"):
         assert torch.equal(run_wan(model, wan_inputs(0)), run_wan(reference, wan_inputs(0)))
@@ -1300,9 +1300,9 @@ def test_a_block_plan_of_a_model_outside_the_group_is_refused(schedulers):
     model, stranger = ProbeDiT(), ProbeDiT(seed=1)
     addresses = ptrs(model.state_dict(keep_vars=True).values())
     scheduler = schedulers()
-    with pytest.raises(RegistrationError, match=r"the BlockPlan for 'ProbeDiT' is of a model "
+    with pytest.raises(RegistrationError, match=r"the ModelBlocks for 'ProbeDiT' is of a model "
                                                 r"outside the group's modules"):
-        scheduler.add("dit", model, layers=plan_blocks(stranger))
+        scheduler.add("dit", model, layers=model_blocks(stranger))
     check_untouched(scheduler, model, addresses)
     assert not any("forward" in m.__dict__ for m in stranger.modules())
 
@@ -1317,7 +1317,7 @@ def test_layers_given_something_other_than_true_or_block_plans_is_refused(schedu
     addresses = ptrs(model.state_dict(keep_vars=True).values())
     scheduler = schedulers()
     with pytest.raises(RegistrationError, match=r"give True \(plan each module's blocks\) or "
-                                                r"BlockPlans"):
+                                                r"ModelBlocks from"):
         scheduler.add("dit", model, layers=layers)
     check_untouched(scheduler, model, addresses)
 

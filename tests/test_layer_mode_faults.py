@@ -370,7 +370,7 @@ def test_a_failed_digest_at_parking_leaves_the_block_on_its_master(monkeypatch):
 
 
 def test_refresh_keeps_extra_lists_unkept_and_the_resident_layers_asked_for():
-    from residency import plan_blocks
+    from residency import model_blocks
 
     class WithContext(HookDiT):
         def __init__(self) -> None:
@@ -386,7 +386,7 @@ def test_refresh_keeps_extra_lists_unkept_and_the_resident_layers_asked_for():
     model = WithContext()
     reference = copy.deepcopy(model)
     scheduler = Scheduler("cpu")
-    plan = plan_blocks(model, extra=["context_encoder.layers"], resident_layers=9)
+    plan = model_blocks(model, extra=["context_encoder.layers"], resident_layers=9)
     scheduler.add("dit", model, layers=plan)
     del model.blocks[1:]  # the own list shrinks to one block: all of it still kept
     del reference.blocks[1:]

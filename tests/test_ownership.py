@@ -334,3 +334,62 @@ def test_a_plan_refused_for_another_schedulers_module_moves_no_tensor(second, ho
         call()
     for module, fingerprinted in zip(components, before):
         assert_unchanged(module, fingerprinted)
+
+
+# -- the one rule of shared bytes (residency.subclasses.overlapping_runs) -------------------------
+
+
+def test_the_one_rule_groups_overlapping_bytes_of_one_storage_only():
+    from residency.subclasses import extent, first_shared, overlapping_runs
+
+    flat = torch.arange(32.0)
+    weight = flat[:16].view(4, 4)
+    extents = [extent(t) for t in (
+        weight,              # 0: bytes [0, 64)
+        weight.t(),          # 1: the same bytes, another stride
+        flat[12:20],         # 2: overlaps 0 ([48, 80)), so it joins 0's run
+        flat[24:32],         # 3: side by side in the same storage: a run of its own
+        flat[24:24],         # 4: no bytes, at the start of 3: a run of its own
+        torch.arange(16.0),  # 5: another storage
+    )]
+    runs = overlapping_runs(extents)
+    assert [run.members for run in runs] == [(0, 1, 2), (3,), (4,), (5,)]
+    assert (runs[0].start, runs[0].end) == (0, 80)
+    assert first_shared(extents, ["a", "a", "a", "b", "c", "d"]) is None
+    assert first_shared(extents, ["a", "a", "b", "b", "c", "d"]) == (0, 2)
+    assert first_shared(extents, ["a", "a", "a", "b", "b", "b"]) is None  # 4 holds no bytes
+
+
+def test_meta_tensors_share_bytes_only_with_themselves():
+    from residency.subclasses import extent, first_shared
+
+    one, other = torch.empty(4, device="meta"), torch.empty(4, device="meta")
+    assert first_shared([extent(one), extent(other)], ["a", "b"]) is None
+    assert first_shared([extent(one), extent(one)], ["a", "b"]) == (0, 1)
+
+
+def test_a_view_of_an_offloaded_groups_host_master_is_refused(first, second):
+    scheduler, modules, _ = first
+    stolen = modules["a"][0].weight.detach()[:2]  # reads the group's host master
+    thief = nn.Linear(16, 2)
+    thief.weight = nn.Parameter(stolen, requires_grad=False)
+    before = fingerprint(thief)
+    with pytest.raises(RegistrationError, match=r"cannot add group 'thief': its parameter "
+                                                r"'weight' of Linear shares storage with "
+                                                r"group 'a'"):
+        scheduler.add("thief", thief)
+    assert_unchanged(thief, before)
+    assert "thief" not in scheduler
+    second.add("thief", thief)  # another scheduler's ownership is by module, not by bytes
+    assert_first_still_works(first)
+
+
+def test_a_view_of_a_resident_groups_device_storage_is_refused(first):
+    scheduler, modules, _ = first
+    with scheduler.resident("a"):
+        thief = nn.Linear(16, 16)
+        thief.weight = nn.Parameter(modules["a"][0].weight.detach().t(), requires_grad=False)
+        with pytest.raises(RegistrationError, match="shares storage with group 'a'"):
+            scheduler.add("thief", thief)
+    assert "thief" not in scheduler
+    assert_first_still_works(first)

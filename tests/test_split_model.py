@@ -16,7 +16,7 @@ from torch import nn
 from residency import NoOffload, Scheduler
 from residency.component import Policy
 from residency.config import OffloadConfig
-from residency.discovery import SupportsComponentDiscovery, apply_plan, plan_components
+from residency.discovery import SupportsComponentDiscovery, register_groups, group_components
 from residency.errors import ConfigError, RegistrationError
 from residency.split import SplitModel, split_parts
 
@@ -348,7 +348,7 @@ def test_a_listed_module_inside_a_split_model_is_refused(resident_path, message)
 
 def test_the_plan_names_the_shared_group_and_the_parts_it_excludes():
     model = SplitTransformer()
-    plan = plan_components("P", {"transformer": model}, {}, {}, {},
+    plan = group_components("P", {"transformer": model}, {}, {}, {},
                            OffloadConfig(mode="module", components=("dit",)))
     assert dict(plan.exclusive) == {"reasoner": (("transformer.reasoner", model.reasoner),),
                                     "generator": (("transformer.generator", model.generator),
@@ -372,12 +372,12 @@ class PartsOnly(SplitModel, nn.Module):
 
 def test_a_split_model_with_no_tensor_outside_its_parts_has_no_shared_group():
     model = PartsOnly()
-    plan = plan_components("P", {"transformer": model}, {}, {}, {},
+    plan = group_components("P", {"transformer": model}, {}, {}, {},
                            OffloadConfig(mode="module", components=("dit",)))
     assert list(plan.exclusive) == ["reasoner", "generator"]
     assert dict(plan.resident) == {} and dict(plan.excluded) == {}
     scheduler = Scheduler("cpu")
-    apply_plan(scheduler, plan)
+    register_groups(scheduler, plan)
     assert list(scheduler) == ["reasoner", "generator"] and model.scheduler is scheduler
     scheduler.close()
 
@@ -387,18 +387,18 @@ def test_apply_plan_removes_the_shared_group_too_when_a_later_registration_fails
     plain = copy.deepcopy(pipe)
     dits, encoders, vaes = ({"transformer": pipe.transformer}, {"text_encoder": pipe.text_encoder},
                             {"vae": pipe.vae})
-    plan = plan_components("SplitPipeline", dits, encoders, vaes, {}, OffloadConfig(mode="module", components=("dit", "text_encoder")))
+    plan = group_components("SplitPipeline", dits, encoders, vaes, {}, OffloadConfig(mode="module", components=("dit", "text_encoder")))
     assert list(plan.resident) == ["transformer", "vae"]  # the shared group is added before vae
     scheduler = Scheduler("cpu")
     scheduler.add("vae", nn.Linear(2, 2), policy="resident")
     with pytest.raises(RegistrationError, match=r"a group named 'vae' is already"):
-        apply_plan(scheduler, plan)
+        register_groups(scheduler, plan)
     assert list(scheduler) == ["vae"]
     assert "transformer.head" not in scheduler
     assert isinstance(pipe.transformer.scheduler, NoOffload)  # nothing attached
     scheduler.close()
     fresh = Scheduler("cpu")
-    apply_plan(fresh, plan)  # every module was freed: the same plan applies cleanly
+    register_groups(fresh, plan)  # every module was freed: the same plan applies cleanly
     assert fresh["transformer"].excluded == (pipe.transformer.reasoner, pipe.transformer.generator,
                                              pipe.transformer.head)
     with torch.no_grad():
@@ -438,5 +438,5 @@ def test_a_part_name_that_is_also_a_module_path_is_refused():
     with pytest.raises(ConfigError, match=r"P: 'reasoner' would lead to two groups, "
                                           r"'transformer' and 'text_encoder'; give split-model "
                                           r"parts names that are unique in the pipeline"):
-        plan_components("P", {"transformer": SplitTransformer()}, {"reasoner": nn.Linear(2, 2)},
+        group_components("P", {"transformer": SplitTransformer()}, {"reasoner": nn.Linear(2, 2)},
                         {}, {}, OffloadConfig(mode="module", components=("text_encoder",)))

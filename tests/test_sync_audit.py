@@ -61,7 +61,7 @@ WAIT_TIMEOUT_S = 30.0
 WIDTH = 64
 
 _SYNCHRONIZE = Completion.synchronize.__code__
-_CHANGED_CHUNKS = ChangeDetector.changed_chunks.__code__
+_CHANGED_WINDOWS = ChangeDetector.changed_windows.__code__
 
 
 # -- the harness --------------------------------------------------------------------------------
@@ -534,19 +534,19 @@ def test_a_write_back_waits_for_the_compute_that_edited(device):
 
 
 def _flags_read_without_waiting(self, buffer_bytes):
-    """changed_chunks as it would be if its read did not wait: the flags copied into host memory
+    """changed_windows as it would be if its read did not wait: the flags copied into host memory
     without a host wait, and read at once."""
     from residency.digests import _merged_ranges
 
     flags = self.changed_flags(buffer_bytes)
     on_host = torch.zeros(flags.shape, dtype=torch.bool, pin_memory=True)
     on_host.copy_(flags, non_blocking=True)
-    return _merged_ranges(on_host.tolist(), self._layout.chunk_nbytes, self._nbytes)
+    return _merged_ranges(on_host.tolist(), self._layout.window_nbytes, self._nbytes)
 
 
 @pytest.mark.gpu
 def test_the_eviction_reads_the_flags_after_the_edit(device):
-    """digests.py:ChangeDetector.changed_chunks -> .tolist() (an implicit host wait)."""
+    """digests.py:ChangeDetector.changed_windows -> .tolist() (an implicit host wait)."""
     def scenario(point):
         with groups(device) as g:
             g.run("b")
@@ -554,14 +554,14 @@ def test_the_eviction_reads_the_flags_after_the_edit(device):
             torch.accelerator.synchronize()
             weight = g.models["a"][0].weight
             expected = g.host_copies["a"][0].weight.detach() + 1
-            with held_until_host_waits(compute_stream(), _CHANGED_CHUNKS, "_write_back_edits"), \
+            with held_until_host_waits(compute_stream(), _CHANGED_WINDOWS, "_write_back_edits"), \
                     point():
                 with g.scheduler.resident("a"), torch.no_grad():
                     weight.data.add_(1)
                 g.scheduler.offload_all()
             same(weight.detach(), expected, "a's edited weight in its host master")
 
-    audit(scenario, lambda patch: patch.setattr(ChangeDetector, "changed_chunks",
+    audit(scenario, lambda patch: patch.setattr(ChangeDetector, "changed_windows",
                                                 _flags_read_without_waiting))
 
 
