@@ -49,7 +49,7 @@ TESTS = Path(__file__).resolve().parent
 #: How long the child may run before its tests are reported as failed (a hang is a failure).
 CHILD_TIMEOUT_S = 900
 
-_DELEGATED = pytest.StashKey[list]()
+_DELEGATED = pytest.StashKey[set]()  # node ids of the tests the child runs
 _CHILD = pytest.StashKey["ChildRun"]()
 _SIMULATOR_ERROR = pytest.StashKey[str]()
 
