@@ -6,21 +6,26 @@ Every test marked ``gpu`` needs an accelerator.  Which one it gets (``pytest --a
   device of ``tests/simdevice`` *in a child pytest process* - loading the simulator renames
   PrivateUse1 and makes ``torch.accelerator`` report it for the whole process, so ``Scheduler()``
   and ``default_device()`` would pick it in the CPU tests.  The parent collects the accelerator
-  tests as usual and reports, for each, the outcome the child had (one child for the session,
-  started by the first of them).
+  tests as usual, runs them last, and reports for each the outcome the child had (one child for
+  the session, started as soon as collection ends, so that it runs beside the CPU tests).
 * ``sim``: this process loads the simulator before collection and runs only the accelerator tests
   (what the child runs).
 * ``none``: the accelerator tests are skipped.
 
 [Note: one child for the accelerator tests]
 The child is ``python -m pytest --accelerator=sim --accelerator-results=FILE <node ids>``; it
-writes one line per test phase to FILE (outcome and the failure's text), and the parent turns each
-into that test's outcome.  The child runs with ``OMP_NUM_THREADS=1``: the simulator's stream
-workers each run CPU kernels, and OpenMP teams on top of them made ops several times slower on
-two cores (tests/simdevice/README.md).  A simulator that fails to build skips the accelerator tests with the
-compiler's message, except under CI (``CI=true``), where it is an error: CI must never pass because
-the accelerator half did not run.  ``RESIDENCY_MIN_ACCELERATOR_TESTS=N`` makes the session fail
-when fewer than N accelerator tests passed (``.ci/run`` sets it).
+writes one line per test phase to FILE (outcome, the failure's text, how long it took), and the
+parent turns each into that test's outcome and duration.  The parent starts the child when
+collection ends (`start_child`) and moves the accelerator tests to the end of its run, so the child
+(the simulator's build, then the tests) runs while the parent runs the CPU tests - on two cores
+that hid most of the child's four minutes; the first accelerator test the parent reaches waits for
+the child to finish (`ChildRun.wait`).  A session that ends before then (``-x``, Ctrl-C) kills the
+child's process group (`stop_child`).  The child runs with ``OMP_NUM_THREADS=1``: the simulator's
+stream workers each run CPU kernels, and OpenMP teams on top of them made ops several times slower
+on two cores (tests/simdevice/README.md).  A simulator that fails to build skips the accelerator
+tests with the compiler's message, except under CI (``CI=true``), where it is an error: CI must
+never pass because the accelerator half did not run.  ``RESIDENCY_MIN_ACCELERATOR_TESTS=N`` makes
+the session fail when fewer than N accelerator tests passed (``.ci/run`` sets it).
 """
 
 from __future__ import annotations
@@ -29,8 +34,12 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -40,7 +49,7 @@ TESTS = Path(__file__).resolve().parent
 #: How long the child may run before its tests are reported as failed (a hang is a failure).
 CHILD_TIMEOUT_S = 900
 
-_DELEGATED = pytest.StashKey[list]()
+_DELEGATED = pytest.StashKey[set]()  # node ids of the tests the child runs
 _CHILD = pytest.StashKey["ChildRun"]()
 _SIMULATOR_ERROR = pytest.StashKey[str]()
 
@@ -84,8 +93,6 @@ def modify_items(config, items) -> None:
     elif mode == "none":
         for item in accelerator_tests:
             item.add_marker(pytest.mark.skip(reason="accelerator tests off (--accelerator=none)"))
-    elif not torch.accelerator.is_available():
-        config.stash[_DELEGATED] = [item.nodeid for item in accelerator_tests]
 
 
 def _keep_only(config, items, kept) -> None:
@@ -96,39 +103,106 @@ def _keep_only(config, items, kept) -> None:
         items[:] = kept
 
 
+def start_child(session) -> None:
+    """Once collection is final (``-k``/``-m`` applied): in an ``auto`` process without an
+    accelerator, move the accelerator tests to the end and start their child (see the note)."""
+    config = session.config
+    if config.getoption("--accelerator") != "auto" or torch.accelerator.is_available():
+        return
+    delegated = [item for item in session.items if "gpu" in item.keywords]
+    config.stash[_DELEGATED] = {item.nodeid for item in delegated}
+    if not delegated or config.option.collectonly:
+        return
+    chosen = {id(item) for item in delegated}
+    session.items[:] = [item for item in session.items if id(item) not in chosen] + delegated
+    config.stash[_CHILD] = ChildRun(config, [item.nodeid for item in delegated])
+
+
+def stop_child(session) -> None:
+    """At the session's end: a child still running (the session stopped early) is killed."""
+    child = session.config.stash.get(_CHILD, None)
+    if child is not None:
+        child.stop()
+
+
 def run_delegated(pyfuncitem) -> bool:
     """Report a delegated accelerator test's outcome from the child; False if it runs here."""
     config = pyfuncitem.config
-    delegated = config.stash.get(_DELEGATED, None)
-    if delegated is None or pyfuncitem.nodeid not in delegated:
+    if pyfuncitem.nodeid not in config.stash.get(_DELEGATED, ()):
         return False
-    child = config.stash.get(_CHILD, None)
-    if child is None:
-        child = config.stash[_CHILD] = ChildRun(config, delegated)
-    child.report(pyfuncitem.nodeid)
+    config.stash[_CHILD].report(pyfuncitem.nodeid)
     return True
 
 
+def child_duration(item) -> float | None:
+    """How long a delegated test's phases took in the child (None: not delegated, or no report),
+    so that ``--durations`` shows the child's figure, not the parent's wait."""
+    child = item.config.stash.get(_CHILD, None)
+    if child is None or child.outcomes is None or item.nodeid not in child.outcomes:
+        return None
+    return child.outcomes[item.nodeid]["duration"]
+
+
 class ChildRun:
-    """One ``--accelerator=sim`` pytest process for every delegated test (see the note above)."""
+    """One ``--accelerator=sim`` pytest process for every delegated test (see the note above),
+    started at once; `report` waits for it the first time."""
 
     def __init__(self, config, nodeids: list[str]) -> None:
-        results = Path(config.rootpath) / ".pytest-accelerator-results.jsonl"
-        results.unlink(missing_ok=True)
+        self._folder = tempfile.TemporaryDirectory(prefix="residency-accelerator-")
+        self._results = Path(self._folder.name) / "results.jsonl"
+        self._log = open(Path(self._folder.name) / "output.txt", "w+")
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rN",
-                   "--accelerator=sim", f"--accelerator-results={results}", *_passed_on(config),
-                   *nodeids]
-        try:
-            finished = subprocess.run(command, cwd=config.rootpath, capture_output=True,
-                                      text=True, timeout=CHILD_TIMEOUT_S,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
-            self.output = finished.stdout + finished.stderr
-        except subprocess.TimeoutExpired as timeout:
-            self.output = f"the child timed out after {CHILD_TIMEOUT_S} s\n{timeout.stdout or ''}"
-        self.outcomes = _read_outcomes(results)
-        results.unlink(missing_ok=True)
+                   "--accelerator=sim", f"--accelerator-results={self._results}",
+                   *_passed_on(config), *nodeids]
+        self.started = time.monotonic()
+        #: Seconds the child ran, and the parent waited for it (once it finished).
+        self.ran_s = self.waited_s = None
+        self.outcomes: dict[str, dict] | None = None  # read once the child finished
+        self.output = ""
+        self._process = subprocess.Popen(command, cwd=config.rootpath, stdout=self._log,
+                                         stderr=subprocess.STDOUT, text=True,
+                                         start_new_session=True,
+                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self._ended = threading.Event()  # set the moment the child exits (for `ran_s`)
+        threading.Thread(target=self._watch, name="accelerator-child", daemon=True).start()
+
+    def _watch(self) -> None:
+        self._process.wait()
+        self.ran_s = time.monotonic() - self.started
+        self._ended.set()
+
+    def wait(self) -> None:
+        """Wait for the child (at most `CHILD_TIMEOUT_S` from its start) and read its outcomes."""
+        if self.outcomes is not None:
+            return
+        waiting_since = time.monotonic()
+        remaining = max(1.0, self.started + CHILD_TIMEOUT_S - waiting_since)
+        timed_out = ""
+        if not self._ended.wait(timeout=remaining):
+            timed_out = f"the child timed out after {CHILD_TIMEOUT_S} s\n"
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+            self._ended.wait()
+        self.waited_s = time.monotonic() - waiting_since
+        self._log.seek(0)
+        self.output = timed_out + self._log.read()
+        self.outcomes = _read_outcomes(self._results)
+        self._log.close()
+        self._folder.cleanup()
+
+    def stop(self) -> None:
+        """Kill the child and whatever it started (its own process group), if still running;
+        its files go with it unless `wait` read them."""
+        if not self._ended.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+            self._ended.wait()
+        if self.outcomes is None:
+            self._log.close()
+            self._folder.cleanup()
 
     def report(self, nodeid: str) -> None:
+        self.wait()
         outcome = self.outcomes.get(nodeid)
         if outcome is None:
             pytest.fail(f"the accelerator test did not report from the simulator's process:\n"
@@ -148,15 +222,23 @@ def _passed_on(config) -> list[str]:
 
 
 def _read_outcomes(path: Path) -> dict[str, dict]:
-    """One outcome per test: the first phase that failed or skipped, else passed."""
+    """One outcome per test: the first phase that failed or skipped, else its call's pass (a test
+    whose call never reported has none); its duration is that of all its phases."""
     outcomes: dict[str, dict] = {}
+    durations: dict[str, float] = {}
     if not path.exists():
         return outcomes
     for line in path.read_text().splitlines():
         entry = json.loads(line)
-        known = outcomes.get(entry["nodeid"])
+        nodeid = entry["nodeid"]
+        durations[nodeid] = durations.get(nodeid, 0.0) + entry["duration"]
+        if entry["when"] != "call" and entry["outcome"] == "passed":
+            continue
+        known = outcomes.get(nodeid)
         if known is None or known["outcome"] == "passed":
-            outcomes[entry["nodeid"]] = entry
+            outcomes[nodeid] = entry
+    for nodeid, outcome in outcomes.items():
+        outcome["duration"] = durations[nodeid]
     return outcomes
 
 
@@ -167,14 +249,13 @@ class ResultsWriter:
         self.path = path
 
     def pytest_runtest_logreport(self, report) -> None:
-        if report.when != "call" and report.outcome == "passed":
-            return
         if report.skipped and isinstance(report.longrepr, tuple):
             text = report.longrepr[2]
         else:
             text = report.longreprtext
         with open(self.path, "a") as results:
-            results.write(json.dumps({"nodeid": report.nodeid, "outcome": report.outcome,
+            results.write(json.dumps({"nodeid": report.nodeid, "when": report.when,
+                                      "outcome": report.outcome, "duration": report.duration,
                                       "text": text}) + "\n")
 
 
@@ -211,6 +292,10 @@ def _minimum() -> int:
 
 
 def _where(config) -> str:
+    child = config.stash.get(_CHILD, None)
+    if child is not None and child.ran_s is not None:
+        return (f"simulated device, in a child process: it ran {child.ran_s:.0f} s beside the CPU "
+                f"tests, then the parent waited {child.waited_s:.0f} s for it")
     if config.stash.get(_DELEGATED, None) is not None:
         return "simulated device, in a child process"
     if config.getoption("--accelerator") == "sim":

@@ -37,9 +37,22 @@ def pytest_collection_modifyitems(config, items):
     _accelerator.modify_items(config, items)
 
 
+def pytest_collection_finish(session):
+    _accelerator.start_child(session)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     return True if _accelerator.run_delegated(pyfuncitem) else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    duration = _accelerator.child_duration(item) if call.when == "call" else None
+    if duration is not None:
+        report.duration = duration
+    return report
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -47,6 +60,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _accelerator.stop_child(session)
     if _accelerator.too_few(session.config) and exitstatus == 0:
         session.exitstatus = 1
 
