@@ -240,13 +240,13 @@ class Residency:
             self.state = ResidencyState.OFFLOADED
             raise
 
-    def _finish_load(self) -> int:
+    def _finish_load(self, *, replaced: list[int] | None = None) -> int:
         """Order compute after the copy and re-point the tensors to device storage."""
         self._require(ResidencyState.LOADING, "finish loading")
         pending = self._pending
         try:
             if pending.watched_versions is not None:
-                pending = self._recopy_edited(pending)
+                pending = self._recopy_edited(pending, replaced)
             completion = pending.completion
             completion.wait()
             if self._detector is not None:  # ordered after the copy by completion.wait()
@@ -279,12 +279,13 @@ class Residency:
         self._copy_in_replaced()
         self._pending, self.state = None, ResidencyState.OFFLOADED
 
-    def _recopy_edited(self, pending: _PendingLoad) -> _PendingLoad:
+    def _recopy_edited(self, pending: _PendingLoad,
+                       replaced: list[int] | None = None) -> _PendingLoad:
         """After a prefetch: copy again every tensor edited on the host since the copy began.
 
         The second copy's end becomes the pending load's end, so a cancel waits for it too.
         """
-        adopted = self._copy_in_replaced()
+        adopted = self._copy_in_replaced(replaced)
         now = versions(self.inventory.tensors)
         if now == pending.watched_versions and not adopted:
             return pending

@@ -379,17 +379,19 @@ class BlockStream:
         """Issue block `index`'s copy into a slot no running block uses (if it needs one).
 
         Edits made to the block's master before it is parked (by the running block's forward)
-        are copied again then (`watch_edits`), or adopted when the tensor got new storage.
+        are copied again then (`watch_edits`), or copied in when the tensor got new storage.
+        The pointer pass is parking's, not this: parking sees every tensor given new storage
+        since the block's last eviction, before or after this copy (one pass per load).
         """
         block = self.blocks[index]
-        if block.state is not _OFFLOADED or block.pending_change() is not None:
+        if block.state is not _OFFLOADED or block.inventory.changed_structure() is not None:
             return
         slot = self._free_slot()
         if slot is None:
             return
         self._occupant[slot] = index
         try:
-            nbytes = block._begin_load(self._slots[slot], watch_edits=True)
+            nbytes = block._begin_load(self._slots[slot], watch_edits=True, replaced=[])
         except BaseException:
             self._occupant[slot] = None
             raise
@@ -401,11 +403,12 @@ class BlockStream:
         (by the running block's forward) is not parked: the copy is abandoned, and the block is
         re-packed and loaded when it is entered."""
         block = self.blocks[index]
-        if block.misfit_change() is not None:
+        replaced = block.replaced_on_host()
+        if block.misfit_change(replaced) is not None:
             self._cancel(index)
             return
         try:
-            block._finish_load()
+            block._finish_load(replaced=replaced)
         except BaseException:  # the load was cancelled: the block is back on its master
             self._vacate(index)
             raise

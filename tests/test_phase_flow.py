@@ -18,6 +18,7 @@ from torch import nn
 from residency import Scheduler
 
 from _flow import import_closure, trace
+from _interrupts import tiny_dit
 
 DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
 #: The most crossings between files one phase change may make (main at 6a25d47 made 46).
@@ -65,6 +66,32 @@ def test_a_phase_change_calls_only_downward_in_few_hops():
 def test_design_md_lists_the_phase_change_as_traced():
     _, change = _phase_change()
     assert trace(change).listing() == _documented("module-mode phase change")
+
+
+def _streamed_block():
+    """A layer-mode group mid-step: block 0 ran, so block 1's copy is under way; calling block
+    1 parks it, prefetches block 2, runs, and evicts it (detection on)."""
+    scheduler = Scheduler("cpu")
+    dit = tiny_dit(0, depth=4)
+    scheduler.add("dit", dit, layers=True)
+    x = torch.randn(2, 8)
+    phase = scheduler.resident("dit")
+    phase.__enter__()
+    with torch.no_grad():
+        dit(x), dit(x)  # warm: both slots allocated, every view made
+        hidden = dit.blocks[0](dit.proj_in(x))
+    return scheduler, phase, lambda: dit.blocks[1](hidden)
+
+
+def test_a_streamed_block_calls_only_downward():
+    scheduler, phase, call = _streamed_block()
+    with torch.no_grad():
+        flow = trace(call)
+    phase.__exit__(None, None, None)
+    kinds = [r.kind for r in scheduler.block_records][-3:]
+    assert kinds == ["prefetch", "compute", "evict"], kinds
+    assert flow.calls_up(import_closure()) == []
+    assert flow.listing() == _documented("streamed block")
 
 
 def test_the_tracer_counts_a_callback_as_a_call_up():
