@@ -1,6 +1,6 @@
 """Change detection by per-chunk digests (`residency.engine.digests`): what the eviction-time check costs.
 
-"check" times ``ChangeDetector.changed_chunks`` on an unchanged buffer of the headline size
+"check" times ``ChangeDetector.changed_windows`` on an unchanged buffer of the headline size
 (400 MiB; 1 MiB at the tiny scale): digesting every chunk on the device, comparing with the
 digests taken at load, and reading the flags on the host.  That is the whole cost detection adds
 to evicting an unchanged group, and it must stay well under the copy it saves.  "remember" times
@@ -37,7 +37,7 @@ def test_change_detection(benchmark, scale, device, step):
     found: list[list[tuple[int, int]]] = []
 
     def check():
-        found.append(detector.changed_chunks(buffer))  # reads the flags: waits for the device
+        found.append(detector.changed_windows(buffer))  # reads the flags: waits for the device
 
     def remember():
         detector.remember(buffer)
@@ -49,5 +49,5 @@ def test_change_detection(benchmark, scale, device, step):
     assert all(ranges == [] for ranges in found), "an unchanged buffer was reported as changed"
     layout = detector.layout
     record(benchmark, case=f"change_{step}", nbytes=buffer.numel(), floor_s=floor.median(),
-           goal=CHANGE_CHECK if step == "check" else None, chunk_nbytes=layout.chunk_nbytes,
-           digest_nbytes=layout.chunk_count(buffer.numel()) * layout.digest_words * 8)
+           goal=CHANGE_CHECK if step == "check" else None, window_nbytes=layout.window_nbytes,
+           digest_nbytes=layout.window_count(buffer.numel()) * layout.digest_words * 8)
