@@ -75,7 +75,7 @@ from benchmarks.models import ManyModules, Stack
 from benchmarks.peers import OFFLOADERS, install, unavailable
 from benchmarks.scale import GiB, KiB, MiB
 from residency import Scheduler
-from residency.tensors import DEFAULT_CHUNK_NBYTES
+from residency.engine.tensors import DEFAULT_CHUNK_NBYTES
 
 __all__ = ["CheckSizes", "main"]
 

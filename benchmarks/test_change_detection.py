@@ -1,4 +1,4 @@
-"""Change detection by per-chunk digests (`residency.digests`): what the eviction-time check costs.
+"""Change detection by per-chunk digests (`residency.engine.digests`): what the eviction-time check costs.
 
 "check" times ``ChangeDetector.changed_windows`` on an unchanged buffer of the headline size
 (400 MiB; 1 MiB at the tiny scale): digesting every chunk on the device, comparing with the
@@ -16,7 +16,7 @@ import torch
 from benchmarks.figures import record
 from benchmarks.floor import CopyFloor, FloorSamples, synchronize
 from benchmarks.goals import CHANGE_CHECK
-from residency.digests import ChangeDetector
+from residency.engine.digests import ChangeDetector
 
 #: 0x9E3779B97F4A7C15 as an int64: its consecutive multiples differ in (nearly) every byte.
 _GOLDEN = -0x61C8864680B583EB

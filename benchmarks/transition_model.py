@@ -14,7 +14,7 @@ The ranks of a data-parallel job run the same pipeline, so the node's k GPUs ent
 together and load the incoming group of S bytes at the same time:
 
 * rank-local: every GPU copies the whole group host to device:   t = S / r
-* all-gather: every GPU copies 1/k of it (residency/sharded.py), then one all-gather over NVLink
+* all-gather: every GPU copies 1/k of it (residency/multirank/sharded.py), then one all-gather over NVLink
   assembles it on every GPU:                                     t = (S / k) / r + S (k-1) / (k B)
 
 r is one GPU's host-to-device rate while all k copy at once: min(H / u, C / k), its own PCIe link

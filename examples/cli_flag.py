@@ -15,7 +15,7 @@ from torch import nn
 
 from residency import ConfigError, NoOffload, Scheduler
 from residency.adapters.cli import add_offload_arguments, offload_config_from_args
-from residency.discovery import SupportsComponentDiscovery
+from residency import SupportsComponentDiscovery
 
 
 class TinyPipeline(SupportsComponentDiscovery, nn.Module):

@@ -13,8 +13,7 @@ import copy
 import torch
 from torch import nn
 
-from residency import NoOffload, Scheduler
-from residency.discovery import SupportsComponentDiscovery
+from residency import NoOffload, Scheduler, SupportsComponentDiscovery
 
 WIDTH = 64
 

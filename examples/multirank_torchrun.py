@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from residency import Scheduler
-from residency.synthetic import SyntheticWan22
+from residency.app.synthetic import SyntheticWan22
 
 
 def main() -> None:

@@ -15,9 +15,7 @@ import copy
 import torch
 from torch import nn
 
-from residency import Scheduler
-from residency.discovery import SupportsComponentDiscovery
-from residency.split import SplitModel
+from residency import Scheduler, SupportsComponentDiscovery, SplitModel
 
 WIDTH = 64
 

@@ -12,10 +12,10 @@
         latents = pipe.transformer(latents, embeddings)
 """
 
-from residency.blocks import BlockPlan, ModelBlocks, model_blocks, plan_blocks  # historical names
-from residency.component import Policy, Residency, ResidencyState
-from residency.config import OffloadConfig, resolve_config
-from residency.discovery import (
+from residency.engine.blocks import BlockPlan, ModelBlocks, model_blocks, plan_blocks  # historical names
+from residency.engine.component import Policy, Residency, ResidencyState
+from residency.vllm_omni.config import OffloadConfig, resolve_config
+from residency.vllm_omni.discovery import (
     ComponentGroups,
     ComponentPlan,  # historical name
     SupportsComponentDiscovery,
@@ -24,7 +24,7 @@ from residency.discovery import (
     plan_components,  # historical name
     register_groups,
 )
-from residency.errors import (
+from residency.engine.errors import (
     CollectiveError,
     ConfigError,
     DeadlockError,
@@ -37,9 +37,9 @@ from residency.errors import (
     SchedulerClosedError,
     UnknownGroupError,
 )
-from residency.no_offload import NoOffload
-from residency.omni import OmniOffloadMixin
-from residency.records import (
+from residency.engine.no_offload import NoOffload
+from residency.vllm_omni.protocol import OmniOffloadMixin
+from residency.engine.records import (
     BlockLog,
     BlockRecord,
     TransitionLog,
@@ -47,16 +47,20 @@ from residency.records import (
     chrome_trace,
     summarize,
 )
-from residency.scheduler import Phase, Scheduler
-from residency.split import SplitModel
-from residency.transport import AcceleratorTransport, Completion, CpuTransport, Transport
+from residency.engine.scheduler import Phase, Scheduler
+from residency.vllm_omni.split import SplitModel
+from residency.engine.transport import AcceleratorTransport, Completion, CpuTransport, Transport
+from residency.engine.enums import PhaseStatus
 
+# What users and pipeline authors import.  Extenders' names (transports, completions, the
+# records' classes, Residency) are listed by `residency.extend`; they stay importable from
+# here, as before.
 __all__ = [
     # the top-level API
     "Scheduler",
     "NoOffload",
-    "Residency",
     "Phase",
+    "PhaseStatus",
     "Policy",
     "ResidencyState",
     # configuration and pipelines
@@ -76,16 +80,7 @@ __all__ = [
     "plan_blocks",  # historical name of model_blocks (kept)
     "ModelBlocks",
     "BlockPlan",  # historical name, for one release
-    # transports (inject one with Scheduler(transport=...))
-    "Transport",
-    "CpuTransport",
-    "AcceleratorTransport",
-    "Completion",
     # records
-    "TransitionRecord",
-    "TransitionLog",
-    "BlockRecord",
-    "BlockLog",
     "summarize",
     "chrome_trace",
     # errors

@@ -11,8 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def import_benchmarks(*names: str) -> tuple[ModuleType, ...]:
-    """``benchmarks.<name>`` for each name, imported with the root on ``sys.path`` only meanwhile
-    (the root also holds ``adapters/``, a name other packages use)."""
+    """``benchmarks.<name>`` for each name, imported with the root on ``sys.path`` only meanwhile."""
     added = str(ROOT) not in sys.path
     if added:
         sys.path.insert(0, str(ROOT))

@@ -22,7 +22,7 @@ import attrs
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The package's source folders, and the dotted name each stands for.
-_PACKAGES = {ROOT / "residency": "residency", ROOT / "adapters": "residency.adapters"}
+_PACKAGES = {ROOT / "residency": "residency"}
 
 
 def module_of(filename: str) -> str | None:
@@ -68,11 +68,11 @@ def _short(where: tuple[str, str]) -> str:
     return f"{module.removeprefix('residency.')}.{function}"
 
 
-#: Functions that only run a function they are handed, under a lock or a context (residency.locks):
-#: a call through one is counted as a call from its caller.
-_RUNNERS = {("residency.locks", "locked"), ("residency.locks", "in_context")}
+#: Functions that only run a function they are handed, under a lock or a context
+#: (residency.engine.locks): a call through one is counted as a call from its caller.
+_RUNNERS = {("residency.engine.locks", "locked"), ("residency.engine.locks", "in_context")}
 #: Debugging aids the suite switches on (RESIDENCY_CHECK_LOCKS=1): not part of the path.
-_CHECKS = {("residency.locks", "check_held")}
+_CHECKS = {("residency.engine.locks", "check_held")}
 
 
 def _passes_through(frame) -> bool:

@@ -3,7 +3,7 @@
     points = sweep(build_world, operation, check, stride=1)   # count, then inject at every point
 
 `Interrupter` is a ``sys.settrace`` function that counts the line events of code in the package's
-own files (``residency/`` and ``adapters/``) and raises `KeyboardInterrupt` from the trace
+own files (``residency/``) and raises `KeyboardInterrupt` from the trace
 callback at the k-th one - exactly what no SIGINT deferral could hold back.  CPython unsets a
 trace function that raised, so each run is interrupted once.  `sweep` first counts the points of
 an operation on a fresh world, then, for every point (or every `stride`-th), repeats the operation
@@ -27,8 +27,8 @@ from torch import nn
 
 import residency
 import residency.adapters
-from residency.enums import ResidencyState
-from residency.registry import owned_modules, owner_of
+from residency.engine.enums import ResidencyState
+from residency.engine.registry import owned_modules, owner_of
 
 OFFLOADED, LOADING, RESIDENT = (
     ResidencyState.OFFLOADED, ResidencyState.LOADING, ResidencyState.RESIDENT,
@@ -155,7 +155,7 @@ def consistent(scheduler) -> list[str]:
     """Every disagreement between the owners' states (empty when they agree); no phase may be
     open and no thread waiting.  Reads holds, registry, placement, each group, each stream,
     after closing abandoned phases as any call does (an interrupt at the first line of a
-    ``Phase.__exit__`` leaves one; see [Note: interrupts] in residency/scheduler.py)."""
+    ``Phase.__exit__`` leaves one; see [Note: interrupts] in residency/engine/scheduler.py)."""
     problems: list[str] = []
     with scheduler._lock:
         registry, placement, holds = scheduler._registry, scheduler._placement, scheduler._holds

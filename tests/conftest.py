@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-# The debug check that every owner mutator runs under the scheduler lock (residency.locks) is read
+# The debug check that every owner mutator runs under the scheduler lock (residency.engine.locks) is read
 # once, at import: set it before anything imports residency.
 os.environ.setdefault("RESIDENCY_CHECK_LOCKS", "1")
 
@@ -17,7 +17,7 @@ from torch import nn
 
 import _accelerator
 from residency import Scheduler
-from residency.transport import CpuTransport
+from residency.engine.transport import CpuTransport
 
 
 def pytest_addoption(parser):

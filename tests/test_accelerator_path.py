@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from residency import Scheduler, ResidencyState
-from residency.memory import _Progress
+from residency.engine.memory import _Progress
 
 from _accelerator import device as accelerator_device, is_simulated, no_host_synchronisation
 from conftest import CountingTransport, make_block, run_block, twin
@@ -223,7 +223,7 @@ def test_steady_state_makes_no_host_synchronisation():
 @pytest.mark.gpu
 def test_with_edit_detection_re_entry_never_syncs_and_a_transition_reads_one_flag_tensor():
     """The denoising loop (re-entering the resident group) does no host sync; an eviction reads
-    the changed-window flags once ([Note: streams and the one host wait] in residency/digests.py)."""
+    the changed-window flags once ([Note: streams and the one host wait] in residency/engine/digests.py)."""
     device = _device()
     scheduler, a, b = _two_big_groups(device, depth=4)
     x = torch.randn(8, 1024, device=device)

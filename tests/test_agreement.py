@@ -1,4 +1,4 @@
-"""Rank agreement (residency.agreement) with real processes and gloo on the CPU.
+"""Rank agreement (residency.multirank.agreement) with real processes and gloo on the CPU.
 
 Each world (tests/_dist.py) runs several scenarios in turn on one group: every agreement either
 succeeds on every rank or raises on every rank with the same message, so the group stays usable
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from residency.agreement import (
+from residency.multirank.agreement import (
     PhaseLedger,
     TensorDifference,
     TensorLayout,
@@ -28,8 +28,8 @@ from residency.agreement import (
     describe_tensors,
     digest_ranges,
 )
-from residency.digests import ChangeDetector, DigestLayout
-from residency.errors import CollectiveError, ConfigError, RegistrationError
+from residency.engine.digests import ChangeDetector, DigestLayout
+from residency.engine.errors import CollectiveError, ConfigError, RegistrationError
 
 from _dist import run_world
 
@@ -398,7 +398,7 @@ def test_agreement_refuses_anything_but_a_gloo_group(ledger_world):
     for outcome in _scenario(ledger_world, "not_a_group"):
         assert outcome["raised"] == "ConfigError", outcome
         assert "rank agreement runs on a gloo process group" in outcome["message"]
-        assert "Pass residency.node.node_view().group or torch.distributed.new_group(" in (
+        assert "Pass residency.multirank.node.node_view().group or torch.distributed.new_group(" in (
             outcome["message"])
 
 

@@ -3,7 +3,7 @@
 A config that all-gathers a component (``module_options``, or ``layer_options`` in layer mode) makes
 every load of it a collective, so a diffusers cache, which decides on each rank alone what to skip,
 is refused by `enable_offload` up front, naming the cache, the component and the config field
-([Note: caches and all-gather] in adapters/diffusers.py); enabled after offloading, it is refused
+([Note: caches and all-gather] in residency/adapters/diffusers.py); enabled after offloading, it is refused
 at the next phase change on every rank that enabled it.  A skip nothing can see ends in the
 scheduler's `CollectiveError` on every rank, never a hang: 2 gloo ranks, one of which skips a phase.
 Tiny real diffusers pipelines built in code (tests/_tiny_pipelines.py); no downloads.
@@ -36,7 +36,7 @@ from residency.adapters.diffusers import (
     enable_offload,
     offload_scheduler,
 )
-from residency.errors import ConfigError
+from residency.engine.errors import ConfigError
 
 DIT_ALLGATHER = {"mode": "module", "components": ["dit", "text_encoder"],
                  "module_options": {"dit": {"weight_transfer": "allgather"}}}

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from residency.adapters.cli import add_offload_arguments, offload_config_from_args
-from residency.config import OffloadConfig
+from residency.vllm_omni.config import OffloadConfig
 
 
 def _parse(argv):

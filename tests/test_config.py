@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from residency.config import (
+from residency.vllm_omni.config import (
     COMPONENTS,
     WEIGHT_TRANSFERS,
     LayerOptions,
@@ -15,7 +15,7 @@ from residency.config import (
     OffloadConfig,
     resolve_config,
 )
-from residency.errors import ConfigError, ResidencyError
+from residency.engine.errors import ConfigError, ResidencyError
 
 
 def test_config_error_is_a_residency_error_and_a_value_error():

@@ -27,13 +27,13 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from residency.config import (
+from residency.vllm_omni.config import (
     EXTENSION_FIELDS,
     LEGACY_COMPONENTS,
     WEIGHT_TRANSFERS,
     resolve_config,
 )
-from residency.errors import ConfigError
+from residency.engine.errors import ConfigError
 
 from _vllm_omni import vllm_omni_config, wheel_source
 

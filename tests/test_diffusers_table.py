@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("diffusers")
 
-from residency.adapters.diffusers_table import TESTED, pipeline_classes, table
+from residency.app.diffusers_table import TESTED, pipeline_classes, table
 
 DOC = pathlib.Path(__file__).parent.parent / "docs" / "diffusers.md"
 BEGIN, END = "<!-- begin generated table -->\n", "<!-- end generated table -->"
@@ -18,7 +18,7 @@ def test_the_committed_table_is_the_generated_one():
     text = DOC.read_text()
     committed = text[text.index(BEGIN) + len(BEGIN):text.index(END)]
     assert committed == table(), (
-        "docs/diffusers.md's table is stale: run python -m residency.adapters.diffusers_table "
+        "docs/diffusers.md's table is stale: run python -m residency.app.diffusers_table "
         "and paste its output between the markers"
     )
 

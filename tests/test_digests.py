@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from residency.digests import ChangeDetector, DigestLayout, window_digests
+from residency.engine.digests import ChangeDetector, DigestLayout, window_digests
 
 from _accelerator import device as accelerator_device
 
@@ -187,7 +187,7 @@ def test_swapping_x_and_minus_x_is_detected():
 
 def test_one_window_per_call_and_all_windows_per_call_give_the_same_digests(monkeypatch):
     """The CPU path (one window per pair of sums) and the accelerator path (all windows at once)."""
-    import residency.digests as digests
+    import residency.engine.digests as digests
 
     buffer = random_bytes(256 * 7 + 100)
     per_window = window_digests(buffer, SMALL)

@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 from residency import NoOffload, Scheduler
-from residency.config import OffloadConfig
-from residency.discovery import (
+from residency.vllm_omni.config import OffloadConfig
+from residency.vllm_omni.discovery import (
     ComponentGroups,
     SupportsComponentDiscovery,
     register_groups,
     group_components,
 )
-from residency.errors import ConfigError, RegistrationError, UnknownGroupError
+from residency.engine.errors import ConfigError, RegistrationError, UnknownGroupError
 
 from _helpers import on_device, on_host_master
 from conftest import make_block, run_block

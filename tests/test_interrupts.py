@@ -25,7 +25,7 @@ import torch
 from residency import Scheduler
 from residency.adapters.diffusers import disable_offload, enable_offload, offload_scheduler
 
-from residency.layers import _BlockForward
+from residency.engine.layers import _BlockForward
 
 from _interrupts import (
     assert_consistent,

@@ -29,10 +29,10 @@ from torch import nn
 pytest.importorskip("diffusers")
 
 from residency import Scheduler  # noqa: E402
-from residency.blocks import model_blocks  # noqa: E402
-from residency.enums import ResidencyState  # noqa: E402
-from residency.errors import ConfigError, PhaseError, RegistrationError  # noqa: E402
-from residency.layers import _BlockForward  # noqa: E402
+from residency.engine.blocks import model_blocks  # noqa: E402
+from residency.engine.enums import ResidencyState  # noqa: E402
+from residency.engine.errors import ConfigError, PhaseError, RegistrationError  # noqa: E402
+from residency.engine.layers import _BlockForward  # noqa: E402
 
 from _helpers import in_a_slot, same_state, swap_away  # noqa: E402
 from conftest import CountingTransport  # noqa: E402
@@ -1369,7 +1369,7 @@ def test_a_model_whose_weights_are_all_in_its_blocks_streams(schedulers):
 
 
 def layered_synthetic_size():
-    from residency.synthetic import SIZES
+    from residency.app.synthetic import SIZES
 
     return attrs.evolve(SIZES["tiny"], name="tiny-layered", layers=3, text_layers=2)
 
@@ -1377,7 +1377,7 @@ def layered_synthetic_size():
 @pytest.mark.parametrize("components", [["dit"], ["dit", "text_encoder"]],
                          ids=["dit", "dit+text_encoder"])
 def test_from_pipeline_runs_layer_mode_bit_identically(components):
-    from residency.synthetic import SyntheticWan22
+    from residency.app.synthetic import SyntheticWan22
 
     size = layered_synthetic_size()
     plain, pipe = SyntheticWan22.build(size), SyntheticWan22.build(size)
@@ -1477,7 +1477,7 @@ def test_the_main_job_runs_layer_mode_bit_identically():
 
 def test_the_synthetic_tiny_pipeline_streams_its_one_block_experts_bit_identically():
     """The tiny size has one block per expert: each occupies one slot, and the outputs match."""
-    from residency.synthetic import SyntheticWan22
+    from residency.app.synthetic import SyntheticWan22
 
     plain, pipe = SyntheticWan22.build("tiny"), SyntheticWan22.build("tiny")
     scheduler = Scheduler.from_pipeline(pipe, {"mode": "layer", "components": ["dit"]},

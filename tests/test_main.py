@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from residency import Scheduler
-from residency.__main__ import build_parser, main
-from residency.records import TransitionRecord
-from residency.synthetic import SIZES, SyntheticWan22
-from residency.timeline import (
+from residency.app.main import build_parser, main
+from residency.engine.records import TransitionRecord
+from residency.app.synthetic import SIZES, SyntheticWan22
+from residency.app.timeline import (
     MIN_FLOOR_BYTES,
     MIN_FLOOR_SECONDS,
     NOT_MEANINGFUL,
@@ -192,7 +192,7 @@ def test_the_console_script_runs_main(capsys):
     scripts = entry_points(group="console_scripts", name="residency")
     if not scripts:
         pytest.skip("the package is not installed with its console script")
-    assert [s.value for s in scripts] == ["residency.__main__:main"]
+    assert [s.value for s in scripts] == ["residency.app.main:main"]
     with pytest.raises(SystemExit) as exit_info:
         next(iter(scripts)).load()(["--help"])
     assert exit_info.value.code == 0

@@ -1,7 +1,7 @@
 """A rank SIGKILLed at any point of a group's registration leaves no segment, and the others raise.
 
 ``tests/test_shared_memory.py`` kills ranks inside `share_segment` called on its own.  Here the
-segment is made where a job makes it, deep inside ``Scheduler.add`` (`residency.packing`): three
+segment is made where a job makes it, deep inside ``Scheduler.add`` (`residency.engine.packing`): three
 gloo ranks (tests/_dist.py) build ``Scheduler("cpu", process_group=...)`` and add the same model
 with ``weight_transfer="allgather"`` (a node-shared master), and one rank kills itself with SIGKILL
 at one point: while the ranks compare their weights (before any segment is named), at each
@@ -9,8 +9,8 @@ at one point: while the ranks compare their weights (before any segment is named
 all, not yet unlinked; unlinked), or after registration, before its first all-gathered load.
 
 The stages are watched with a profiler on the rank's own process (``sys.setprofile``), which sees
-the calls of `residency.shared_memory._at_stage`, the no-op every stage calls ([Note: watching
-the stages from outside] in residency/shared_memory.py); nothing is patched.
+the calls of `residency.multirank.shared_memory._at_stage`, the no-op every stage calls ([Note: watching
+the stages from outside] in residency/multirank/shared_memory.py); nothing is patched.
 
 Checked: the victim reports nothing; every survivor raises within seconds (gloo reports the closed
 connection at once; the node group's own timeout is minutes), and the segment whose name the ranks
@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch import nn
 
-from residency import agreement, shared_memory
+from residency.multirank import agreement, shared_memory
 
 from _dist import run_world
 

@@ -1,4 +1,4 @@
-"""The node-local view (residency.node) with real processes and gloo: one host, two simulated hosts,
+"""The node-local view (residency.multirank.node) with real processes and gloo: one host, two simulated hosts,
 the node key's precedence, and the refusals (each on every rank at once, never a hang)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import pytest
 import torch.distributed as dist
 
-from residency.errors import ConfigError
-from residency.node import NodeView, node_view, resolve_node_key
+from residency.engine.errors import ConfigError
+from residency.multirank.node import NodeView, node_view, resolve_node_key
 
 from _dist import run_world
 

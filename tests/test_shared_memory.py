@@ -1,4 +1,4 @@
-"""Node-shared segments (residency.shared_memory) with real processes and gloo on the CPU.
+"""Node-shared segments (residency.multirank.shared_memory) with real processes and gloo on the CPU.
 
 Each test runs a small world (tests/_dist.py): one segment per node, the same bytes on every rank,
 owner-only and unguessably named, gone from /dev/shm once set up, refused when sizes differ, and no
@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from residency.errors import RegistrationError
-from residency.node import node_view
-from residency.shared_memory import SHM_DIRECTORY, SegmentStage, share_segment
+from residency.engine.errors import RegistrationError
+from residency.multirank.node import node_view
+from residency.multirank.shared_memory import SHM_DIRECTORY, SegmentStage, share_segment
 
 from _accelerator import require_cuda
 from _dist import pss_kib, run_world
@@ -204,7 +204,7 @@ def test_a_missing_shared_memory_directory_is_refused_on_every_rank(tmp_path):
 
 
 def test_share_segment_needs_a_gloo_node_group():
-    with pytest.raises(RegistrationError, match=r"Pass residency\.node\.node_view\(\)\.group"):
+    with pytest.raises(RegistrationError, match=r"Pass residency\.multirank\.node\.node_view\(\)\.group"):
         share_segment(4096, None)
 
 

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from residency import NoOffload, Scheduler
-from residency.component import Policy
-from residency.config import OffloadConfig
-from residency.discovery import SupportsComponentDiscovery, register_groups, group_components
-from residency.errors import ConfigError, RegistrationError
-from residency.split import SplitModel, split_parts
+from residency.engine.component import Policy
+from residency.vllm_omni.config import OffloadConfig
+from residency.vllm_omni.discovery import SupportsComponentDiscovery, register_groups, group_components
+from residency.engine.errors import ConfigError, RegistrationError
+from residency.vllm_omni.split import SplitModel, split_parts
 
 from _helpers import on_device, on_host_master
 from conftest import make_block, run_block

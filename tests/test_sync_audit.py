@@ -1,8 +1,7 @@
 """The synchronisation audit (issue 19): every ordering point of the library, and a test that fails
 when that one point is removed.
 
-docs/design.md, "Synchronisation audit", is the table: each ordering call in residency/ and
-adapters/ (file, enclosing function, call) -> the test below that catches its removal, or why
+docs/design.md, "Synchronisation audit", is the table: each ordering call in residency/ (file, enclosing function, call) -> the test below that catches its removal, or why
 none can.  `test_every_ordering_call_has_a_row` reads the package's source and keeps the table
 whole.
 
@@ -45,9 +44,9 @@ import torch
 from torch import nn
 
 from residency import Scheduler
-from residency.digests import ChangeDetector
-from residency.memory import DeviceStorage
-from residency.transport import AcceleratorTransport, Completion, Transport
+from residency.engine.digests import ChangeDetector
+from residency.engine.memory import DeviceStorage
+from residency.engine.transport import AcceleratorTransport, Completion, Transport
 
 import simdevice
 from _accelerator import device as accelerator_device, is_simulated
@@ -453,7 +452,7 @@ def _exclusive_buffer_nbytes(g: Groups) -> int:
 def test_a_new_buffer_waits_for_compute_queued_before_it(device):
     """transport.py:AcceleratorTransport.allocate_device -> current_stream().record_event()."""
     audit(lambda point: allocate_over_freed_memory(device, point),
-          # DeviceStorage.prepare allocates through `in_context` (one line: see residency.locks),
+          # DeviceStorage.prepare allocates through `in_context` (one line: see residency.engine.locks),
           # the only caller of allocate_device there is.
           lambda patch: remove_call(patch, AcceleratorTransport, "allocate_device", "in_context",
                                     instead=Transport.allocate_device))
@@ -536,7 +535,7 @@ def test_a_write_back_waits_for_the_compute_that_edited(device):
 def _flags_read_without_waiting(self, buffer_bytes):
     """changed_windows as it would be if its read did not wait: the flags copied into host memory
     without a host wait, and read at once."""
-    from residency.digests import _merged_ranges
+    from residency.engine.digests import _merged_ranges
 
     flags = self.changed_flags(buffer_bytes)
     on_host = torch.zeros(flags.shape, dtype=torch.bool, pin_memory=True)
@@ -621,7 +620,7 @@ _ROW = re.compile(r"^\|\s*`(?P<file>[\w/]+\.py):(?P<function>[\w.]+)`\s*\|\s*`(?
 def ordering_calls() -> dict[tuple[str, str, str], int]:
     """(file, enclosing Class.function, call name) -> first line, for every ordering call."""
     found: dict[tuple[str, str, str], int] = {}
-    for path in sorted([*ROOT.glob("residency/*.py"), *ROOT.glob("adapters/*.py")]):
+    for path in sorted(ROOT.glob("residency/**/*.py")):
         relative = path.relative_to(ROOT).as_posix()
         _visit(ast.parse(path.read_text(), relative), relative, [], found)
     return found
@@ -684,7 +683,7 @@ def test_every_test_the_table_names_exists():
 def _flags_without_waiting(pairs):
     """component._same_bytes as it would be if its read did not wait for the comparison: the
     host sees what the flag memory held before (here an earlier answer, "same")."""
-    from residency.component import _as_bytes
+    from residency.engine.component import _as_bytes
 
     flags = torch.stack([(_as_bytes(a) == _as_bytes(b)).all() for a, b in pairs])
     on_host = torch.ones(flags.shape, dtype=torch.bool, pin_memory=True)
@@ -695,7 +694,7 @@ def _flags_without_waiting(pairs):
 @pytest.mark.gpu
 def test_a_replaced_tensor_is_compared_after_it_was_made(device):
     """component.py:_same_bytes -> .tolist() (an implicit host wait)."""
-    from residency import component
+    from residency.engine import component
 
     def scenario(point):
         with groups(device, detect_edits=False) as g:

@@ -1,0 +1,205 @@
+"""Admission: how a group comes to be registered, and how it leaves (``add``, ``refresh``,
+``remove``, ``close``).
+
+    admission.register("dit", (transformer,), Policy.EXCLUSIVE, excluded=(), category="dit",
+                       detect_edits=True, plans=(), sharded=None)
+    admission.remove(group, "remove")
+
+A registration claims the name, modules and tensors under the lock, packs the host master outside
+it (see [Note: packing outside the lock]), then enrolls the group with the registry and gives it
+its place with the placement; whatever step an exception (an interrupt included) stops at is
+undone.  A removal evicts and forgets a group, refused while a phase of it is active.  The
+facade checks the arguments and takes the lock; this file asks the registry, the packer, the
+placement and the holds, and calls nothing above them.  It holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterable
+
+from residency.engine.adoption import Adoption, why_shared
+from residency.engine.component import Residency
+from residency.engine.errors import PhaseError, RegistrationError, SchedulerClosedError
+from residency.engine.holds import Holds
+from residency.engine.layers import build_stream, restream, streamed_modules
+from residency.engine.locks import locked
+from residency.engine.packing import Packer
+from residency.engine.placement import Placement
+from residency.engine.records import BlockLog
+from residency.engine.registry import Claim, Registry
+from residency.multirank.sharded import ShardedLoad
+from residency.engine.transport import Transport
+
+__all__ = ["Admission", "check_open", "sharded_load"]
+
+
+class Admission:
+    """Registers and removes the groups of one scheduler (see the module docstring)."""
+
+    def __init__(self, lock: threading.RLock, *, registry: Registry, packer: Packer,
+                 placement: Placement, holds: Holds, adoption: Adoption, transport: Transport,
+                 block_records: BlockLog) -> None:
+        self._lock = lock
+        self._adoption = adoption
+        self._registry = registry
+        self._packer = packer
+        self._placement = placement
+        self._holds = holds
+        self._transport = transport
+        self._block_records = block_records
+
+    def refresh(self, name: str) -> Residency:
+        """Withdraw group `name` and register its modules again as they are now (see
+        `Scheduler.refresh`); an interrupted refresh is rolled forward once."""
+        old, plans, excluded, aliases = locked(self._lock, self._plan_refresh, name)
+        try:
+            return self._refresh(old, plans, excluded, aliases)
+        except BaseException:  # rolled forward once (see [Note: interrupts] in residency.engine.scheduler)
+            if name not in self._registry:
+                self._refresh(old, plans, excluded, aliases)
+            raise
+
+    def register(self, name, roots, policy, excluded, category, detect_edits, plans, sharded,
+                  aliases=()) -> Residency:
+        """Claim, pack and enroll a group (`add`, `refresh`); on any exception, whatever step it
+        reached is undone (see [Note: interrupts] in `residency.engine.scheduler`)."""
+        blocks = tuple(self._packer.inventory((m,), ()) for m in streamed_modules(plans))
+        inventory = self._packer.inventory(roots, excluded, allow_empty=bool(blocks))
+        claim, group = Claim(name, policy, inventory, blocks, sharded), None
+        try:
+            locked(self._lock, self._reserve, claim)
+            group = self._pack_claimed(claim, roots, excluded, category, detect_edits, plans)
+            return locked(self._lock, self._enroll, group, claim, aliases)
+        except BaseException:
+            locked(self._lock, self._abandon, claim, group)
+            raise
+
+    def _reserve(self, claim: Claim) -> None:
+        """Check a claim against everything registered and reserve it."""
+        check_open(self._holds.closed)
+        self._registry.check_claimable(claim)
+        self._placement.check_budget(
+            claim.name, self._registry.needs(claim.name, claim.policy, claim.device_need))
+        self._registry.claim(claim)
+
+    def _abandon(self, claim: Claim, group: Residency | None) -> None:
+        """Undo a registration that did not complete: its claim, the wrappers of its stream."""
+        self._registry.release_claim(claim)
+        if group is not None and group.blocks is not None and group not in list(self._registry):
+            group.blocks.close()
+
+    def _pack_claimed(
+        self, claim, roots, excluded, category, detect_edits, plans
+    ) -> Residency:
+        """Pack a claimed group outside the lock (see [Note: packing outside the lock])."""
+        # [Note: packing outside the lock] Building a master of many GiB takes seconds; phases of
+        # other threads must not wait for it.  The claim keeps the name, modules and tensors
+        # from being registered twice meanwhile.
+        sharded = claim.sharded
+        pack = functools.partial(self._packer.pack, require_shared=why_shared(sharded))
+        group = Residency(
+            claim.name, roots, claim.policy, claim.inventory, pack(claim.name, claim.inventory),
+            self._transport, excluded=excluded, category=category, detect_edits=detect_edits,
+            sharded=sharded,
+        )
+        try:
+            if plans:
+                group.blocks = build_stream(
+                    group, plans, claim.blocks, pack=pack, slots=self._placement.block_slots,
+                    lock=self._lock, log=self._block_records,
+                    adopt=functools.partial(self._adoption.adopt, group),
+                )
+            return group
+        except BaseException:
+            if group.blocks is not None:
+                group.blocks.close()
+            raise
+
+    def _enroll(self, group: Residency, claim: Claim, aliases: Iterable[str]) -> Residency:
+        """Register a packed group and give it its place (an always-resident one loads now);
+        undone on any exception."""
+        check_open(self._holds.closed)
+        try:
+            self._registry.enroll(group, aliases)
+            self._placement.admit(group)
+            return group
+        except BaseException:
+            self._placement.withdraw(group, evict=True)
+            self._registry.unregister(group)
+            raise
+
+    def check_not_in_a_phase(self, group: Residency, action: str) -> None:
+        self._holds.collect_abandoned()
+        if self._holds.involves(group):
+            raise PhaseError(
+                f"cannot {action} group {group.name!r} while a phase of it is active "
+                "(possibly suspended by a nested phase); call it between phases"
+            )
+
+    def check_no_holders(self, action: str) -> None:
+        self._holds.collect_abandoned()
+        if self._holds.has_holders():
+            raise PhaseError(
+                f"cannot {action} while a phase is active; "
+                f"{self._holds.describe_holders(self._placement.current)}. Call it between phases"
+            )
+
+
+    def _plan_refresh(self, name: str) -> tuple:
+        old = self._registry.lookup(name)  # a phase of it refuses the refresh in `remove`
+        return (old, *restream(old), self._registry.aliases_of(old))
+
+    def _refresh(self, old: Residency, plans, excluded, aliases) -> Residency:
+        """Withdraw `old` (its edits written back, its tensors on its host master), then register
+        its modules again as they are.  Repeatable: each step reads where the last one ended."""
+        locked(self._lock, self.remove, old, "refresh")
+        return self.register(old.name, old.modules, old.policy, excluded, old.category,
+                              old.detect_edits, plans, old.sharded, aliases)
+
+    def remove(self, group: Residency | str, action: str) -> Residency:
+        """Evict `group` (or the group named so) and forget it; refused while a phase of it is
+        active, or when its eviction is refused (then nothing changed).  Completes an
+        interrupted removal."""
+        group = self._registry.lookup(group) if isinstance(group, str) else group
+        if self._registry.get(group.name) is not group:
+            return group  # removed already (an interrupted refresh's second try)
+        self.check_not_in_a_phase(group, action)
+        try:
+            self._placement.withdraw(group, evict=True)
+            self._registry.unregister(group)
+        except BaseException:  # rolled forward unless the eviction was refused
+            if not group.is_resident or group.exclusive and self._placement.current is not group:
+                self._placement.withdraw(group, evict=False)
+                self._registry.unregister(group)
+            raise
+        return group
+
+
+def sharded_load(node, ledger, name: str, weight_transfer: object) -> ShardedLoad | None:
+    """How group `name` loads: None for ``"rank-local"``; refused without a node to share."""
+    if weight_transfer == "rank-local":
+        return None
+    if weight_transfer != "allgather":
+        raise RegistrationError(
+            f"group {name!r}: weight_transfer={weight_transfer!r}; give 'rank-local' (every "
+            "rank copies all bytes) or 'allgather' (the ranks of a node split the copy)"
+        )
+    if node is None:
+        raise RegistrationError(
+            f"group {name!r}: weight_transfer='allgather' splits the copy among the ranks of "
+            "a node, and this scheduler has none; create it with "
+            "Scheduler(process_group=...) in a job with several ranks per host"
+        )
+    return ShardedLoad(group=node.group, local_rank=node.local_rank,
+                       local_world=node.local_world_size, ledger=ledger)
+
+
+def check_open(closed: bool) -> None:
+    """Refuse a verb of a closed scheduler."""
+    if closed:
+        raise SchedulerClosedError(
+            "this scheduler was closed; its modules are back in host memory. Create a new "
+            "Scheduler and add the modules again to keep offloading"
+        )

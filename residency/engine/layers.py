@@ -1,0 +1,553 @@
+"""Layer mode: a group's blocks stream through two reused device slots while its phase runs.
+
+    scheduler.add("transformer", dit, layers=True)          # or layers=model_blocks(dit, ...)
+    with scheduler.resident("transformer") as group:
+        latents = dit(latents, context)                      # each block streams in turn
+        for block in group.layers():                         # the explicit form, same streaming
+            hidden = block(hidden)
+
+Which blocks stream is `residency.engine.blocks`'s answer (a `ModelBlocks`); this file is *how*.  A
+layer-mode group is one `Residency` for everything outside the streamed blocks (the kept blocks
+included: loaded at the phase's start, evicted at its end, as in module mode) and one small
+`Residency` per streamed block with its own host master.  `BlockStream` owns the block
+residencies and moves them through the two slots the placement lends it.
+
+[Note: what is on the device in layer mode]
+While the group is current: the outside part, then at most two streamed blocks, one per slot
+(`Placement.block_slots`, each sized for the largest block and allocated once per run of layer
+phases).  Entering block i's forward waits for its copy (or loads it on demand) and issues the
+copy of the next block in streaming order into the other slot on the copy stream, so that copy
+overlaps block i's compute; leaving block i evicts it (its slot is retired: the next copy into it
+waits for block i's compute).  The last block prefetches the first (a ring: the next denoising
+step or CFG pass starts without waiting).  No allocation per block, no host wait on the copies.
+
+[Note: keeping every edit in layer mode]
+A streamed block's tensors point at its host master whenever the block is not in a slot, so an
+edit made then, by any path, lands in the master itself.  A block in a slot is a resident group
+in the module-mode sense: its bytes are digested when loaded and again when it leaves
+(`Residency._evict`), and what changed is written back - inside its forward (a custom kernel),
+and while it waits in a slot between forwards (the first block, prefetched by the last one, is
+re-pointed to its slot when the last block ends, so an edit made between steps - a LoRA fused in
+a step-end callback - lands in the slot and is written back when it leaves).  A block's copy is
+issued when the block before it starts and parked (re-pointed to its slot) when that block ends;
+an edit block i's own forward makes to block i+1 meanwhile lands in i+1's master and is copied
+again at parking when the version counter or the data pointer shows it (a new dtype or shape
+abandons the copy: i+1 is re-packed and loaded at its entry), so the only edit i+1 runs without
+is a bytes-only one made there (through ``.data``): it is kept in the master, and i+1 runs once
+with its bytes as copied.  The cost: with
+``detect_edits`` (the default) each block's departure reads its digest, one host wait per block
+on an accelerator; ``detect_edits=False`` removes it (then only version counters and data pointers
+tell, as in module mode; docs/guarantees.md).  With a process group the blocks' masters are
+node-shared pages: an accumulating edit made to a block outside its slot is applied once per rank
+(docs/guarantees.md, "Known limit").
+
+[Note: the block wrappers]
+Models that iterate their block lists themselves (every diffusers DiT) need the streaming to
+happen at each block's call.  The core sets a per-instance ``forward`` on each streamed block (a
+`_BlockForward`, calling the forward it replaced; set, found, removed and deep-copied as every
+per-instance wrapper is: [Note: per-instance wrappers] in `residency.engine.instance_wrappers`): no
+``register_*_hook``, no class patching, only in layer mode, and removed when the group is
+removed, refreshed or the scheduler closes.  It is
+the one place the core replaces something on a user's module (docs/design.md says why).  When the
+group is not current the wrapper only calls through: the block runs on its host master, as a
+module-mode group's modules do outside their phase.  A wrapper another library dropped (one set
+below ours and removed later restores the forward it saw: diffusers' ``disable_cache``) is set
+again at the group's next phase entry (`BlockStream.rewrap`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from residency.engine.blocks import ModelBlocks, model_blocks, reread_blocks
+from residency.engine.component import Residency, slot_nbytes
+from residency.engine.enums import Policy, ResidencyState
+from residency.engine.errors import PhaseError, RegistrationError
+from residency.engine.instance_wrappers import InstanceWrapper, unreachable
+from residency.engine.locks import in_context, locked
+from residency.engine.memory import DeviceStorage, HostMaster
+from residency.engine.records import BlockLog
+from residency.engine.tensors import Inventory
+
+__all__ = ["BlockStream", "as_block_plans", "build_stream", "restream", "streamed_modules"]
+
+_OFFLOADED, _LOADING, _RESIDENT = (
+    ResidencyState.OFFLOADED, ResidencyState.LOADING, ResidencyState.RESIDENT,
+)
+
+
+def as_block_plans(
+    name: str, roots: Sequence[nn.Module], layers: object, policy: Policy
+) -> tuple[ModelBlocks, ...]:
+    """`Scheduler.add`'s ``layers=``: False -> (), True -> each root's plan, else the plans given.
+
+        as_block_plans("transformer", (dit,), True, Policy.EXCLUSIVE)   # (model_blocks(dit),)
+    """
+    if layers is False or layers is None:
+        return ()
+    if policy is not Policy.EXCLUSIVE:
+        raise RegistrationError(
+            f"group {name!r}: layers= streams the blocks of an exclusive group, and this group's "
+            "policy is 'resident' (always on the device, nothing to stream); drop layers= or "
+            "use policy='exclusive'"
+        )
+    if layers is True:
+        return tuple(model_blocks(root) for root in roots)
+    if isinstance(layers, ModelBlocks):
+        plans = (layers,)
+    elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)):
+        plans = tuple(layers)
+    else:
+        plans = (layers,)
+    inside = {id(m) for root in roots for m in root.modules()}
+    for plan in plans:
+        if not isinstance(plan, ModelBlocks):
+            raise RegistrationError(
+                f"group {name!r}: layers={layers!r}; give True (plan each module's blocks) or "
+                "ModelBlocks from residency.model_blocks(model, resident_layers=...)"
+            )
+        if id(plan.model) not in inside:
+            raise RegistrationError(
+                f"group {name!r}: the ModelBlocks for {plan.model_path!r} is of a model outside "
+                "the group's modules; plan the modules you add"
+            )
+    return plans
+
+
+def streamed_modules(plans: Sequence[ModelBlocks]) -> tuple[nn.Module, ...]:
+    """The modules of every streamed block of `plans`, in streaming order."""
+    return tuple(block.module for plan in plans for block in plan.streamed)
+
+
+def restream(group: Residency) -> tuple[tuple[ModelBlocks, ...], tuple[nn.Module, ...]]:
+    """The block plans and the excluded modules `group` is re-registered with (``refresh``):
+    each plan made again (`residency.engine.blocks.reread_blocks`), so a block replaced in its list streams in
+    its place."""
+    if group.blocks is None:
+        return (), group.excluded
+    before = {id(m) for m in streamed_modules(group.blocks.plans)}
+    plans = tuple(reread_blocks(plan) for plan in group.blocks.plans)
+    excluded = tuple(m for m in group.excluded if id(m) not in before)
+    return plans, excluded + streamed_modules(plans)
+
+
+def build_stream(
+    group: Residency,
+    plans: tuple[ModelBlocks, ...],
+    inventories: Sequence[Inventory],
+    *,
+    pack: Callable[[str, Inventory], HostMaster],
+    slots: tuple[DeviceStorage, DeviceStorage],
+    lock: threading.RLock,
+    log: BlockLog,
+    adopt: Callable[[Residency], None],
+) -> BlockStream:
+    """Pack each streamed block of `group` into its own host master (`inventories`: one per
+    streamed block, in order) and make the stream that moves them.
+
+    Each block is a `Residency` named "<model path>.<block path>", with the group's category,
+    edit detection and weight transfer (with ``"allgather"`` every block load is split among the
+    node's ranks, as the group's own part is).
+    """
+    streamed = [(plan, block) for plan in plans for block in plan.streamed]
+    blocks = []
+    for (plan, block), inventory in zip(streamed, inventories, strict=True):
+        name = f"{plan.model_path}.{block.path}"
+        master = pack(f"{group.name}[{name}]", inventory)
+        blocks.append(Residency(
+            name, (block.module,), Policy.EXCLUSIVE, inventory, master, group._transport,
+            category=group.category, detect_edits=group.detect_edits, sharded=group.sharded,
+        ))
+    return BlockStream(group.name, plans, blocks, slots, lock=lock, log=log, adopt=adopt)
+
+
+class BlockStream:
+    """The streamed blocks of one layer-mode group and their way through the two slots.
+
+        stream.start()        # the group became current: park the first block in a slot
+        stream.enter(i) ...   # by block i's wrapper, around its forward
+        stream.stop()         # the group is evicted: every block back in its master
+
+    Fields (guarded by the scheduler lock; this object is their one mutator):
+
+    * ``_occupant``: the block index each slot holds (LOADING or RESIDENT in it), or None.
+      Invariant: a block is LOADING or RESIDENT exactly when it is some slot's occupant, and its
+      ``device_storage`` (once RESIDENT) is that slot.
+    * ``_running``: the forwards inside a block now, over all threads: token -> block index (at
+      most two blocks: one per slot).  A block leaves its slot when its last forward ends.  The
+      token `enter` hands out is what `exit` takes back, once: an exit repeated after an
+      interrupt changes nothing.
+    * ``_suspended``: forwards that were inside a block when `stop` ran (a nested phase of another
+      group); `start` loads those blocks again.  Every forward is counted in exactly one of the
+      two from its `enter` to its `exit`.
+    * ``active``: whether the group is current (streaming happens) - between `start` and `stop`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        plans: tuple[ModelBlocks, ...],
+        blocks: list[Residency],
+        slots: tuple[DeviceStorage, DeviceStorage],
+        *,
+        lock: threading.RLock,
+        log: BlockLog,
+        adopt: Callable[[Residency], None],
+    ) -> None:
+        self.name = name
+        self.plans = plans
+        #: One Residency per streamed block, in streaming order.
+        self.blocks = blocks
+        self._slots = slots
+        self._lock = lock
+        self._log = log
+        self._adopt = adopt
+        self._occupant: list[int | None] = [None, None]
+        self._running: dict[object, int] = {}
+        self._suspended: dict[object, int] = {}
+        self.active = False
+        self._wrappers: list[_BlockForward] = []
+        try:
+            for index, block in enumerate(blocks):
+                self._wrappers.append(_BlockForward(self, index, block.modules[0]))
+                self._wrappers[-1].install()
+        except BaseException:  # none left behind (see [Note: interrupts] in residency.engine.scheduler)
+            for wrapper in self._wrappers:
+                wrapper.remove()
+            raise
+
+    def __repr__(self) -> str:
+        return f"<BlockStream {self.name!r}: {len(self.blocks)} blocks, active={self.active}>"
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one slot must hold: the largest streamed block's laid-out bytes (whole shards,
+        when the node's ranks all-gather each block)."""
+        sharded = self.blocks[0].sharded if self.blocks else None
+        return slot_nbytes((block.inventory for block in self.blocks), sharded)
+
+    def layers(self) -> tuple[nn.Module, ...]:
+        """Every planned block (kept and streamed), in the order the model runs them."""
+        return tuple(block.module for plan in self.plans for block in plan.blocks)
+
+    # -- the group's phase -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """The group became current: stream from now on, the first block parked in a slot.
+
+        Blocks whose forwards a nested phase of another group interrupted (`stop`) are loaded
+        again first, so they finish on their own bytes in a slot.
+        """
+        self.active = True
+        suspended, self._suspended = self._suspended, {}
+        self._running.update(suspended)
+        for index in sorted(set(suspended.values())):
+            if self.blocks[index].state is _OFFLOADED:
+                self._load_on_demand(index)
+            elif self.blocks[index].state is _LOADING:
+                self._park(index)
+        if self.blocks:
+            self._prefetch(0)
+            if self.blocks[0].state is _LOADING:
+                self._park(0)
+
+    def stop(self, *, repack: bool = True) -> int:
+        """The group leaves the device: every block back in its master; returns bytes written.
+
+        If an eviction fails (a write-back refused on a shared master), the stream stays active,
+        as the group stays resident.  Forwards still inside a block (a nested phase of another
+        group) are remembered for `start`.  A block re-typed in its slot is re-packed at once,
+        unless `repack` is False (the group is being removed: its tensors stay as the user made
+        them, as a removed module-mode group's do).
+        """
+        written = 0
+        for slot, index in enumerate(self._occupant):
+            if index is None:
+                continue
+            block = self.blocks[index]
+            if block.state is _LOADING:
+                self._cancel(index)
+            elif block.state is _RESIDENT:
+                written += self._evict(index, slot, repack=repack)
+        self.active = False
+        self._suspended.update(self._running)
+        self._running.clear()
+        return written
+
+    def settle(self, *, running: bool) -> None:
+        """After a move stopped half-way: the slots' marks follow the blocks' states, and the
+        stream runs exactly when its group is current (`running`)."""
+        self._match_slots()
+        if not running and (self.active or self._occupant != [None, None]):
+            self.stop(repack=False)
+        elif running and not self.active:
+            self.start()
+
+    def _match_slots(self) -> None:
+        """Mark each slot with the block whose state says it is there (see [Note: a slot's
+        occupant is written before a move and cleared by its failure])."""
+        for slot, index in enumerate(self._occupant):
+            if index is not None and self.blocks[index].state is _OFFLOADED:
+                self._occupant[slot] = None
+        for index, block in enumerate(self.blocks):
+            if block.state is not _OFFLOADED and index not in self._occupant:
+                storage = block.device_storage if block.is_resident else block._pending.storage
+                self._occupant[self._slots.index(storage)] = index
+
+    def rewrap(self) -> None:
+        """Set a block's forward again where another library dropped it: a wrapper set below
+        ours and removed later restores the forward it saw (diffusers' ``disable_cache``), which
+        bypasses ours.  Called at every phase entry of the group (with the lock held); it costs
+        one dictionary lookup per block while each is its block's forward, and walks the
+        ``__wrapped__`` chains of the others (`residency.engine.instance_wrappers.unreachable`)."""
+        for index in unreachable(self._wrappers):
+            wrapper = self._wrappers[index]
+            replacement = _BlockForward(self, index, wrapper.module)
+            self._wrappers[index] = replacement  # an interrupt after it: set at the next entry
+            replacement.install()
+            wrapper.remove()
+
+    def close(self) -> None:
+        """Stop, take the wrappers off the blocks and drop the slots' views of them."""
+        self.stop(repack=False)
+        self._suspended.clear()
+        for wrapper in self._wrappers:
+            wrapper.remove()
+        for slot in self._slots:
+            for block in self.blocks:
+                slot.forget(block)
+
+    # -- around one block's forward (called by its wrapper) --------------------------------------
+
+    def enter(self, index: int) -> object | None:
+        """Make block `index` resident for its forward; returns the forward's token for `exit`,
+        or None when the group is not current."""
+        return locked(self._lock, self._enter, index)
+
+    def _enter(self, index: int) -> object | None:
+        if not self.active:
+            return None
+        block, token = self.blocks[index], object()
+        try:
+            if block.state is _LOADING:
+                self._park(index)
+            if block.state is _OFFLOADED:  # not prefetched, or its copy abandoned at parking
+                self._load_on_demand(index)
+            self._running[token] = index
+            self._prefetch((index + 1) % len(self.blocks))
+            self._record(index, "compute", self._slot_of(index), 0)
+            return token
+        except BaseException:  # the forward will not run, so no exit will come
+            self._running.pop(token, None)
+            self._match_slots()
+            raise
+
+    def exit(self, token: object) -> None:
+        """The forward `token` stands for ended (normally or not): the last one out of its block
+        evicts it; a prefetched next block is parked.  A second exit of a token does nothing."""
+        locked(self._lock, self._exit, token)
+
+    def _exit(self, token: object) -> None:
+        index = self._running.pop(token, None)  # the commit: once per forward
+        if index is None:  # stopped while inside (see `stop`), or exited already
+            self._suspended.pop(token, None)
+            return
+        try:
+            slot = self._slot_of(index)
+            if index not in self._running.values() and slot is not None \
+                    and self.blocks[index].state is _RESIDENT:
+                self._evict(index, slot)
+            following = (index + 1) % len(self.blocks)
+            if self.blocks[following].state is _LOADING:
+                self._park(following)
+        except BaseException:  # the block stays in its slot, or leaves it: either is sound
+            self._match_slots()
+            raise
+
+    # -- moves -----------------------------------------------------------------------------------
+    # [Note: a slot's occupant is written before a move and cleared by its failure]
+    # A copy is issued only into a slot already marked as the block's, and a failed move (its
+    # load cancelled, its eviction refused half-way) clears the mark before the error goes on, so
+    # "a block is LOADING or RESIDENT exactly when it occupies a slot" survives any exception.
+
+    def _prefetch(self, index: int) -> None:
+        """Issue block `index`'s copy into a slot no running block uses (if it needs one).
+
+        Edits made to the block's master before it is parked (by the running block's forward)
+        are copied again then (`watch_edits`), or copied in when the tensor got new storage.
+        The pointer pass is parking's, not this: parking sees every tensor given new storage
+        since the block's last eviction, before or after this copy (one pass per load).
+        """
+        block = self.blocks[index]
+        if block.state is not _OFFLOADED or block.inventory.changed_structure() is not None:
+            return
+        slot = self._free_slot()
+        if slot is None:
+            return
+        self._occupant[slot] = index
+        try:
+            nbytes = block._begin_load(self._slots[slot], watch_edits=True, replaced=[])
+        except BaseException:
+            self._occupant[slot] = None
+            raise
+        self._record(index, "prefetch", slot, nbytes)
+
+    def _park(self, index: int) -> None:
+        """Finish block `index`'s copy: its tensors now view its slot (see [Note: keeping every
+        edit in layer mode]).  A block given another dtype or shape while its copy was under way
+        (by the running block's forward) is not parked: the copy is abandoned, and the block is
+        re-packed and loaded when it is entered."""
+        block = self.blocks[index]
+        replaced = block.replaced_on_host()
+        if block.misfit_change(replaced) is not None:
+            self._cancel(index)
+            return
+        try:
+            block._finish_load(replaced=replaced)
+        except BaseException:  # the load was cancelled: the block is back on its master
+            self._vacate(index)
+            raise
+
+    def _cancel(self, index: int) -> None:
+        """Abandon block `index`'s copy; its slot is free whether or not that succeeds."""
+        try:
+            self.blocks[index]._cancel_load()
+        finally:
+            self._vacate(index)
+
+    def _load_on_demand(self, index: int) -> None:
+        """Block `index` was not prefetched (run out of order): load it now."""
+        block = self.blocks[index]
+        self._adopt(block)
+        slot = self._free_slot()
+        if slot is None:
+            raise PhaseError(
+                f"group {self.name!r}: block {self.blocks[index].name} was called while two other "
+                f"blocks ({self._describe_running()}) were running, nested in each other's "
+                "forwards or on other threads; layer mode streams through two slots, so at most "
+                "two blocks run at once. Run the blocks one after another, or register the group "
+                "without layers="
+            )
+        self._occupant[slot] = index
+        try:
+            nbytes = block._load(self._slots[slot])
+        except BaseException:
+            self._occupant[slot] = None
+            raise
+        self._record(index, "load", slot, nbytes)
+
+    def _evict(self, index: int, slot: int, *, repack: bool = True) -> int:
+        block = self.blocks[index]
+        try:
+            written = block._evict()
+        finally:  # evicted, or refused with the block still RESIDENT (then it keeps its slot)
+            if block.state is not _RESIDENT:
+                self._occupant[slot] = None
+        self._record(index, "evict", slot, written)
+        if block.left_misfits and repack:  # re-typed in its slot: re-pack it (views its master)
+            self._adopt(block)
+        return written
+
+    def _free_slot(self) -> int | None:
+        """An empty slot, else one whose block is not running (that block is evicted, or its
+        copy cancelled); None when both hold running blocks."""
+        running = set(self._running.values())
+        candidates = [s for s, held in enumerate(self._occupant) if held not in running]
+        empty = [s for s in candidates if self._occupant[s] is None]
+        if empty:
+            return empty[0]
+        if not candidates:
+            return None
+        slot = candidates[0]
+        held = self._occupant[slot]
+        if self.blocks[held].state is _LOADING:
+            self._cancel(held)
+        else:
+            self._evict(held, slot)
+        return slot
+
+    def _vacate(self, index: int) -> None:
+        slot = self._slot_of(index)
+        if slot is not None:
+            self._occupant[slot] = None
+
+    def _slot_of(self, index: int) -> int | None:
+        return next((s for s, held in enumerate(self._occupant) if held == index), None)
+
+    def _describe_running(self) -> str:
+        return ", ".join(self.blocks[i].name for i in sorted(set(self._running.values())))
+
+    def _record(self, index: int, kind: str, slot: int, nbytes: int) -> None:
+        self._log.add(self.name, self.blocks[index].name, index, kind, slot, nbytes)
+
+
+class _BlockForward(InstanceWrapper):
+    """A streamed block's per-instance ``forward``: stream it in, run the forward it replaced,
+    stream it out (see [Note: the block wrappers]).  `attached` is the block's `BlockStream`;
+    setting, finding, removing and copying are `InstanceWrapper`'s."""
+
+    __slots__ = ("_index", "_range")
+
+    def __init__(self, stream: BlockStream, index: int, module: nn.Module) -> None:
+        super().__init__(module, "forward", stream)
+        self._index = index
+        self._range = f"residency::block {stream.name}.{stream.blocks[index].name}"
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # traced by torch.compile: see _enter
+            return self._traced_call(*args, **kwargs)
+        stream, token = self.attached, None
+        if stream is None:  # detached: removed with its group
+            return self.__wrapped__(*args, **kwargs)
+        try:  # no `finally`: see [Note: interrupts] in residency.engine.scheduler
+            token = stream.enter(self._index)
+            if token is None:
+                return self.__wrapped__(*args, **kwargs)
+            if torch.autograd.profiler._is_profiler_enabled:
+                output = in_context(record_function(self._range), self.__wrapped__, *args, **kwargs)
+            else:
+                output = self.__wrapped__(*args, **kwargs)
+            stream.exit(token)
+            return output
+        except BaseException:
+            if token is not None:
+                stream.exit(token)  # a second exit of the token does nothing
+            raise
+
+    def _traced_call(self, *args, **kwargs):
+        token = None
+        try:
+            token = self._enter()
+            if token is None:
+                return self.__wrapped__(*args, **kwargs)
+            output = self.__wrapped__(*args, **kwargs)
+            self._exit(token)
+            return output
+        except BaseException:
+            if token is not None:
+                self._exit(token)
+            raise
+
+    # [Note: the block forwards under torch.compile]
+    # Streaming moves tensors, so it runs outside any graph: torch.compile calls these two
+    # eagerly (a graph break on each side of a block's compute).  In eager mode they are not
+    # called at all - `__call__` calls the stream directly - because a disabled function costs
+    # microseconds per call, about the whole budget of a block's streaming.
+    @torch.compiler.disable
+    def _enter(self) -> object | None:
+        stream = self.attached
+        return None if stream is None else stream.enter(self._index)
+
+    @torch.compiler.disable
+    def _exit(self, token: object) -> None:
+        stream = self.attached
+        if stream is not None:  # else removed with its group meanwhile: nothing to leave
+            stream.exit(token)
+
+    def __repr__(self) -> str:
+        return f"<layer-mode forward of {self._range.split(' ', 1)[1]}>"

@@ -1,0 +1,318 @@
+"""Where a component's bytes live: the host master (persistent) and device storage (reused).
+
+`HostMaster` — the packed host copy of a component's unique tensors, built once at registration
+and kept for the session: about 1x the weights (alignment padding aside), pinned when an
+accelerator is present.  Offloaded tensors are views of it.
+
+`DeviceStorage` — one device buffer that tensors are views of while resident.  The exclusive groups
+of a scheduler share one (only one of them is resident at a time); each resident-policy group has
+its own.  It is reused across transitions and re-allocated only when it is too small or when
+something outside the library still aliases it.
+
+[Note: building the master without 2x host memory]
+The master is allocated and filled one chunk at a time, and the tensors of each chunk are re-pointed
+to it as soon as it is full, which drops the last reference to their original storages.  At any
+moment the process holds the weights once plus at most one chunk.
+
+[Note: the alias check before reuse]
+A weight view kept by user code (``w = linear.weight.detach()``) shares the device buffer's storage.
+Overwriting the buffer with another group would silently change ``w``.  The storage's reference count
+tells: the buffer itself, the views this class created, and nothing else.  Any surplus means an alias,
+and the buffer is abandoned (left to its alias) and a fresh one allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from residency.engine.locks import in_context
+from residency.engine.tensors import Inventory, data_ptrs, make_views, repoint
+from residency.engine.transport import Transport
+
+__all__ = ["DeviceStorage", "HostMaster", "PROGRESS_THRESHOLD"]
+
+#: Building a host master larger than this shows progress (registration of many GiB takes seconds).
+PROGRESS_THRESHOLD = 2**30
+
+_log = logging.getLogger("residency")
+_use_count = torch._C._storage_Use_Count
+
+
+class HostMaster:
+    """The packed, persistent host copy of one component: a few chunks, one view per unique tensor.
+
+    Build it with `HostMaster.pack(inventory, ...)`, which also re-points the tensors to it.
+    """
+
+    def __init__(self, chunks: list[torch.Tensor], views: list[torch.Tensor], pinned: bool):
+        #: uint8 host tensors, one per chunk of the layout.
+        self.chunks = chunks
+        #: One view per unique tensor of the inventory, in inventory order.
+        self.views = views
+        #: Whether every chunk is page-locked.
+        self.pinned = pinned
+        #: The node group whose ranks share these bytes (a node-shared segment), or None for a
+        #: master of this process alone.  Writes to a shared master are agreed by its ranks.
+        self.shared_group = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.numel() for chunk in self.chunks)
+
+    @classmethod
+    def pack(
+        cls,
+        inventory: Inventory,
+        transport: Transport,
+        *,
+        pin: bool,
+        into: torch.Tensor | None = None,
+    ) -> HostMaster:
+        """Copy the inventory's tensors into a new master, chunk by chunk, re-pointing as it goes.
+
+        `into` (a uint8 host buffer of ``layout.contiguous_nbytes``: a node-shared segment) holds
+        the chunks, laid out as in device storage, instead of memory allocated per chunk.
+        """
+        layout = inventory.layout
+        sources = inventory.source_regions
+        assert sources is not None, "an inventory is packed once"
+        chunks: list[torch.Tensor] = []
+        views: list[torch.Tensor | None] = [None] * inventory.tensor_count
+        progress = _Progress(layout.nbytes, pinned=pin)
+        for chunk_index, nbytes in enumerate(layout.chunk_nbytes):
+            if into is None:
+                chunk, pin = _allocate_host(transport, nbytes, pin)
+            else:
+                base = layout.chunk_base[chunk_index]
+                chunk = into[base : base + nbytes]
+            chunks.append(chunk)
+            regions = inventory.regions_in_chunk(chunk_index)
+            for region in regions:
+                _copy_region_into(chunk, layout.region_offset[region], sources[region],
+                                  layout.region_nbytes[region])
+                sources[region] = None  # type: ignore[call-overload]
+            _repoint_chunk(inventory, regions, chunk, views)
+            progress.advance(nbytes)
+        progress.close()
+        inventory.source_regions = None
+        if inventory.wrappers is not None:  # a wrapper registered on an accelerator gets a host twin
+            inventory.wrappers.follow(chunks[0].device)
+        return cls(chunks, views, pinned=pin)  # type: ignore[arg-type]
+
+    @classmethod
+    def attach(cls, inventory: Inventory, shared: torch.Tensor, *, pinned: bool) -> HostMaster:
+        """A master over bytes another process packed into `shared` (a node-shared segment laid
+        out as `pack(..., into=shared)` lays it); re-points the inventory's tensors to it, which
+        drops their own storages.  The bytes must equal the tensors' (the ranks checked)."""
+        layout = inventory.layout
+        chunks = [shared[base : base + n] for base, n in zip(layout.chunk_base, layout.chunk_nbytes)]
+        views: list[torch.Tensor | None] = [None] * inventory.tensor_count
+        for chunk_index, chunk in enumerate(chunks):
+            _repoint_chunk(inventory, inventory.regions_in_chunk(chunk_index), chunk, views)
+        inventory.source_regions = None
+        if inventory.wrappers is not None:
+            inventory.wrappers.follow(shared.device)
+        return cls(chunks, views, pinned=pinned)  # type: ignore[arg-type]
+
+    def chunk_copies(self, device_buffer: torch.Tensor, inventory: Inventory):
+        """(device slice, host chunk) pairs: one bulk copy per chunk."""
+        bases = inventory.layout.chunk_base
+        return [(device_buffer[base : base + c.numel()], c) for base, c in zip(bases, self.chunks)]
+
+    def range_copies(self, device_buffer: torch.Tensor, ranges, inventory: Inventory):
+        """(host slice, device slice) pairs that copy device byte `ranges` back into the chunks.
+
+        `ranges` are ``(start, end)`` offsets into the device bytes (chunks laid end to end);
+        alignment padding between chunks has no host counterpart and is skipped.
+        """
+        pairs = []
+        for base, chunk in zip(inventory.layout.chunk_base, self.chunks):
+            for start, end in ranges:
+                first, last = max(start, base), min(end, base + chunk.numel())
+                if first < last:
+                    pairs.append((chunk[first - base : last - base], device_buffer[first:last]))
+        return pairs
+
+
+class DeviceStorage:
+    """A reusable device buffer and the views each group has into it (see the notes above).
+
+    ``views_for(key, inventory)`` returns views laid out for `inventory`, reusing the buffer when it is
+    large enough and not aliased, else allocating a fresh one.  The views of a group stay valid (and
+    its tensors land at the same addresses) for as long as the buffer is reused.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        #: Allocate at least this many bytes (the largest group that will load here), so the
+        #: buffer is allocated once rather than grown group by group.
+        self.size_hint = 0
+        self.buffer: torch.Tensor | None = None
+        self._views: dict[object, list[torch.Tensor]] = {}
+        self._pointers: dict[object, list[int]] = {}
+        self._view_count = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def is_aliased(self) -> bool:
+        """Whether something besides this object and its views still references the buffer."""
+        if self.buffer is None:
+            return False
+        # 1 for self.buffer, 1 for the temporary storage object made to ask, 1 per view.
+        return _use_count(self.buffer.untyped_storage()._cdata) > 2 + self._view_count
+
+    def prepare(self, nbytes: int) -> bool:
+        """Make sure a buffer of at least `nbytes` exists that nothing outside aliases.
+
+        Returns True when a fresh buffer was allocated.  Allocation errors propagate unchanged.
+        """
+        if self.buffer is not None and (self.buffer.numel() >= nbytes) and not self.is_aliased():
+            return False
+        if self.buffer is not None and self.is_aliased():
+            _log.info("device storage is aliased outside the scheduler; allocating a fresh buffer")
+        self.release()
+        # The buffer outlives the caller's mode; see [Note: a context on one line] in locks.py.
+        self.buffer = in_context(torch.inference_mode(False), self._transport.allocate_device,
+                                 max(nbytes, self.size_hint))
+        return True
+
+    def views_for(self, key: object, inventory: Inventory) -> list[torch.Tensor]:
+        """Views of the buffer laid out for `inventory` (cached per key while the buffer lives).
+
+        Only this object holds them, so `release` really frees the buffer.
+        """
+        views = self._views.get(key)
+        if views is None:
+            assert self.buffer is not None
+            views = _views_into_buffer(inventory, self.buffer)
+            self._views[key] = views
+            self._pointers[key] = data_ptrs(views)
+            self._view_count += len(views)
+        return views
+
+    def views_and_pointers(self, key: object, inventory: Inventory):
+        """`views_for`, with the views' data pointers (plain ints: holding them keeps no memory
+        alive): what a load re-points to, and where it finds ``.data = ...`` at eviction."""
+        return self.views_for(key, inventory), self._pointers[key]
+
+    def forget(self, key: object) -> None:
+        """Drop the views made for `key` (a group that was unregistered or re-packed)."""
+        views = self._views.pop(key, None)
+        self._pointers.pop(key, None)
+        if views is not None:
+            self._view_count -= len(views)
+
+    def retire(self) -> None:
+        """Mark that compute has stopped reading the buffer (the next copy into it waits for it)."""
+        if self.buffer is not None:
+            self._transport.retire(self.buffer)
+
+    def release(self) -> None:
+        """Drop the buffer and every view of it (memory returns once no tensor uses it)."""
+        if self.buffer is not None:
+            self._transport.release(self.buffer)
+        self.buffer = None
+        self._views.clear()
+        self._pointers.clear()
+        self._view_count = 0
+
+
+class _Progress:
+    """Shows progress of building a master over `PROGRESS_THRESHOLD` bytes.
+
+    On a terminal: a one-line bar on stderr, redrawn in place.  Otherwise: a log line per 10%.
+    Smaller masters build silently.
+    """
+
+    def __init__(self, total: int, *, pinned: bool) -> None:
+        self.total, self.done, self.logged_tenth = total, 0, 0
+        self.enabled = total > PROGRESS_THRESHOLD
+        self.verb = "pinning" if pinned else "packing"
+        self.bar = self.enabled and sys.stderr.isatty()
+        self.started = time.perf_counter()
+
+    def advance(self, nbytes: int) -> None:
+        if not self.enabled:
+            return
+        self.done += nbytes
+        if self.bar:
+            filled = int(30 * self.done / self.total)
+            sys.stderr.write(
+                f"\rresidency: {self.verb} host master [{'#' * filled}{'.' * (30 - filled)}] "
+                f"{self.done / 2**30:.1f}/{self.total / 2**30:.1f} GiB"
+            )
+            sys.stderr.flush()
+            return
+        tenth = int(10 * self.done / self.total)
+        if tenth > self.logged_tenth:
+            self.logged_tenth = tenth
+            _log.info("%s host master: %d%% of %.1f GiB", self.verb, tenth * 10, self.total / 2**30)
+
+    def close(self) -> None:
+        if self.bar:
+            seconds = time.perf_counter() - self.started
+            sys.stderr.write(f" done in {seconds:.1f} s\n")
+
+
+@torch.inference_mode(False)
+def _allocate_host(transport: Transport, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A host chunk; falls back to pageable memory with one warning when pinning fails.
+
+    Always a normal tensor, even when registration runs under ``torch.inference_mode()``: the
+    master is written again (write-back) long after that mode has ended.
+    """
+    if not pin:
+        return transport.allocate_host(nbytes, pin=False), False
+    try:
+        return transport.allocate_host(nbytes, pin=True), True
+    except RuntimeError as error:
+        warnings.warn(
+            f"pinning {nbytes} bytes of host memory failed ({error}); using pageable memory "
+            "instead, so transfers will be slower. Raise the locked-memory limit (ulimit -l) or "
+            "pass pin_memory=False to choose pageable memory and silence this warning.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return transport.allocate_host(nbytes, pin=False), False
+
+
+def _copy_region_into(chunk: torch.Tensor, offset: int, source, nbytes: int) -> None:
+    storage, first = source
+    if nbytes == 0:
+        return
+    source_bytes = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    source_bytes.set_(storage, first, (nbytes,))
+    chunk[offset : offset + nbytes].copy_(source_bytes)
+
+
+def _repoint_chunk(inventory: Inventory, regions, chunk: torch.Tensor, views: list) -> None:
+    """Re-point the tensors of `regions` (all in `chunk`) to views of it; record the views."""
+    members = inventory.tensors_in_regions(regions)
+    chunk_views = _views_into_chunk(inventory, members, chunk)
+    repoint([inventory.tensors[i] for i in members], chunk_views)
+    for i, view in zip(members, chunk_views):
+        views[i] = view
+
+
+def _views_into_chunk(
+    inventory: Inventory, members: Sequence[int], chunk: torch.Tensor
+) -> list[torch.Tensor]:
+    places = [inventory.places[i] for i in members]
+    return make_views(
+        places, chunk.untyped_storage(), inventory.layout.region_offset, chunk.device
+    )
+
+
+def _views_into_buffer(inventory: Inventory, buffer: torch.Tensor) -> list[torch.Tensor]:
+    layout = inventory.layout
+    bases = layout.chunk_base
+    region_base = [bases[c] + o for c, o in zip(layout.region_chunk, layout.region_offset)]
+    return make_views(inventory.places, buffer.untyped_storage(), region_base, buffer.device)

@@ -1,0 +1,161 @@
+"""Packing: building a group's inventory and host master, for registration and for re-packing.
+
+    packer = Packer(transport, device=torch.device("cpu"), chunk_nbytes=2**28, pin_memory=False)
+    inventory = packer.inventory([model], excluded=())
+    master = packer.pack("dit", inventory)          # re-points model's tensors to the master
+
+One answer to "how is a host master built?": the inventory laid out for the device's alignment
+(`residency.engine.tensors.alignment_for`), the copy into fresh host memory chunk by chunk, pinned when it
+can be, and the typed error when host memory runs out.
+
+[Note: the pin fallback]
+``pin_memory`` starts as the scheduler was told (or as the transport can); the first time pinning
+fails (a locked-memory limit), `HostMaster.pack` warns and falls back to pageable memory, and the
+packer turns ``pin_memory`` off so later groups do not try (and warn) again.  The flag is a single
+attribute written by whichever thread packs; a racing reader sees either value, and both are safe.
+
+[Note: one host copy per node]
+With a node view (``Scheduler(process_group=...)``, several ranks on one host), packing is
+collective over the node's ranks, in the same order on every rank: the ranks first compare their
+tensors (layout and a digest of the bytes, `residency.multirank.agreement.compare_weights`); if they hold the
+same weights, the node's leader packs them into one node-shared segment
+(`residency.multirank.shared_memory.share_segment`), and after a barrier every other rank re-points its
+tensors to views of the same pages, dropping its own copy: host memory per node is the weights
+once.  Weights that differ (tensor-parallel shards) are never shared: each rank keeps its own
+master, and the log says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from residency.multirank.agreement import compare_weights, describe_tensors
+from residency.engine.errors import HostMemoryError, RegistrationError
+from residency.engine.memory import HostMaster
+from residency.multirank.node import NodeView
+from residency.multirank.shared_memory import share_segment
+from residency.engine.tensors import Inventory, alignment_for, take_inventory
+from residency.engine.transport import Transport
+
+__all__ = ["Packer"]
+
+_log = logging.getLogger("residency")
+
+
+class Packer:
+    """Builds inventories and host masters for one scheduler (see the module docstring)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        device: torch.device,
+        chunk_nbytes: int,
+        pin_memory: bool,
+        node: NodeView | None = None,
+    ) -> None:
+        self._transport = transport
+        #: The ranks of this host, when several share host masters (see [Note: one host copy per
+        #: node]); None for a single process.
+        self._node = node if node is not None and node.local_world_size > 1 else None
+        self._alignment = alignment_for(device)
+        self.chunk_nbytes = chunk_nbytes
+        #: Pin host masters; see [Note: the pin fallback].
+        self.pin_memory = pin_memory
+
+    def inventory(
+        self,
+        roots: tuple[nn.Module, ...],
+        excluded: tuple[nn.Module, ...],
+        *,
+        allow_empty: bool = False,
+    ) -> Inventory:
+        """The unique tensors of `roots` (less `excluded`), laid out for the device (empty
+        only with `allow_empty`)."""
+        return take_inventory(roots, chunk_nbytes=self.chunk_nbytes, exclude=excluded,
+                              alignment=self._alignment, allow_empty=allow_empty)
+
+    @property
+    def node(self) -> NodeView | None:
+        """The ranks of this host sharing masters, or None (one process)."""
+        return self._node
+
+    def pack(self, name: str, inventory: Inventory, *, require_shared: str | None = None) -> HostMaster:
+        """A new host master for group `name`; its tensors are re-pointed to it as it fills.
+
+        Collective over the node's ranks when they share masters (see [Note: one host copy per
+        node]).  `require_shared` names why the master must be shared (``"weight_transfer=
+        'allgather'"``): weights that differ then raise `RegistrationError` on every rank.
+        """
+        if self._node is not None:
+            shared = self._pack_shared(name, inventory, require_shared)
+            if shared is not None:
+                return shared
+        try:
+            master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory)
+        except MemoryError as error:
+            nbytes = inventory.layout.nbytes
+            raise HostMemoryError(
+                f"cannot add group {name!r}: its host master needs {nbytes} bytes "
+                f"({nbytes / 2**20:.1f} MiB) of host memory and the allocation failed ({error}). "
+                "Free host memory or register fewer modules at once; the weights keep their values"
+            ) from error
+        if self.pin_memory and not master.pinned:
+            self.pin_memory = False
+            _log.warning("pinning failed; later host masters of this scheduler are pageable")
+        return master
+
+    def _pack_shared(
+        self, name: str, inventory: Inventory, require: str | None
+    ) -> HostMaster | None:
+        """The node-shared master of group `name`, or None when the ranks' weights differ."""
+        group = self._node.group
+        named = [(f"{i}: {slots[0].describe()}", tensor)
+                 for i, (tensor, slots) in enumerate(zip(inventory.tensors, inventory.slots))]
+        verdict = compare_weights(name, describe_tensors(named), inventory.tensors, group,
+                                  require=require)
+        if not verdict.identical:
+            _log.info("group %r: %s; each rank keeps its own host master", name,
+                      verdict.describe())
+            return None
+        segment = share_segment(inventory.layout.contiguous_nbytes, group)
+        leader = segment.local_rank == 0
+        if leader:
+            master = HostMaster.pack(inventory, self._transport, pin=False, into=segment.tensor)
+        _barrier(group, name)  # the leader's bytes are in the pages before the others map them
+        if not leader:
+            master = HostMaster.attach(inventory, segment.tensor, pinned=False)
+        if self.pin_memory and self._transport.can_pin():
+            segment.page_lock()
+            master.pinned = True
+        master.shared_group = group
+        _return_freed_memory()
+        return master
+
+
+def _barrier(group: object, name: str) -> None:
+    """Wait for every rank of the node; a rank that died (or timed out) is a typed error."""
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as error:  # gloo/NCCL report a closed connection or the timeout
+        raise RegistrationError(
+            f"rank {dist.get_rank()}: packing the node-shared host master of group {name!r} "
+            f"failed: a rank of the node group died or did not arrive within the group's timeout "
+            f"({error}). Every rank must add the same groups in the same order; look for the "
+            "first error in the other ranks' logs (the weights keep their values on this rank)"
+        ) from error
+
+
+def _return_freed_memory() -> None:
+    """Hand the pages of the copies just dropped back to the kernel (glibc keeps freed heap
+    memory otherwise, and a rank would go on holding what the shared master replaced)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return
+    libc.malloc_trim(0)

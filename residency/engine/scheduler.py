@@ -1,0 +1,448 @@
+"""The Scheduler: the public verbs, wired to the three owners of its state.
+
+    scheduler = Scheduler()                        # the current accelerator, else the CPU
+    scheduler.add("text_encoder", encoder)
+    scheduler.add("dit", transformer)
+    scheduler.add("vae", vae, policy="resident")   # placed on the device now, never evicted
+    with scheduler.resident("text_encoder"):
+        embeddings = encoder(ids)
+    for step in steps:
+        with scheduler.resident("dit"):            # the first entry swaps; the rest cost a lock
+            latents = transformer(latents, embeddings)
+
+This file only wires and checks; each question has its answer elsewhere (docs/design.md):
+who may run -> `residency.engine.holds`; whose module or tensor is this -> `residency.engine.registry`; what is on
+the device -> `residency.engine.placement`; how bytes move -> `residency.engine.transport`.  One lock guards all
+three owners (see [Note: one lock, checked where state changes] in `residency.engine.locks`).
+
+[Note: interrupts]
+A `KeyboardInterrupt` (or SystemExit, or any exception a trace or profile callback raises) can
+arrive at any line of the package, and a user does not choose where Ctrl-C lands.  Whatever it
+interrupts, the owners agree afterwards, nothing is lost and nothing waits for ever, with no user
+action beyond catching it (tests/test_interrupts.py injects one at every line).  Deferring
+SIGINT cannot be the answer (a trace callback's exception cannot be deferred), so the rules are:
+
+* Each owner's state is written last, in one line where several fields change together
+  (``self._pending, self.state = None, OFFLOADED``): stores of one line cannot be separated.
+  A group's ``state`` is its truth; the owners above it read it to decide.
+* A step of several statements is undone or rolled forward in ``except BaseException`` (then
+  re-raised): a load that did not commit is cancelled (`Residency._finish_load`); an eviction
+  whose re-pointing happened is completed (`Residency._evict`); `Placement.settle` makes
+  ``current``, ``prefetched`` and each block stream agree with the groups' states; a phase entry
+  is undone and a phase exit completed (`Holds.settle`, which also moves the thread's hold back
+  to what its innermost phase needs); a registration is undone (`Scheduler._register`); a
+  ``refresh`` and a ``close`` are completed.  Undo code may be slow (a swap back); it runs once.
+* No ``finally`` and no multi-line ``with`` on a normal path: their cleanup starts on a line of
+  its own, where an interrupt skips it.  Cleanup is in the ``try`` body and again in the
+  handler, made repeatable (a block forward's exit takes a token, once); contexts are entered on
+  one line ([Note: a context on one line] in `residency.engine.locks`).
+* Where no undo is possible - an interrupt at the first line of ``Phase.__exit__``, before any
+  of its code, after which its ``with`` statement is over - the step is completed at the next
+  call at the latest: a phase nothing refers to any more but its frame is closed by the next
+  phase change, exit, `close` or waiting thread (`Holds.collect_abandoned`).  A traceback kept
+  alive (``sys.last_traceback`` in a notebook) keeps that phase open until it is released.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from residency.engine.admission import Admission, check_open, sharded_load
+from residency.engine.adoption import Adoption
+from residency.multirank.agreement import PhaseLedger
+from residency.engine.arguments import as_excluded, as_modules, check_flag, check_name, check_options
+from residency.engine.arguments import parse_device, parse_policy
+from residency.engine.blocks import ModelBlocks
+from residency.engine.buffers import DeviceBuffers
+from residency.engine.component import Residency
+from residency.vllm_omni.discovery import scheduler_from_pipeline
+from residency.engine.enums import PhaseStatus, Policy
+from residency.engine.errors import PhaseError
+from residency.engine.holds import Holds
+from residency.engine.layers import as_block_plans, streamed_modules
+from residency.engine.locks import locked, new_lock
+from residency.engine.no_offload import NoOffload
+from residency.multirank.node import node_view
+from residency.engine.packing import Packer
+from residency.engine.placement import Placement
+from residency.engine.records import BlockLog, TransitionLog
+from residency.engine.registry import Registry
+from residency.engine.tensors import DEFAULT_CHUNK_NBYTES
+from residency.engine.transport import Transport, transport_for
+
+__all__ = ["Phase", "Scheduler"]
+
+_log = logging.getLogger("residency")
+_ACTIVE = PhaseStatus.ACTIVE
+
+
+class Phase:
+    """One ``with scheduler.resident(name):`` block.  Not reusable, not re-entrant.
+
+        with scheduler.resident("dit") as dit:    # dit is the group's Residency
+            latents = transformer(latents)
+
+    Inside the block the group is resident, also after nested phases of other groups have exited.
+    Entering a second time, or exiting on another thread or out of order, raises `PhaseError`
+    (see [Note: misnested exits] in `residency.engine.holds`).
+    """
+
+    __slots__ = ("_scheduler", "group", "status")
+
+    def __init__(self, scheduler: Scheduler, group: Residency) -> None:
+        self._scheduler = scheduler
+        #: The Residency this phase makes resident.
+        self.group = group
+        #: Where the phase is in its life; written by the scheduler's holds only.
+        self.status = PhaseStatus.NEW
+
+    def __repr__(self) -> str:
+        return f"<Phase {self.group.name!r} {self.status.value}>"
+
+    def __enter__(self) -> Residency:
+        if self.status is not PhaseStatus.NEW:
+            raise PhaseError(
+                f"this phase of {self.group.name!r} was already entered; a phase is not "
+                f"reusable: write `with scheduler.resident({self.group.name!r}):` again"
+            )
+        scheduler = self._scheduler
+        try:  # the lock on one line: see [Note: a context on one line] in residency.engine.locks
+            with scheduler._lock: return scheduler._enter(self)  # noqa: E701
+        except BaseException:  # undone, whatever it reached (see [Note: interrupts])
+            locked(scheduler._lock, scheduler._holds.settle, self)
+            raise
+
+    def __exit__(self, *exc_info) -> None:
+        scheduler = self._scheduler
+        try:
+            if self.status is _ACTIVE:
+                with scheduler._lock: return scheduler._exit(self)  # noqa: E701
+            self._exit_inactive()
+        except PhaseError:  # refused: nothing changed
+            raise
+        except BaseException:  # completed (see [Note: interrupts])
+            locked(scheduler._lock, scheduler._holds.settle, self)
+            raise
+
+    def _exit_inactive(self) -> None:
+        status = self.status
+        if status is PhaseStatus.LEAVING:
+            locked(self._scheduler._lock, self._scheduler._exit, self)
+        elif status is PhaseStatus.EXITED_LATE:  # see [Note: misnested exits]
+            self.status = PhaseStatus.EXITED
+        else:
+            raise PhaseError(f"the phase of {self.group.name!r} is {status.value}, not active")
+
+
+class Scheduler:
+    """Keeps at most one exclusive group of modules on the device; moves weights on phase changes.
+
+        scheduler = Scheduler("cuda")
+        scheduler.add("generator", model.generator)
+        with scheduler.resident("generator"):
+            out = model.generator(x)
+
+    Rules: a tensor belongs to one group at most, and a module to one scheduler in the process;
+    exclusive groups are swapped by ``resident()``; resident-policy groups are placed on the device
+    at ``add`` and never evicted; outputs are bit-identical to the same modules never offloaded.
+    Threads: see [Note: holds, nesting and threads] in `residency.engine.holds`.
+
+    With ``process_group`` (the default group of an initialised ``torch.distributed`` job), the
+    ranks on one host share one host master per group when they hold the same weights ([Note: one
+    host copy per node] in `residency.engine.packing`): constructing the scheduler, ``add``, and every
+    eviction of a shared group (phase changes, ``close``) are then collective - call them in the
+    same order on every rank.  Writes to a shared master are agreed (`residency.multirank.agreement`); ranks
+    that changed it differently raise `CollectiveError` and keep their device copies.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        pin_memory: bool | None = None,
+        chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+        device_memory_limit: int | None = None,
+        wait_timeout: float | None = None,
+        record_limit: int = 10_000,
+        transport: Transport | None = None,
+        process_group: object = None,
+    ) -> None:
+        check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory)
+        #: Where resident groups live.
+        self.device = parse_device(device)
+        self._transport = transport if transport is not None else transport_for(self.device)
+        pin = self._transport.can_pin() if pin_memory is None else pin_memory
+        node = None if process_group is None else node_view(process_group)
+        self._packer = Packer(
+            self._transport, device=self.device, chunk_nbytes=chunk_nbytes, pin_memory=pin, node=node
+        )
+        #: Records of phase changes and (layer mode) of block moves: the newest `record_limit`.
+        self.transitions, self.block_records = TransitionLog(record_limit), BlockLog(record_limit)
+        self._lock = new_lock()
+        self._registry = Registry(self._lock, owner_label=f"<Scheduler on {self.device}>")
+        buffers = DeviceBuffers(self._transport)
+        self._adoption = Adoption(self._packer, self._registry, buffers,
+                                  device_memory_limit=device_memory_limit)
+        self._placement = Placement(self._lock, self._transport, device=self.device,
+                                    buffers=buffers, adoption=self._adoption,
+                                    transitions=self.transitions)
+        self._holds = Holds(self._lock, self._placement, wait_timeout=wait_timeout)
+        self._admission = Admission(self._lock, registry=self._registry, packer=self._packer,
+                                    placement=self._placement, holds=self._holds,
+                                    adoption=self._adoption, transport=self._transport,
+                                    block_records=self.block_records)
+        #: Agreement of the node's ranks on collective loads (``weight_transfer="allgather"``).
+        self._ledger = None if self._packer.node is None else PhaseLedger(self._packer.node.group)
+        if not self.pin_memory:
+            _note_pageable(self.device, self._transport)
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host masters are pinned (off after the first failure to pin, with a
+        warning)."""
+        return self._packer.pin_memory
+
+    @property
+    def wait_timeout(self) -> float | None:
+        """Longest wait for a group, in seconds, before `DeadlockError` (None: no limit)."""
+        return self._holds.wait_timeout
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Host masters are built in chunks of at most this many bytes."""
+        return self._packer.chunk_nbytes
+
+    @classmethod
+    def from_pipeline(
+        cls,
+        pipeline: object,
+        config: object = None,
+        *,
+        enable_cpu_offload: bool = False,
+        device: torch.device | str | None = None,
+        process_group: object = None,
+    ) -> Scheduler | NoOffload:
+        """Build a scheduler from a pipeline's declared components (see `residency.vllm_omni.discovery`).
+
+            scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]})
+            with scheduler.resident("transformer"):
+                ...
+
+        `process_group`: as for `Scheduler` (host masters shared by the ranks of a node).
+        """
+        make = functools.partial(cls, process_group=process_group)
+        return scheduler_from_pipeline(make, pipeline, config, enable_cpu_offload=enable_cpu_offload,
+                                       device=device, process_group=process_group)
+
+    # -- registration ----------------------------------------------------------------------------
+
+    def add(
+        self,
+        name: str,
+        modules: nn.Module | Iterable[nn.Module],
+        *,
+        policy: str | Policy = "exclusive",
+        exclude: nn.Module | Iterable[nn.Module] = (),
+        category: str | None = None,
+        detect_edits: bool = True,
+        weight_transfer: str = "rank-local",
+        layers: bool | ModelBlocks | Iterable[ModelBlocks] = False,
+    ) -> Residency:
+        """Register `modules` as group `name` and pack their weights into a host master.
+
+        ``policy="exclusive"`` groups are swapped by ``resident()``, ``policy="resident"`` ones
+        placed on the device now.  Submodules in `exclude` (and all under them) are left out, to
+        form groups of their own.  `category`: the config component ("dit", ...).  No edit made while
+        resident is lost; ``detect_edits=False`` is the opt-out for weights you promise not to edit
+        behind the version counter (docs/guarantees.md).  ``weight_transfer="allgather"``: the
+        ranks of a node split the copy, then all-gather (`residency.multirank.sharded`).  ``layers=True``
+        (or `ModelBlocks`s from `model_blocks`) streams the blocks of an exclusive group through two
+        device slots while its phase runs (`residency.engine.layers`).  A refused call changes nothing.
+
+            scheduler.add("text_encoder", [clip, t5])
+            scheduler.add("vae", pipe.vae, policy="resident")
+            scheduler.add("shared", model, policy="resident", exclude=[model.reasoner, model.generator])
+            scheduler.add("transformer", dit, layers=model_blocks(dit, resident_layers=2))
+        """
+        check_open(self._holds.closed)
+        policy = parse_policy(policy)
+        check_name(name, ())
+        check_flag("detect_edits", detect_edits)
+        sharded = sharded_load(self._packer.node, self._ledger, name, weight_transfer)
+        roots = as_modules(name, modules)
+        plans = as_block_plans(name, roots, layers, policy)
+        excluded = as_excluded(name, exclude, roots) + streamed_modules(plans)
+        return self._admission.register(name, roots, policy, excluded, category, detect_edits,
+                                        plans, sharded)
+
+    def alias(self, path: str, name: str) -> None:
+        """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline).
+
+        Refused (changing nothing) for a path that is not a non-empty string, that names a group,
+        or that already leads to another group.
+        """
+        locked(self._lock, self._registry.alias, path, name)
+
+    def refresh(self, name: str) -> Residency:
+        """Re-register group `name` after its modules changed (new, replaced or re-typed tensors).
+
+        The modules' current tensors are packed into a fresh host master; the group ends offloaded
+        (resident-policy groups are placed again).  Phases of the group are refused meanwhile.
+        """
+        check_open(self._holds.closed)
+        return self._admission.refresh(name)
+
+    def remove(self, name: str) -> Residency:
+        """Unregister group `name`; its modules keep their weights in host memory.
+
+        Refused while a phase of the group is active.  Tensors the user re-typed or re-shaped
+        while the group was resident are left as the user made them (moved to the host).
+        """
+        check_open(self._holds.closed)
+        return locked(self._lock, self._admission.remove, name, "remove")
+
+    def close(self) -> None:
+        """Return every group's weights to host memory and release device storage.
+
+        The modules stay usable on the host; the scheduler refuses further use.  Refused
+        (changing nothing) while any phase is active.  If a group cannot be evicted (a write-back
+        the ranks disagree on), the error propagates with the groups not yet closed still
+        registered: fix the cause and close again.
+        """
+        locked(self._lock, self._close)
+
+    def _close(self) -> None:
+        if self._holds.closed:
+            return
+        self._admission.check_no_holders("close the scheduler")
+        for group in self._registry:
+            self._admission.check_not_in_a_phase(group, "close the scheduler with")
+        for group in self._registry:
+            self._admission.remove(group, "close the scheduler with")
+        try:  # repeatable: an interrupted step is done again
+            self._close_owners()
+        except BaseException:
+            self._close_owners()
+            raise
+
+    def _close_owners(self) -> None:
+        self._placement.release_shared()
+        self._registry.close()
+        self._holds.close()  # the one closed flag; waiters wake up to SchedulerClosedError
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> Residency:
+        check_open(self._holds.closed)
+        return self._registry.lookup(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._registry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._registry.names())
+
+    def __len__(self) -> int:
+        return len(self._registry)
+
+    def __repr__(self) -> str:
+        status = "closed" if self._holds.closed else f"current={self.current!r}"
+        return f"<Scheduler on {self.device}: {len(self)} group(s), {status}>"
+
+    @property
+    def current(self) -> str | None:
+        """Name of the exclusive group on the device now, or None."""
+        return getattr(self._placement.current, "name", None)
+
+    @property
+    def device_memory_limit(self) -> int | None:
+        """Most device bytes this scheduler's storages may hold together (None: no limit)."""
+        return self._placement.device_memory_limit
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of device storage the scheduler holds now (shared exclusive buffers included)."""
+        return locked(self._lock, getattr, self._placement, "device_nbytes")
+
+    def resident_groups(self) -> list[str]:
+        """Names of every group whose weights are on the device now (a consistent snapshot)."""
+        return locked(self._lock, self._placement.resident_names)
+
+    # -- phases --------------------------------------------------------------------------------
+
+    def resident(self, name: str) -> Phase:
+        """A phase: inside ``with scheduler.resident(name):`` the group is on the device.
+
+        The group stays resident after the block until another group is asked for, so a loop that
+        re-enters it costs a lock, not a copy.  `name` may also be a registered alias.
+        """
+        group = self._registry.get(name)
+        if group is None:
+            check_open(self._holds.closed)
+            group = self._registry.lookup(name)
+        return Phase(self, group)
+
+    def offload_all(self) -> None:
+        """Evict the resident exclusive group and free the shared device storage.
+
+        Resident-policy groups stay.  Refused (changing nothing) while any phase is active.
+        """
+        check_open(self._holds.closed)
+        locked(self._lock, self._offload_all)
+
+    def _offload_all(self) -> None:
+        self._admission.check_no_holders("offload all groups")
+        self._placement.offload_all()
+
+    def prefetch(self, name: str) -> bool:
+        """Start copying group `name` to the device now, beside the resident group; opt-in.
+
+            with scheduler.resident("text_encoder"):
+                scheduler.prefetch("dit")      # the copy overlaps the encoder's compute
+                embeddings = encoder(ids)
+            with scheduler.resident("dit"):    # only re-points: the bytes are already there
+                ...
+
+        Both groups' bytes then sit on the device at once, so this is done only when
+        ``device_memory_limit`` (or, on CUDA without a limit, the free device memory) allows
+        both.  Returns whether a copy was started (False: already resident, already prefetching,
+        or no room).  The prefetched group's tensors keep reading the host master until its
+        phase begins.
+        """
+        check_open(self._holds.closed)
+        return locked(self._lock, self._prefetch, name)
+
+    def _prefetch(self, name: str) -> bool:
+        return self._placement.prefetch(self._registry.lookup(name))
+
+    def _enter(self, phase: Phase) -> Residency:
+        if self._holds.closed:
+            check_open(True)
+        if phase.group.blocks is not None:
+            phase.group.blocks.rewrap()
+        entry = self._holds.try_join(phase)
+        if entry is None:  # joined at once: no tensor work
+            return phase.group
+        self._registry.check_registered(phase.group)
+        return self._holds.enter(entry, phase)
+
+    def _exit(self, phase: Phase) -> None:
+        self._holds.leave(phase)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+def _note_pageable(device: torch.device, transport: Transport) -> None:
+    """Say that host masters are pageable memory, and why."""
+    why = "pin_memory=False" if transport.can_pin() else "the device is the host: nothing to pin"
+    _log.info("host masters on %s are pageable memory (%s)", device, why)
