@@ -54,7 +54,9 @@ from residency.engine.enums import PhaseStatus
 
 # What users and pipeline authors import.  Extenders' names (transports, completions, the
 # records' classes, Residency) are listed by `residency.extend`; they stay importable from
-# here, as before.
+# here, as before.  So do the historical names (`plan_blocks`, `BlockPlan`, `ComponentPlan`,
+# `plan_components`, `apply_plan`: docs/surface.md), imported above and listed nowhere: a name
+# in __all__ has one meaning, and "plan" now means where each part of a group is.
 __all__ = [
     # the top-level API
     "Scheduler",
@@ -72,14 +74,9 @@ __all__ = [
     "ComponentGroups",
     "group_components",
     "register_groups",
-    "ComponentPlan",  # historical name, for one release (docs/surface.md)
-    "plan_components",  # historical name, for one release
-    "apply_plan",  # historical name, for one release
     # layer mode (Scheduler.add(..., layers=...))
     "model_blocks",
-    "plan_blocks",  # historical name of model_blocks (kept)
     "ModelBlocks",
-    "BlockPlan",  # historical name, for one release
     # records
     "summarize",
     "chrome_trace",

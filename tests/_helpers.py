@@ -34,7 +34,7 @@ def on_host_master(group) -> bool:
 
 def in_a_slot(scheduler, tensor: torch.Tensor) -> bool:
     """Whether `tensor` views one of the scheduler's layer-mode block slots."""
-    return any(in_buffer(tensor, slot.buffer) for slot in scheduler._placement.block_slots)
+    return any(in_buffer(tensor, slot.buffer) for slot in scheduler._placement.slots.slots)
 
 
 def same_state(model: nn.Module, reference: nn.Module) -> bool:

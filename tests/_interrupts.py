@@ -207,7 +207,7 @@ def _group_problems(group, current, prefetched, registry) -> list[str]:
         if owner_of(module) != (registry, group.name):
             problems.append(f"a module of {group.name!r} is owned by {owner_of(module)}")
             break
-    if group.blocks is not None:
+    if group.plan.streams:
         problems += _stream_problems(group, group is current)
     return problems
 
@@ -229,14 +229,14 @@ def _where_tensors_are(group) -> list[str]:
 
 
 def _stream_problems(group, is_current: bool) -> list[str]:
-    stream = group.blocks
+    stream = group.streams[0]
     problems = []
     if stream.active != is_current:
         problems.append(f"{group.name!r}'s stream active={stream.active}, current={is_current}")
     if stream._running or stream._suspended:
         problems.append(f"{group.name!r} counts forwards in flight: {stream._running}, "
                         f"{stream._suspended}")
-    for index, block in enumerate(stream.blocks):
+    for index, block in enumerate(stream.parts):
         in_slot = index in stream._occupant
         if (block.state is not OFFLOADED) != in_slot:
             problems.append(f"block {index} of {group.name!r} is {block.state.value}, "

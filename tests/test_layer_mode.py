@@ -177,9 +177,9 @@ def within(tensors, buffer: torch.Tensor) -> bool:
 def check_stream(scheduler: Scheduler, name: str) -> None:
     """Between block forwards: every streamed block of `name` is offloaded on its master, or
     parked (resident) in a slot of its own, viewing that slot; at most two are in slots."""
-    slots = scheduler._placement.block_slots
+    slots = scheduler._placement.slots.slots
     held = []
-    for block in scheduler[name].blocks.blocks:
+    for block in scheduler[name].streams[0].parts:
         if block.state is OFFLOADED:
             assert on_master(block), f"{block.name} is offloaded but not on its master"
             continue
@@ -194,8 +194,8 @@ def check_stream(scheduler: Scheduler, name: str) -> None:
 def check_all_offloaded(scheduler: Scheduler, name: str) -> None:
     group = scheduler[name]
     assert not group.is_resident and on_master(group), name
-    if group.blocks is not None:
-        for block in group.blocks.blocks:
+    if group.plan.streams:
+        for block in group.streams[0].parts:
             assert block.state is OFFLOADED and on_master(block), block.name
 
 
@@ -229,7 +229,7 @@ def tensor_index(part, tensor: torch.Tensor) -> int:
 
 def part_holding(group, tensor: torch.Tensor):
     """The streamed block of `group` (or the group itself) whose inventory holds `tensor`."""
-    for part in (group, *group.blocks.blocks):
+    for part in (group, *group.streams[0].parts):
         if any(t is tensor for t in part.tensors):
             return part
     raise AssertionError("no part of the group holds the tensor")
@@ -277,11 +277,11 @@ def test_wan22_experts_take_turns_with_a_text_encoder_bit_identically_one_expert
 
     def check_exclusive(module, args, name, index):
         assert scheduler.current == name
-        stream = scheduler[name].blocks
-        block = stream.blocks[index]
+        stream = scheduler[name].streams[0]
+        block = stream.parts[index]
         assert block.state is RESIDENT and within(block.tensors, block.device_storage.buffer)
         assert in_a_slot(scheduler, module.weight)
-        assert sum(b.state is not OFFLOADED for b in stream.blocks) <= 2
+        assert sum(b.state is not OFFLOADED for b in stream.parts) <= 2
         for other in (*experts, "text_encoder"):
             if other != name:
                 check_all_offloaded(scheduler, other)
@@ -327,10 +327,10 @@ def test_flux_streams_its_double_then_single_blocks_in_order_bit_identically(sch
     model = tiny_flux_transformer(num_layers=2, num_single_layers=3)
     reference = copy.deepcopy(model)
     scheduler = layer_scheduler(schedulers, model)
-    stream = scheduler["dit"].blocks
-    assert stream.plans[0].lists == ("transformer_blocks", "single_transformer_blocks")
+    stream = scheduler["dit"].streams[0]
+    assert stream.model_blocks[0].lists == ("transformer_blocks", "single_transformer_blocks")
     order = (*model.transformer_blocks, *model.single_transformer_blocks)
-    assert tuple(block.modules[0] for block in stream.blocks) == order
+    assert tuple(block.modules[0] for block in stream.parts) == order
     for seed in (0, 1, 0):
         scheduler.block_records.clear()
         with scheduler.resident("dit") as group:
@@ -353,7 +353,7 @@ def test_a_wan_transformer_refused_by_finding_streams_by_its_repeated_blocks_bit
     model = tiny_wan_expert(num_layers=2, freq_dim=256)
     reference = copy.deepcopy(model)
     scheduler = layer_scheduler(schedulers, model)
-    plan, = scheduler["dit"].blocks.plans
+    plan, = scheduler["dit"].streams[0].model_blocks
     assert (plan.source, plan.lists) == ("repeated_blocks", ("blocks",))
     for seed in (0, 1):
         scheduler.block_records.clear()
@@ -396,7 +396,7 @@ def test_resident_layers_keeps_the_leading_blocks_and_streams_the_rest(
     scheduler = layer_scheduler(schedulers, model, layers=plan)
     group = scheduler["dit"]
     kept = min(resident_layers, 5)
-    assert [b.modules[0] for b in group.blocks.blocks] == list(model.blocks[kept:])
+    assert [b.modules[0] for b in group.streams[0].parts] == list(model.blocks[kept:])
     assert [wrapped(b) for b in model.blocks] == [False] * kept + [True] * (5 - kept)
     seen = []
     watch_blocks(model.blocks, scheduler, seen)
@@ -437,13 +437,13 @@ def test_device_bytes_at_every_block_stay_within_the_rest_plus_two_slots(
     assert transport.device_allocations == (1 if resident_layers == 5 else 3)
     samples = [sample for *_, sample in seen]
     assert len(samples) == 10
-    stream = group.blocks
+    stream = group.streams[0]
     exact = group.inventory.layout.contiguous_nbytes + 2 * stream.slot_nbytes
     assert max(samples) <= exact == group.device_need
     kept = min(resident_layers, 5)
     largest = max(block.nbytes for block in plan.blocks)
     regions = len(group.inventory.layout.region_nbytes) + 2 * max(
-        (len(b.inventory.layout.region_nbytes) for b in stream.blocks), default=0)
+        (len(b.inventory.layout.region_nbytes) for b in stream.parts), default=0)
     bound = plan.outside_nbytes + (kept + min(2, 5 - kept)) * largest + 512 * regions
     assert max(samples) <= bound
     if kept < 5:
@@ -451,7 +451,7 @@ def test_device_bytes_at_every_block_stay_within_the_rest_plus_two_slots(
     if kept <= 2:
         assert max(samples) < whole, "layer mode must hold less than the whole model"
     else:
-        assert all(slot.buffer is None for slot in scheduler._placement.block_slots)
+        assert all(slot.buffer is None for slot in scheduler._placement.slots.slots)
 
 
 def placement_storages(scheduler: Scheduler) -> list:
@@ -481,7 +481,7 @@ def check_device_bytes(scheduler: Scheduler) -> int:
     buffers = [s.buffer for s in placement_storages(scheduler) if s.buffer is not None]
     for name in scheduler:
         group = scheduler[name]
-        parts = [group] + (list(group.blocks.blocks) if group.blocks is not None else [])
+        parts = [group, *group.parts]
         for part in parts:
             if part.is_resident:
                 assert any(within(part.tensors, b) for b in
@@ -500,7 +500,7 @@ def test_device_nbytes_is_the_sum_of_the_device_storages_that_exist(schedulers):
     assert always > 0  # only the resident-policy group's storage so far
     with scheduler.resident("text_encoder"):
         encoder_phase = check_device_bytes(scheduler)
-    assert all(slot.buffer is None for slot in scheduler._placement.block_slots)
+    assert all(slot.buffer is None for slot in scheduler._placement.slots.slots)
     at_blocks = []
     for block in model.blocks:
         block.register_forward_pre_hook(
@@ -508,8 +508,8 @@ def test_device_nbytes_is_the_sum_of_the_device_storages_that_exist(schedulers):
     with scheduler.resident("dit"):
         run_wan(model, wan_inputs())
     assert len(at_blocks) == 4
-    slots = [slot.nbytes for slot in scheduler._placement.block_slots]
-    assert slots == [group.blocks.slot_nbytes] * 2
+    slots = [slot.nbytes for slot in scheduler._placement.slots.slots]
+    assert slots == [group.streams[0].slot_nbytes] * 2
     # a layer phase holds its own part and two slots, no buffer sized for the encoder
     assert set(at_blocks[1:]) == {always + group.device_need}
     with scheduler.resident("text_encoder"):  # a module-mode phase releases the slots
@@ -651,7 +651,7 @@ def test_a_block_never_computes_with_another_blocks_weights_in_either_slot(sched
         # inference: nothing keeps a slot's bytes alive, so each slot is allocated once
         with scheduler.resident("dit"), torch.no_grad():
             assert torch.equal(model(probe_input(seed)), reference(probe_input(seed)))
-    buffers = [slot.buffer for slot in scheduler._placement.block_slots]
+    buffers = [slot.buffer for slot in scheduler._placement.slots.slots]
 
     def slot_of(pointer: int) -> int:
         inside = [i for i, b in enumerate(buffers)
@@ -681,7 +681,7 @@ def test_three_blocks_nested_is_refused_and_leaves_the_stream_consistent(schedul
         with scheduler.resident("dit"):
             model(probe_input())
     check_stream(scheduler, "dit")
-    assert not scheduler["dit"].blocks._running
+    assert not scheduler["dit"].streams[0]._running
     model.blocks[2].calls, model.blocks[0].calls = [], []
     with scheduler.resident("dit"):
         assert torch.equal(model(probe_input()), reference(probe_input()))
@@ -708,7 +708,7 @@ def test_an_exception_inside_a_block_leaves_every_block_offloaded_or_parked(sche
     assert scheduler.current == "dit" and group.is_resident
     assert within(group.tensors, group.device_storage.buffer)
     check_stream(scheduler, "dit")
-    assert not group.blocks._running
+    assert not group.streams[0]._running
     # a second failure, outside any phase (the group stays current), changes nothing either
     with pytest.raises(BlockFailure):
         model(probe_input(1))
@@ -794,7 +794,7 @@ def test_a_data_edit_to_the_parked_first_block_survives_without_another_forward(
     scheduler = layer_scheduler(schedulers, model)
     with scheduler.resident("dit"):
         run_wan(model, wan_inputs())
-    first = scheduler["dit"].blocks.blocks[0]
+    first = scheduler["dit"].streams[0].parts[0]
     assert first.state is RESIDENT
     for module in (model, reference):
         module.blocks[0].ffn.net[2].weight.data.add_(0.5)
@@ -815,7 +815,7 @@ def test_an_edit_between_explicit_block_calls_reaches_the_parked_next_block(sche
     with scheduler.resident("dit") as group:
         layers = group.layers()
         hidden, expected = layers[0](x), reference.blocks[0](x)
-        assert group.blocks.blocks[1].state is RESIDENT
+        assert group.streams[0].parts[1].state is RESIDENT
         for blocks in (model.blocks, reference.blocks):
             blocks[1].linear.weight.data.mul_(-1)
         hidden, expected = layers[1](hidden), reference.blocks[1](expected)
@@ -836,7 +836,7 @@ def test_an_edit_a_block_makes_inside_its_own_forward_survives(schedulers, targe
         assert torch.equal(model(probe_input(1)), reference(probe_input(1)))
         assert torch.equal(model(probe_input(2)), reference(probe_input(2)))
     swap_away(scheduler)
-    block = scheduler["dit"].blocks.blocks[target]
+    block = scheduler["dit"].streams[0].parts[target]
     weight = model.blocks[target].linear.weight
     assert torch.equal(block.host_master.views[tensor_index(block, weight)],
                        reference.blocks[target].linear.weight)
@@ -854,7 +854,7 @@ def test_without_edit_detection_a_version_counted_edit_to_the_parked_block_survi
     scheduler.add("other", nn.Linear(4, 4))
     with scheduler.resident("dit"):
         model(probe_input())
-    assert scheduler["dit"].blocks.blocks[0].state is RESIDENT
+    assert scheduler["dit"].streams[0].parts[0].state is RESIDENT
     for module in (model, reference):
         scale_in_place(module.blocks[0].linear.weight)
     swap_away(scheduler)
@@ -872,7 +872,7 @@ def test_without_edit_detection_mark_dirty_keeps_a_data_edit_to_the_parked_block
     scheduler.add("other", nn.Linear(4, 4))
     with scheduler.resident("dit"):
         model(probe_input())
-    assert group.blocks.blocks[0].state is RESIDENT
+    assert group.streams[0].parts[0].state is RESIDENT
     for module in (model, reference):
         scale_through_data(module.blocks[0].linear.weight)
     group.mark_dirty()  # the documented opt-out's remedy for edits behind the version counter
@@ -910,9 +910,9 @@ def test_a_block_retyped_between_forwards_is_repacked_and_bit_identical(schedule
     for seed in (1, 2, 3):
         with scheduler.resident("dit"):
             assert torch.equal(model(probe_input(seed)), reference(probe_input(seed)))
-    block = scheduler["dit"].blocks.blocks[target]
+    block = scheduler["dit"].streams[0].parts[target]
     assert {t.dtype for t in block.host_master.views} == {torch.float64}
-    assert scheduler["dit"].blocks.slot_nbytes >= block.inventory.layout.contiguous_nbytes
+    assert scheduler["dit"].streams[0].slot_nbytes >= block.inventory.layout.contiguous_nbytes
     swap_away(scheduler)
     check_all_offloaded(scheduler, "dit")
     with scheduler.resident("dit"):
@@ -988,7 +988,7 @@ def test_outside_its_phase_with_another_group_current_a_layer_mode_model_streams
         assert torch.equal(run_wan(model, wan_inputs(1)), run_wan(reference, wan_inputs(1)))
         check_all_offloaded(scheduler, "dit")
     assert len(scheduler.block_records) == 0
-    assert all(slot.buffer is None for slot in scheduler._placement.block_slots)
+    assert all(slot.buffer is None for slot in scheduler._placement.slots.slots)
 
 
 @pytest.mark.parametrize("target", [0, 2], ids=["parked-first-block", "offloaded-block"])
@@ -1002,10 +1002,10 @@ def test_peft_lora_injected_merged_and_unloaded_on_a_registered_block_is_bit_ide
     model = tiny_wan_expert(num_layers=4)
     reference = copy.deepcopy(model)
     scheduler = layer_scheduler(schedulers, model)
-    stream = scheduler["dit"].blocks
+    stream = scheduler["dit"].streams[0]
     with scheduler.resident("dit"):
         run_wan(model, wan_inputs(0))
-    packed = stream.blocks[target].inventory.tensor_count
+    packed = stream.parts[target].inventory.tensor_count
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["to_q", "to_v"],
                              init_lora_weights=False)
     adapters = []
@@ -1020,7 +1020,7 @@ def test_peft_lora_injected_merged_and_unloaded_on_a_registered_block_is_bit_ide
         with scheduler.resident("dit"):
             lora = run_wan(model, wan_inputs(1))
             assert torch.equal(lora, run_wan(reference, wan_inputs(1)))
-    block = stream.blocks[target]
+    block = stream.parts[target]
     assert block.inventory.tensor_count == packed + 8, "the LoRA weights joined the block"
     assert any(r.index == target and r.kind == "load" for r in scheduler.block_records)
     check_stream(scheduler, "dit")
@@ -1042,7 +1042,7 @@ def test_peft_lora_injected_merged_and_unloaded_on_a_registered_block_is_bit_ide
     for _ in range(2):
         with scheduler.resident("dit"):
             assert torch.equal(run_wan(model, wan_inputs(2)), run_wan(reference, wan_inputs(2)))
-    assert stream.blocks[target].inventory.tensor_count == packed
+    assert stream.parts[target].inventory.tensor_count == packed
     swap_away(scheduler)
     check_all_offloaded(scheduler, "dit")
     scheduler.close()
@@ -1172,7 +1172,7 @@ def test_refresh_of_a_layer_mode_group_does_not_stack_block_wrappers(schedulers)
     scheduler = layer_scheduler(schedulers, model)
     with scheduler.resident("dit"):
         run_wan(model, wan_inputs())
-    assert scheduler["dit"].blocks.blocks[0].state is RESIDENT
+    assert scheduler["dit"].streams[0].parts[0].state is RESIDENT
     for module in (model, reference):  # an edit in the parked block's slot, then the refresh
         scale_through_data(module.blocks[0].attn2.to_k.weight)
     scheduler.refresh("dit")
@@ -1195,7 +1195,7 @@ def test_a_deep_copy_made_in_layer_mode_is_a_plain_model_with_its_own_weights(sc
     scheduler = layer_scheduler(schedulers, model)
     with scheduler.resident("dit") as group:
         run_wan(model, wan_inputs())
-        assert group.blocks.blocks[0].state is RESIDENT  # one block in a slot, the rest offloaded
+        assert group.streams[0].parts[0].state is RESIDENT  # one block in a slot, the rest offloaded
         duplicate = copy.deepcopy(model)
     for original, block in zip(model.blocks, duplicate.blocks, strict=True):
         forward = block.__dict__.get("forward")
@@ -1203,9 +1203,9 @@ def test_a_deep_copy_made_in_layer_mode_is_a_plain_model_with_its_own_weights(sc
         assert forward is None or forward.__self__ is block, "a forward bound to the original"
         assert block is not original
     host = [c for name in scheduler for part in
-            [scheduler[name], *(scheduler[name].blocks.blocks if scheduler[name].blocks else ())]
+            [scheduler[name], *scheduler[name].parts]
             for c in part.host_master.chunks]
-    buffers = host + [s.buffer for s in scheduler._placement.block_slots if s.buffer is not None]
+    buffers = host + [s.buffer for s in scheduler._placement.slots.slots if s.buffer is not None]
     for tensor in duplicate.state_dict().values():
         assert not any(within([tensor], b) for b in buffers), "the copy shares our bytes"
     assert torch.equal(run_wan(duplicate, wan_inputs(1)), run_wan(reference, wan_inputs(1)))
@@ -1236,20 +1236,20 @@ def test_a_module_mode_encoder_phase_leaves_no_block_in_a_slot_and_releases_the_
     scheduler = schedulers()
     scheduler.add("text_encoder", encoder)
     scheduler.add("dit", model, layers=True)
-    assert scheduler["text_encoder"].blocks is None
+    assert not scheduler["text_encoder"].plan.streams
     ids = torch.tensor([[3, 4, 5, 1]])
     for _ in range(2):
         with scheduler.resident("text_encoder") as group:
             with pytest.raises(PhaseError, match=r"module mode"):
                 group.layers()
-            assert all(slot.buffer is None for slot in scheduler._placement.block_slots)
+            assert all(slot.buffer is None for slot in scheduler._placement.slots.slots)
             check_all_offloaded(scheduler, "dit")
             context = encoder(ids).last_hidden_state
             assert torch.equal(context, reference[0](ids).last_hidden_state)
         with scheduler.resident("dit"):
             assert torch.equal(run_wan(model, (wan_inputs()[0], wan_inputs()[1], context)),
                                run_wan(reference[1], (wan_inputs()[0], wan_inputs()[1], context)))
-            assert all(slot.buffer is not None for slot in scheduler._placement.block_slots)
+            assert all(slot.buffer is not None for slot in scheduler._placement.slots.slots)
             check_all_offloaded(scheduler, "text_encoder")
             check_stream(scheduler, "dit")
 
@@ -1312,11 +1312,11 @@ def test_a_block_plan_of_a_model_outside_the_group_is_refused(schedulers):
     [object()],
     2,
 ], ids=["str", "list-of-object", "int"])
-def test_layers_given_something_other_than_true_or_block_plans_is_refused(schedulers, layers):
+def test_layers_given_something_other_than_true_or_model_blocks_is_refused(schedulers, layers):
     model = ProbeDiT()
     addresses = ptrs(model.state_dict(keep_vars=True).values())
     scheduler = schedulers()
-    with pytest.raises(RegistrationError, match=r"give True \(plan each module's blocks\) or "
+    with pytest.raises(RegistrationError, match=r"give True \(find each module's blocks\) or "
                                                 r"ModelBlocks from"):
         scheduler.add("dit", model, layers=layers)
     check_untouched(scheduler, model, addresses)
@@ -1387,7 +1387,7 @@ def test_from_pipeline_runs_layer_mode_bit_identically(components):
     pipe.offload = scheduler
     try:
         for name in ("transformer", "transformer_2"):
-            plan, = scheduler[name].blocks.plans
+            plan, = scheduler[name].streams[0].model_blocks
             assert (plan.kept_count, len(plan.streamed)) == (1, 2)
             assert [wrapped(b) for b in getattr(pipe, name).blocks] == [False, True, True]
         for seed in (0, 1):
@@ -1411,7 +1411,7 @@ def test_enable_offload_in_layer_mode_is_bit_identical_call_by_call(build, call,
     config = {"mode": "layer", "components": ["dit", "text_encoder"],
               "layer_options": {"dit": {"resident_layers": 1}}}
     scheduler = enable_offload(pipe, config, device="cpu")
-    dits = [name for name in scheduler if scheduler[name].blocks is not None]
+    dits = [name for name in scheduler if scheduler[name].plan.streams]
     assert dits == [n for n in ("transformer", "transformer_2") if getattr(pipe, n, None)]
     for seed in (0, 1):
         ours = getattr(pipe(**call(seed=seed)), output)

@@ -82,8 +82,8 @@ def warmed(**options) -> tuple[HookDiT, HookDiT, Scheduler]:
 def stream_is_consistent(scheduler: Scheduler) -> bool:
     """Every block in a slot is that slot's occupant, and no other block has a tensor in slot
     memory (it views its master, or storage the user gave it, adopted at its next load)."""
-    stream = scheduler["dit"].blocks
-    for index, block in enumerate(stream.blocks):
+    stream = scheduler["dit"].streams[0]
+    for index, block in enumerate(stream.parts):
         in_slot = block.state is not OFFLOADED
         if in_slot != (index in stream._occupant):
             return False
@@ -176,7 +176,7 @@ def test_two_threads_in_one_block_keep_it_in_its_slot_until_both_leave():
     assert torch.equal(seen["output"], reference.blocks[0].linear.weight)
     assert torch.equal(outputs["second"], reference.blocks[0](sample(3)))
     assert torch.equal(outputs["first"], reference.blocks[1](reference.blocks[0](sample(2))))
-    assert stream_is_consistent(scheduler) and not scheduler["dit"].blocks._running
+    assert stream_is_consistent(scheduler) and not scheduler["dit"].streams[0]._running
     scheduler.close()
     assert same_state(model, reference)
 
@@ -201,12 +201,12 @@ def test_a_nested_phase_inside_a_block_returns_to_the_block_in_a_slot():
 
 def test_a_failed_eviction_leaves_the_group_resident_and_streaming(monkeypatch):
     model, reference, scheduler = warmed()
-    parked = scheduler["dit"].blocks.blocks[0]
+    parked = scheduler["dit"].streams[0].parts[0]
     assert parked.state is RESIDENT
     fail_once(monkeypatch, parked, "_evict", RuntimeError("write-back refused"))
     with pytest.raises(RuntimeError, match="write-back refused"):
         swap_away(scheduler)
-    assert scheduler.current == "dit" and scheduler["dit"].blocks.active
+    assert scheduler.current == "dit" and scheduler["dit"].streams[0].active
     scheduler.block_records.clear()
     with scheduler.resident("dit"):
         assert torch.equal(model(sample(1)), reference(sample(1)))
@@ -249,7 +249,7 @@ def test_growth_of_the_groups_own_part_is_checked_with_its_slots():
     with scheduler.resident("dit"):
         model(sample(0))
     swap_away(scheduler)
-    slot = scheduler["dit"].blocks.slot_nbytes
+    slot = scheduler["dit"].streams[0].slot_nbytes
     model.register_buffer("extra", torch.zeros(slot // 4))  # fits alone, not beside two slots
     with pytest.raises(RegistrationError, match=r"cannot add group 'dit': it needs \d+ bytes of "
                                                 r"device memory.*over device_memory_limit"):
@@ -294,7 +294,7 @@ def test_refresh_streams_a_block_replaced_in_its_list():
         reference.blocks[3].linear.weight.mul_(3)
     model.blocks[3] = replacement
     group = scheduler.refresh("dit")
-    streamed = [block.modules[0] for block in group.blocks.blocks]
+    streamed = [block.modules[0] for block in group.streams[0].parts]
     assert streamed[-1] is replacement
     assert not any(replacement is m for m in group.inventory.modules)  # not in the outside part
     with scheduler.resident("dit"):
@@ -337,12 +337,12 @@ def test_a_failed_cancel_frees_its_slot(monkeypatch):
     """A nested phase stops the stream while block 2's copy is under way and block 2 was given
     new storage; adopting that storage fails once.  The slot is free all the same."""
     model, reference, scheduler = warmed()
-    loading = scheduler["dit"].blocks.blocks[2]
+    loading = scheduler["dit"].streams[0].parts[2]
     def replace_then_nest(block):
         block.during = None
         weight = model.blocks[2].linear.weight
         weight.data = weight.detach().clone()
-        fail_once(monkeypatch, loading, "_write_back", MemoryError("failure while adopting"))
+        fail_once(monkeypatch, loading, "_copy_in_replaced", MemoryError("failure while adopting"))
         with scheduler.resident("other"):
             pass
 
@@ -358,7 +358,7 @@ def test_a_failed_cancel_frees_its_slot(monkeypatch):
 
 def test_a_failed_digest_at_parking_leaves_the_block_on_its_master(monkeypatch):
     model, reference, scheduler = warmed()
-    block = scheduler["dit"].blocks.blocks[2]
+    block = scheduler["dit"].streams[0].parts[2]
     fail_once(monkeypatch, block._detector, "remember", MemoryError("failure while digesting"))
     with pytest.raises(MemoryError), scheduler.resident("dit"):
         model(sample(1))
@@ -391,7 +391,7 @@ def test_refresh_keeps_extra_lists_unkept_and_the_resident_layers_asked_for():
     del model.blocks[1:]  # the own list shrinks to one block: all of it still kept
     del reference.blocks[1:]
     group = scheduler.refresh("dit")
-    (again,) = group.blocks.plans
+    (again,) = group.streams[0].model_blocks
     assert [b.path for b in again.kept] == ["blocks.0"]
     assert [b.path for b in again.streamed] == ["context_encoder.layers.0",
                                                 "context_encoder.layers.1"]

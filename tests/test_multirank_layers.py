@@ -56,7 +56,7 @@ def _worker(rank: int, world_size: int, args) -> dict:
     scheduler = Scheduler("cpu", process_group=dist.group.WORLD)
     scheduler.add("other", other)
     group = scheduler.add("stack", model, layers=True, weight_transfer=args["transfer"])
-    shared = [b.host_master.shared_group is not None for b in group.blocks.blocks]
+    shared = [b.host_master.shared_group is not None for b in group.streams[0].parts]
     x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(7))
     same = []
     try:
@@ -68,7 +68,7 @@ def _worker(rank: int, world_size: int, args) -> dict:
     except CollectiveError as error:
         return {"raised": "CollectiveError", "message": str(error)}
     copies = [(r.block, r.nbytes) for r in scheduler.block_records if r.kind in ("prefetch", "load")]
-    block_nbytes = group.blocks.blocks[0].inventory.layout.nbytes
+    block_nbytes = group.streams[0].parts[0].inventory.layout.nbytes
     scheduler.close()
     return {"same": same, "shared": shared, "copies": copies, "block_nbytes": block_nbytes}
 

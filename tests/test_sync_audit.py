@@ -389,16 +389,9 @@ def _forget_retired(self, destination):
 
 @pytest.mark.gpu
 def test_an_eviction_retires_its_buffer(device):
-    """component.py:Residency._evict -> DeviceStorage.retire()."""
+    """component.py:Residency._leave_device -> transport.retire(buffer)."""
     audit(lambda point: evict_then_overwrite(device, point),
-          lambda patch: remove_call(patch, DeviceStorage, "retire", "_leave_device"))
-
-
-@pytest.mark.gpu
-def test_device_storage_retire_forwards_to_the_transport(device):
-    """memory.py:DeviceStorage.retire -> transport.retire(buffer)."""
-    audit(lambda point: evict_then_overwrite(device, point),
-          lambda patch: remove_call(patch, AcceleratorTransport, "retire", "retire"))
+          lambda patch: remove_call(patch, AcceleratorTransport, "retire", "_leave_device"))
 
 
 @pytest.mark.gpu
@@ -418,9 +411,10 @@ def test_a_copy_into_a_retired_buffer_waits(device):
 
 @pytest.mark.gpu
 def test_a_slot_is_not_overwritten_under_the_block_that_read_it(device):
-    """Layer mode: BlockStream._evict -> Residency._evict -> DeviceStorage.retire() of the slot."""
+    """Layer mode: BlockStream._evict -> SlotPlacement.evict -> Residency._evict ->
+    transport.retire(slot buffer)."""
     audit(lambda point: evict_then_overwrite(device, point, layers=True),
-          lambda patch: remove_call(patch, DeviceStorage, "retire", "_leave_device"))
+          lambda patch: remove_call(patch, AcceleratorTransport, "retire", "_leave_device"))
 
 
 # -- a fresh buffer: its first copy waits for compute queued before its allocation ----------------
@@ -491,14 +485,14 @@ def edit_then_read_master(device, point, *, detect_edits: bool, hold: str) -> No
 
 @pytest.mark.gpu
 def test_the_host_waits_for_written_back_chunks(device):
-    """component.py:Residency._copy_to_master -> to_host(...).synchronize(), for chunks."""
+    """write_back.py:_copy_to_master -> to_host(...).synchronize(), for chunks."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=True, hold="copy"),
           lambda patch: remove_call(patch, Completion, "synchronize", "_copy_to_master"))
 
 
 @pytest.mark.gpu
 def test_the_host_waits_for_written_back_tensors(device):
-    """component.py:Residency._copy_to_master -> to_host(...).synchronize(), for tensors."""
+    """write_back.py:_copy_to_master -> to_host(...).synchronize(), for tensors."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=False, hold="copy"),
           lambda patch: remove_call(patch, Completion, "synchronize", "_copy_to_master"))
 
@@ -681,9 +675,9 @@ def test_every_test_the_table_names_exists():
 # -- a replaced tensor: its comparison is read after the kernel that made it -----------------------
 
 def _flags_without_waiting(pairs):
-    """component._same_bytes as it would be if its read did not wait for the comparison: the
+    """write_back._same_bytes as it would be if its read did not wait for the comparison: the
     host sees what the flag memory held before (here an earlier answer, "same")."""
-    from residency.engine.component import _as_bytes
+    from residency.engine.write_back import _as_bytes
 
     flags = torch.stack([(_as_bytes(a) == _as_bytes(b)).all() for a, b in pairs])
     on_host = torch.ones(flags.shape, dtype=torch.bool, pin_memory=True)
@@ -693,8 +687,8 @@ def _flags_without_waiting(pairs):
 
 @pytest.mark.gpu
 def test_a_replaced_tensor_is_compared_after_it_was_made(device):
-    """component.py:_same_bytes -> .tolist() (an implicit host wait)."""
-    from residency.engine import component
+    """write_back.py:_same_bytes -> .tolist() (an implicit host wait)."""
+    from residency.engine import write_back
 
     def scenario(point):
         with groups(device, detect_edits=False) as g:
@@ -703,14 +697,14 @@ def test_a_replaced_tensor_is_compared_after_it_was_made(device):
             torch.accelerator.synchronize()
             weight = g.models["a"][0].weight
             expected = g.host_copies["a"][0].weight.detach() * 2
-            with held_until_host_waits(compute_stream(), component._same_bytes.__code__,
+            with held_until_host_waits(compute_stream(), write_back._same_bytes.__code__,
                                        "_write_back_replaced"), point():
                 with g.scheduler.resident("a"), torch.no_grad():
                     weight.data = weight.data * 2  # new storage, new bytes (queued: not made yet)
                 g.scheduler.offload_all()
             same(weight.detach(), expected, "a's replaced weight in its host master")
 
-    audit(scenario, lambda patch: patch.setattr(component, "_same_bytes", _flags_without_waiting))
+    audit(scenario, lambda patch: patch.setattr(write_back, "_same_bytes", _flags_without_waiting))
 
 
 # -- prefetch: a cancelled copy, an edit during the copy -------------------------------------------
@@ -778,9 +772,11 @@ def test_a_cancelled_prefetch_needs_no_wait_on_the_simulated_device(device):
 
 @pytest.mark.gpu
 def test_a_cancelled_prefetch_needs_no_retire(device):
-    """component.py:Residency._cancel_load -> storage.retire(): not caught (see the table)."""
+    """component.py:Residency._cancel_load -> transport.retire(buffer): not caught (see the
+    table)."""
     audit_not_caught(lambda point: prefetch_then(device, point, then="c"),
-                     lambda patch: remove_call(patch, DeviceStorage, "retire", "_cancel_load"))
+                     lambda patch: remove_call(patch, AcceleratorTransport, "retire",
+                                               "_cancel_load"))
 
 
 # -- releases: the memory goes back to the allocator -----------------------------------------------

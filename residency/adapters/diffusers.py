@@ -222,17 +222,17 @@ def enable_offload(
     if gathered is not None:
         gathered.check_no_cache(owner, components)
         check_transfers_have_ranks(owner, parsed, process_group)
-    plan, roles = _plan(pipe, components, parsed)
+    found, roles = _find_groups(pipe, components, parsed)
     placements = tuple((name, module, _device_of(module)) for name, module in components.items())
     pin_memory = None if parsed.pin_memory else False
     scheduler = build_scheduler(
-        plan, lambda: Scheduler(device, pin_memory=pin_memory, process_group=process_group)
+        found, lambda: Scheduler(device, pin_memory=pin_memory, process_group=process_group)
     )
-    leftovers = _leftovers(owner, plan, roles)
+    leftovers = _leftovers(owner, found, roles)
     if leftovers is not None:
         _log.warning("%s", leftovers)
-    _wrap_groups(_Offload(scheduler, weakref.ref(pipe), placements, gathered), plan)
-    _place_execution_device(scheduler, plan)
+    _wrap_groups(_Offload(scheduler, weakref.ref(pipe), placements, gathered), found)
+    _place_execution_device(scheduler, found)
     return scheduler
 
 
@@ -580,7 +580,7 @@ def _module_components(pipe: object, verb: str) -> dict[str, nn.Module]:
     return components
 
 
-def _plan(
+def _find_groups(
     pipe: object, components: dict[str, nn.Module], config: OffloadConfig
 ) -> tuple[ComponentGroups, dict[str, Role]]:
     """The grouping of `pipe`'s module components, and each one's `Role`."""
@@ -592,17 +592,17 @@ def _plan(
         kinds[role.kind][name] = components[name]
         if role.joins is not None:
             companions.setdefault(role.joins, {})[name] = components[name]
-    plan = group_components(owner, kinds["dit"], kinds["encoder"], kinds["vae"],
+    found = group_components(owner, kinds["dit"], kinds["encoder"], kinds["vae"],
                            kinds["resident"], config, companions=companions, pipeline=pipe)
-    _check_something_offloaded(owner, components, plan, config)
-    return plan, roles
+    _check_something_offloaded(owner, components, found, config)
+    return found, roles
 
 
 def _check_something_offloaded(
-    owner: str, components: dict[str, nn.Module], plan: ComponentGroups, config: OffloadConfig
+    owner: str, components: dict[str, nn.Module], found: ComponentGroups, config: OffloadConfig
 ) -> None:
-    """Refuse a plan without exclusive groups (see [Note: adapter state], "Nothing to find by")."""
-    if plan.exclusive:
+    """Refuse groups found without an exclusive one (see [Note: adapter state], "Nothing to find by")."""
+    if found.exclusive:
         return
     raise ConfigError(
         f"{owner}: the offload config selects {list(config.components)}, which matches none of "
@@ -612,7 +612,7 @@ def _check_something_offloaded(
     )
 
 
-def _leftovers(owner: str, plan: ComponentGroups, roles: Mapping[str, Role]) -> str | None:
+def _leftovers(owner: str, found: ComponentGroups, roles: Mapping[str, Role]) -> str | None:
     """The one line naming the components that stay on the device because no rule placed them."""
     left = [f"{name} ({role.why})" for name, role in roles.items() if role.kind == "resident"]
     if not left:
@@ -636,10 +636,10 @@ def describe(
     """
     parsed = resolve_config(config) or DEFAULT_CONFIG
     components = _module_components(pipe, "describe")
-    plan, roles = _plan(pipe, components, parsed)
-    policies = {name: "exclusive" for name in plan.exclusive} | {
-        name: "resident" for name in plan.resident}
-    groups = {path: group for group, path, _ in plan.members()}
+    found, roles = _find_groups(pipe, components, parsed)
+    policies = {name: "exclusive" for name in found.exclusive} | {
+        name: "resident" for name in found.resident}
+    groups = {path: group for group, path, _ in found.members()}
     rows = [("component", "kind", "group", "policy", "why")] + [
         (name, role.kind, groups[name], policies[groups[name]], role.why)
         for name, role in roles.items()
@@ -649,7 +649,7 @@ def describe(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4]
         for row in rows
     ]
-    notes = [plan.note, _leftovers(type(pipe).__name__, plan, roles)]
+    notes = [found.note, _leftovers(type(pipe).__name__, found, roles)]
     return "\n".join(lines + [f"note: {note}" for note in notes if note])
 
 
@@ -701,7 +701,7 @@ def _device_of(module: nn.Module) -> torch.device:
 # -- entries --------------------------------------------------------------------------------------
 
 
-def _wrap_groups(offload: _Offload, plan: ComponentGroups) -> None:
+def _wrap_groups(offload: _Offload, found: ComponentGroups) -> None:
     """Set a `PhaseEntry` for each entry point of each module of every group.
 
     Each entry wraps what a call runs now: the class's method, or another wrapper already set on
@@ -709,7 +709,7 @@ def _wrap_groups(offload: _Offload, plan: ComponentGroups) -> None:
     through, so entries do not pile up.  Entries of resident-policy groups move no weights;
     they check that the components are still the ones offloaded (`_Offload.check_components`).
     """
-    for group, members in (*plan.exclusive.items(), *plan.resident.items()):
+    for group, members in (*found.exclusive.items(), *found.resident.items()):
         for _, module in members:
             for name in ENTRY_POINTS:
                 if callable(getattr(module, name, None)):
@@ -727,10 +727,10 @@ def _to_device(value, device: torch.device):
     return value
 
 
-def _place_execution_device(scheduler: Scheduler, plan: ComponentGroups) -> None:
+def _place_execution_device(scheduler: Scheduler, found: ComponentGroups) -> None:
     """Make one component sit on the device when none does (see [Note: the execution device])."""
-    if plan.resident:
+    if found.resident:
         return
-    first = ENCODER_GROUP if ENCODER_GROUP in plan.exclusive else next(iter(plan.exclusive))
+    first = ENCODER_GROUP if ENCODER_GROUP in found.exclusive else next(iter(found.exclusive))
     with scheduler.resident(first):  # pipelines encode first: this load is not wasted
         pass

@@ -582,14 +582,12 @@ def _finish(scheduler: Scheduler, *, recorder: PhaseRecorder | None, device: tor
 
 
 def _layer_lines(scheduler: Scheduler) -> list[str]:
-    """A line per layer-mode group: its plans, and what its blocks moved."""
+    """A line per layer-mode group: the blocks each model streams, and what they moved."""
     lines = []
     log = scheduler.block_records
     for name in scheduler:
-        stream = scheduler[name].blocks
-        if stream is None:
-            continue
-        lines += [f"  {line}" for plan in stream.plans for line in plan.describe().splitlines()]
+        lines += [f"  {line}" for stream in scheduler[name].streams
+                  for blocks in stream.model_blocks for line in blocks.describe().splitlines()]
     if lines:
         lines.insert(0, "layer mode:")
         lines.append(f"  block copies: {log.copies} ({format_bytes(log.nbytes)}), through 2 "

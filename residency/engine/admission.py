@@ -2,7 +2,7 @@
 ``remove``, ``close``).
 
     admission.register("dit", (transformer,), Policy.EXCLUSIVE, excluded=(), category="dit",
-                       detect_edits=True, plans=(), sharded=None)
+                       detect_edits=True, model_blocks=(), sharded=None)
     admission.remove(group, "remove")
 
 A registration claims the name, modules and tensors under the lock, packs the host master outside
@@ -19,13 +19,14 @@ import functools
 import threading
 from collections.abc import Iterable
 
-from residency.engine.adoption import Adoption, why_shared
+from residency.engine.adoption import why_shared
 from residency.engine.component import Residency
 from residency.engine.errors import PhaseError, RegistrationError, SchedulerClosedError
 from residency.engine.holds import Holds
 from residency.engine.layers import build_stream, restream, streamed_modules
 from residency.engine.locks import locked
 from residency.engine.packing import Packer
+from residency.engine.plan import Plan
 from residency.engine.placement import Placement
 from residency.engine.records import BlockLog
 from residency.engine.registry import Claim, Registry
@@ -39,10 +40,9 @@ class Admission:
     """Registers and removes the groups of one scheduler (see the module docstring)."""
 
     def __init__(self, lock: threading.RLock, *, registry: Registry, packer: Packer,
-                 placement: Placement, holds: Holds, adoption: Adoption, transport: Transport,
+                 placement: Placement, holds: Holds, transport: Transport,
                  block_records: BlockLog) -> None:
         self._lock = lock
-        self._adoption = adoption
         self._registry = registry
         self._packer = packer
         self._placement = placement
@@ -53,24 +53,28 @@ class Admission:
     def refresh(self, name: str) -> Residency:
         """Withdraw group `name` and register its modules again as they are now (see
         `Scheduler.refresh`); an interrupted refresh is rolled forward once."""
-        old, plans, excluded, aliases = locked(self._lock, self._plan_refresh, name)
+        old, model_blocks, excluded, aliases = locked(self._lock, self._read_for_refresh, name)
         try:
-            return self._refresh(old, plans, excluded, aliases)
+            return self._refresh(old, model_blocks, excluded, aliases)
         except BaseException:  # rolled forward once (see [Note: interrupts] in residency.engine.scheduler)
             if name not in self._registry:
-                self._refresh(old, plans, excluded, aliases)
+                self._refresh(old, model_blocks, excluded, aliases)
             raise
 
-    def register(self, name, roots, policy, excluded, category, detect_edits, plans, sharded,
-                  aliases=()) -> Residency:
-        """Claim, pack and enroll a group (`add`, `refresh`); on any exception, whatever step it
-        reached is undone (see [Note: interrupts] in `residency.engine.scheduler`)."""
-        blocks = tuple(self._packer.inventory((m,), ()) for m in streamed_modules(plans))
-        inventory = self._packer.inventory(roots, excluded, allow_empty=bool(blocks))
-        claim, group = Claim(name, policy, inventory, blocks, sharded), None
+    def register(self, name, roots, policy, excluded, category, detect_edits, model_blocks,
+                 sharded, aliases=()) -> Residency:
+        """Plan, claim, pack and enroll a group (`add`, `refresh`); on any exception, whatever
+        step it reached is undone (see [Note: interrupts] in `residency.engine.scheduler`).
+
+        The plan (`residency.engine.plan`) comes first: it names the parts that are packed."""
+        plan = Plan.for_group(name, policy, model_blocks)
+        streamed = tuple(self._packer.inventory((m,), ()) for m in streamed_modules(model_blocks))
+        inventory = self._packer.inventory(roots, excluded, allow_empty=plan.streams)
+        claim, group = Claim(name, policy, inventory, streamed, sharded), None
         try:
             locked(self._lock, self._reserve, claim)
-            group = self._pack_claimed(claim, roots, excluded, category, detect_edits, plans)
+            group = self._pack_claimed(claim, plan, roots, excluded, category, detect_edits,
+                                       model_blocks)
             return locked(self._lock, self._enroll, group, claim, aliases)
         except BaseException:
             locked(self._lock, self._abandon, claim, group)
@@ -87,11 +91,12 @@ class Admission:
     def _abandon(self, claim: Claim, group: Residency | None) -> None:
         """Undo a registration that did not complete: its claim, the wrappers of its stream."""
         self._registry.release_claim(claim)
-        if group is not None and group.blocks is not None and group not in list(self._registry):
-            group.blocks.close()
+        if group is not None and group not in list(self._registry):
+            for stream in group.streams:
+                stream.close()
 
     def _pack_claimed(
-        self, claim, roots, excluded, category, detect_edits, plans
+        self, claim, plan, roots, excluded, category, detect_edits, model_blocks
     ) -> Residency:
         """Pack a claimed group outside the lock (see [Note: packing outside the lock])."""
         # [Note: packing outside the lock] Building a master of many GiB takes seconds; phases of
@@ -102,19 +107,17 @@ class Admission:
         group = Residency(
             claim.name, roots, claim.policy, claim.inventory, pack(claim.name, claim.inventory),
             self._transport, excluded=excluded, category=category, detect_edits=detect_edits,
-            sharded=sharded,
+            sharded=sharded, plan=plan,
         )
         try:
-            if plans:
-                group.blocks = build_stream(
-                    group, plans, claim.blocks, pack=pack, slots=self._placement.block_slots,
-                    lock=self._lock, log=self._block_records,
-                    adopt=functools.partial(self._adoption.adopt, group),
-                )
+            group.streams = build_stream(
+                group, model_blocks, claim.streamed, pack=pack, slots=self._placement.slots,
+                lock=self._lock, log=self._block_records,
+            )
             return group
         except BaseException:
-            if group.blocks is not None:
-                group.blocks.close()
+            for stream in group.streams:
+                stream.close()
             raise
 
     def _enroll(self, group: Residency, claim: Claim, aliases: Iterable[str]) -> Residency:
@@ -147,16 +150,16 @@ class Admission:
             )
 
 
-    def _plan_refresh(self, name: str) -> tuple:
+    def _read_for_refresh(self, name: str) -> tuple:
         old = self._registry.lookup(name)  # a phase of it refuses the refresh in `remove`
         return (old, *restream(old), self._registry.aliases_of(old))
 
-    def _refresh(self, old: Residency, plans, excluded, aliases) -> Residency:
+    def _refresh(self, old: Residency, model_blocks, excluded, aliases) -> Residency:
         """Withdraw `old` (its edits written back, its tensors on its host master), then register
         its modules again as they are.  Repeatable: each step reads where the last one ended."""
         locked(self._lock, self.remove, old, "refresh")
         return self.register(old.name, old.modules, old.policy, excluded, old.category,
-                              old.detect_edits, plans, old.sharded, aliases)
+                              old.detect_edits, model_blocks, old.sharded, aliases)
 
     def remove(self, group: Residency | str, action: str) -> Residency:
         """Evict `group` (or the group named so) and forget it; refused while a phase of it is

@@ -42,7 +42,7 @@ class Adoption:
 
     def adopt(self, group: Residency, part: Residency | None = None,
               change: str | None = None) -> None:
-        """Re-pack offloaded `group` (or `part`, one of its streamed blocks) if its modules
+        """Re-pack offloaded `group` (or `part`, one of its streamed parts) if its modules
         changed since it was packed; `change` is `pending_change`'s answer when the caller has
         asked already.  Logged once per change."""
         part = group if part is None else part
@@ -50,7 +50,7 @@ class Adoption:
         if change is None:
             return
         inventory = self._packer.inventory(part.modules, part.excluded,
-                                           allow_empty=part is group and group.blocks is not None)
+                                           allow_empty=part is group and group.plan.streams)
         claim = Claim(group.name, group.policy, inventory)
         self._registry.check_claimable(claim, replacing=group)
         need = repacked_claim(group, part, inventory).device_need

@@ -1,16 +1,16 @@
 """Which blocks a model streams in layer mode, in which order, and which are kept (issue 14).
 
-    plan = model_blocks(pipe.transformer, path="transformer", resident_layers=1)
-    plan.lists               # ('transformer_blocks', 'single_transformer_blocks')
-    plan.kept, plan.streamed # Block(path='transformer_blocks.0', ...), the rest in forward order
-    plan.largest_streamed_nbytes   # the largest streamed block (a slot holds it, aligned)
-    print(plan.describe())
+    chosen = model_blocks(pipe.transformer, path="transformer", resident_layers=1)
+    chosen.lists               # ('transformer_blocks', 'single_transformer_blocks')
+    chosen.kept, chosen.streamed  # Block(path='transformer_blocks.0', ...), the rest in forward order
+    chosen.largest_streamed_nbytes   # the largest streamed block (a slot holds it, aligned)
+    print(chosen.describe())
 
     blocks = pipeline_blocks(pipe, {"transformer": t1, "transformer_2": t2},
                                   {"text_encoder": te}, resident_layers=2)
 
 Pure: reads modules (their tables and declared attributes), moves no tensor, sets no attribute,
-logs nothing (``plan.note`` is the line to log).  Placement (slots, prefetch, wrappers) is the
+logs nothing (``chosen.note`` is the line to log).  Placement (slots, prefetch, wrappers) is the
 core's; this file only answers *what* streams.
 
 Where the blocks come from, first match wins (as vLLM-Omni 0.30 reads them, ``offloader/
@@ -34,13 +34,13 @@ offload_plan.py``, ``block_discovery.py``, ``plan_resolver.py``):
    classes held in no such list (HunyuanVideo's ``HunyuanVideoPatchEmbed``) are not streamed.
    When none is in a list, or the lists are spread over several modules (a UNet's
    ``BasicTransformerBlock``s, one short list inside each down and up block, registered in another
-   order than they run), the declaration is not read and the lists are found.  ``plan.note``
+   order than they run), the declaration is not read and the lists are found.  ``chosen.note``
    names ``_repeated_blocks`` as the source.
 4. found (`find_block_lists`): the outermost ModuleLists of repeated blocks (at least 2
    children of one class, all but at most one with identical parameter shapes - T5's first block
    and SD3's last differ), those of one module (the model itself, or e.g. T5's ``encoder``)
    holding at least half the model's parameter bytes, the shallowest such module first.
-   ``plan.note`` says which were chosen.  A UNet has none: its down/up blocks differ in class,
+   ``chosen.note`` says which were chosen.  A UNet has none: its down/up blocks differ in class,
    and its repeated resnets and attentions are spread over several modules, none holding half
    the bytes; it is refused (module mode swaps it whole).  A list of one block is not found
    (nothing repeats): declare it.
@@ -55,16 +55,16 @@ subset, a second CFG pass) stays correct - the core loads any block when it is c
 loses prefetch overlap.
 
 Kept blocks.  ``resident_layers`` keeps the first N blocks of a DiT's own lists on the device.  With
-a plan that declares ``resident_dit_paths``, only those DiTs keep blocks (so Wan2.2's second expert
+an ``_offload_plan`` that declares ``resident_dit_paths``, only those DiTs keep blocks (so Wan2.2's second expert
 is not kept by accident); without one, every DiT given keeps them (vLLM-Omni 0.30 refuses
 ``resident_layers`` without ``resident_dit_paths``: a documented extension).  N larger than the
-number of blocks keeps them all (nothing streams; ``plan.note`` says so), as 0.30 clamps.  One
+number of blocks keeps them all (nothing streams; ``chosen.note`` says so), as 0.30 clamps.  One
 streamed block is accepted (0.30 refuses it when explicit): it simply occupies one slot.
 
 Refused with `ConfigError` (each message says what to do): a declared attribute that does not
 resolve, is not an ``nn.ModuleList``/``nn.Sequential`` or is empty; a block listed twice or inside
 another block; blocks that share bytes with each other or with the rest of the model (tied weights
-cannot stream separately; the tensors are named); a DiT without repeated blocks; a plan whose
+cannot stream separately; the tensors are named); a DiT without repeated blocks; blocks whose
 ``resident_dit_paths`` names none of the DiTs while ``resident_layers`` asks to keep blocks; two
 models claiming one block.  vLLM-Omni 0.30 instead warns and treats a non-iterable module as one
 block; here a declaration that cannot be honoured as written is refused.
@@ -99,7 +99,7 @@ __all__ = [
     "reread_blocks",
 ]
 
-#: Where a plan's block lists came from, in order of precedence.
+#: Where a model's block lists came from, in order of precedence.
 SOURCES = ("offload_plan", "class", "repeated_blocks", "found")
 #: Found lists must hold at least this share of the model's bytes (less saves little).
 MIN_FOUND_SHARE = 0.5
@@ -131,28 +131,28 @@ class Block:
     nbytes: int
 
 
-def _check_plan(plan: ModelBlocks) -> None:
-    if plan.source not in SOURCES:
-        raise ConfigError(f"ModelBlocks source {plan.source!r}; accepted are {SOURCES}")
-    if not plan.blocks or not plan.lists:
-        raise ConfigError(f"a ModelBlocks for {plan.model_path!r} needs at least one block list")
-    if not 0 <= plan.kept_count <= plan.own_count <= len(plan.blocks):
+def _check_blocks(chosen: ModelBlocks) -> None:
+    if chosen.source not in SOURCES:
+        raise ConfigError(f"ModelBlocks source {chosen.source!r}; accepted are {SOURCES}")
+    if not chosen.blocks or not chosen.lists:
+        raise ConfigError(f"a ModelBlocks for {chosen.model_path!r} needs at least one block list")
+    if not 0 <= chosen.kept_count <= chosen.own_count <= len(chosen.blocks):
         raise ConfigError(
-            f"a ModelBlocks for {plan.model_path!r} keeps {plan.kept_count} of {plan.own_count} "
-            f"own blocks ({len(plan.blocks)} in all); keep between 0 and {plan.own_count}"
+            f"a ModelBlocks for {chosen.model_path!r} keeps {chosen.kept_count} of {chosen.own_count} "
+            f"own blocks ({len(chosen.blocks)} in all); keep between 0 and {chosen.own_count}"
         )
-    if len({id(b.module) for b in plan.blocks}) != len(plan.blocks):
-        raise ConfigError(f"a ModelBlocks for {plan.model_path!r} lists one block twice")
+    if len({id(b.module) for b in chosen.blocks}) != len(chosen.blocks):
+        raise ConfigError(f"a ModelBlocks for {chosen.model_path!r} lists one block twice")
 
 
 @attrs.frozen(kw_only=True)
 class ModelBlocks:
     """What one model streams: its blocks in streaming order, the kept prefix, the resident rest.
 
-        plan = model_blocks(transformer, path="transformer", resident_layers=2)
-        for block in plan.streamed:           # in the order the forward runs them
+        chosen = model_blocks(transformer, path="transformer", resident_layers=2)
+        for block in chosen.streamed:           # in the order the forward runs them
             ...
-        plan.largest_streamed_nbytes           # the largest streamed block, unaligned
+        chosen.largest_streamed_nbytes           # the largest streamed block, unaligned
 
     The group's resident part while its phase is active is everything outside the blocks
     (`outside_nbytes`) plus the kept blocks; each streamed block has a host master of its own
@@ -174,7 +174,7 @@ class ModelBlocks:
     kept_count: int
     #: The `lists` that came from ``extra`` (``offload_submodules``: streamed after the model's
     #: own lists, never kept), and the ``resident_layers`` asked for: what `model_blocks` was
-    #: given beyond the model, so the plan can be made again (`reread_blocks`).
+    #: given beyond the model, so the choice can be made again (`reread_blocks`).
     extra_lists: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     resident_layers: int = 0
     #: Bytes of every tensor outside the blocks (the resident part), tied ones once.
@@ -183,7 +183,7 @@ class ModelBlocks:
     note: str | None = None
 
     def __attrs_post_init__(self) -> None:
-        _check_plan(self)
+        _check_blocks(self)
 
     @property
     def kept(self) -> tuple[Block, ...]:
@@ -223,7 +223,7 @@ class ModelBlocks:
     def describe(self) -> str:
         """A few lines for the main job's table: source, counts, bytes, the slot's block.
 
-            print(plan.describe())
+            print(chosen.describe())
             # transformer (FluxTransformer2DModel): 5 blocks in transformer_blocks, ...
         """
         largest = self.largest_streamed
@@ -604,8 +604,8 @@ def model_blocks(
     """The blocks `model` streams and keeps: from `declared` lists, its class's declaration
     (vLLM-Omni's, then diffusers' ``_repeated_blocks``), or found.
 
-        plan = model_blocks(transformer, path="transformer", resident_layers=2)
-        plan = model_blocks(dit, declared=["gen_layers"])   # an _offload_plan's block_attrs
+        chosen = model_blocks(transformer, path="transformer", resident_layers=2)
+        chosen = model_blocks(dit, declared=["gen_layers"])   # an _offload_plan's block_attrs
 
     `extra` names further lists streamed after the model's own (``offload_submodules``: a
     child's "context_encoder.layers"); they are never kept.  `resident_layers` larger than the
@@ -635,16 +635,16 @@ def model_blocks(
     )
 
 
-def reread_blocks(plan: ModelBlocks) -> ModelBlocks:
-    """`plan` made again from the model as it is now, with what it was made from: the same
+def reread_blocks(chosen: ModelBlocks) -> ModelBlocks:
+    """`chosen` made again from the model as it is now, with what it was made from: the same
     declared lists (or the class's, or found again), the same extra lists and ``resident_layers``.
 
-        plan = reread_blocks(plan)    # a block replaced in its list is the plan's block now
+        chosen = reread_blocks(chosen)    # a block replaced in its list is chosen now
     """
-    own = plan.lists[: len(plan.lists) - len(plan.extra_lists)]
-    return model_blocks(plan.model, path=plan.model_path,
-                       declared=own if plan.source == "offload_plan" else None,
-                       extra=plan.extra_lists, resident_layers=plan.resident_layers)
+    own = chosen.lists[: len(chosen.lists) - len(chosen.extra_lists)]
+    return model_blocks(chosen.model, path=chosen.model_path,
+                       declared=own if chosen.source == "offload_plan" else None,
+                       extra=chosen.extra_lists, resident_layers=chosen.resident_layers)
 
 
 #: `model_blocks` by the name it had before "plan" kept one meaning (where each part of a group
@@ -667,7 +667,7 @@ def _proxy(mapping: Mapping) -> Mapping:
 
 @attrs.frozen(kw_only=True)
 class PipelineBlocks:
-    """Block plans for a pipeline's DiTs and encoders, and the encoders swapped whole.
+    """The blocks of a pipeline's DiTs and encoders, and the encoders swapped whole.
 
         blocks = pipeline_blocks(pipe, dits, encoders, resident_layers=1)
         blocks.dits["transformer"].streamed
@@ -676,9 +676,9 @@ class PipelineBlocks:
     """
 
     owner: str
-    #: DiT path -> its plan, in the order given.
+    #: DiT path -> its blocks, in the order given.
     dits: Mapping[str, ModelBlocks] = attrs.field(converter=_proxy, hash=False)
-    #: Encoder path -> its plan, for encoders that stream.
+    #: Encoder path -> its blocks, for encoders that stream.
     encoders: Mapping[str, ModelBlocks] = attrs.field(converter=_proxy, hash=False)
     #: Encoder path -> why it is swapped whole instead.
     whole: Mapping[str, str] = attrs.field(converter=_proxy, hash=False)
@@ -687,23 +687,23 @@ class PipelineBlocks:
 
     def __attrs_post_init__(self) -> None:
         owners: dict[int, str] = {}
-        for plan in (*self.dits.values(), *self.encoders.values()):
-            for block in plan.blocks:
-                other = owners.setdefault(id(block.module), f"{plan.model_path}.{block.path}")
-                if other != f"{plan.model_path}.{block.path}":
+        for chosen in (*self.dits.values(), *self.encoders.values()):
+            for block in chosen.blocks:
+                other = owners.setdefault(id(block.module), f"{chosen.model_path}.{block.path}")
+                if other != f"{chosen.model_path}.{block.path}":
                     raise ConfigError(
-                        f"{self.owner}: the block {plan.model_path}.{block.path} is also "
+                        f"{self.owner}: the block {chosen.model_path}.{block.path} is also "
                         f"{other}; declare one owner for each block list"
                     )
 
     def describe(self) -> str:
-        lines = [plan.describe() for plan in (*self.dits.values(), *self.encoders.values())]
+        lines = [chosen.describe() for chosen in (*self.dits.values(), *self.encoders.values())]
         lines += [f"{path}: swapped whole ({why})" for path, why in self.whole.items()]
         return "\n".join(lines)
 
 
-def _plan_field(plan: object, name: str, kind: type, owner: str) -> object:
-    value = getattr(plan, name, None)
+def _declared_field(offload_plan: object, name: str, kind: type, owner: str) -> object:
+    value = getattr(offload_plan, name, None)
     if value is None:
         return kind()
     wanted = Mapping if kind is dict else Collection
@@ -715,8 +715,8 @@ def _plan_field(plan: object, name: str, kind: type, owner: str) -> object:
     return value
 
 
-def _keeping(owner: str, plan: object, dits: Mapping, resident_layers: int) -> tuple[str, ...]:
-    declared = _plan_field(plan, "resident_dit_paths", frozenset, owner)
+def _keeping(owner: str, offload_plan: object, dits: Mapping, resident_layers: int) -> tuple[str, ...]:
+    declared = _declared_field(offload_plan, "resident_dit_paths", frozenset, owner)
     if not declared:
         return tuple(dits)
     keeping = tuple(path for path in dits if path in declared)
@@ -729,18 +729,18 @@ def _keeping(owner: str, plan: object, dits: Mapping, resident_layers: int) -> t
     return keeping
 
 
-def _submodule_lists(owner: str, plan: object, dit: nn.Module) -> tuple[str, ...]:
-    declared = _plan_field(plan, "offload_submodules", dict, owner)
+def _submodule_lists(owner: str, offload_plan: object, dit: nn.Module) -> tuple[str, ...]:
+    declared = _declared_field(offload_plan, "offload_submodules", dict, owner)
     return tuple(f"{child}.{attr}" for child, attr in declared.items() if child in dit._modules)
 
 
-def _encoder_plan(
-    owner: str, plan: object, path: str, encoder: nn.Module
+def _encoder_blocks(
+    owner: str, offload_plan: object, path: str, encoder: nn.Module
 ) -> ModelBlocks | str:
-    """The encoder's plan, or why it is swapped whole (declared lists that fail are refused)."""
-    if path in _plan_field(plan, "on_demand_component_paths", frozenset, owner):
+    """The encoder's offload_plan, or why it is swapped whole (declared lists that fail are refused)."""
+    if path in _declared_field(offload_plan, "on_demand_component_paths", frozenset, owner):
         return "on demand in the pipeline's _offload_plan"
-    declared = _plan_field(plan, "encoder_block_attrs", dict, owner).get(path)
+    declared = _declared_field(offload_plan, "encoder_block_attrs", dict, owner).get(path)
     if declared is not None:
         declared = _declared_attrs(declared, path, f"_offload_plan.encoder_block_attrs[{path!r}]")
         return model_blocks(encoder, path=path, declared=declared)
@@ -760,36 +760,36 @@ def pipeline_blocks(
     resident_layers: int = 0,
     owner: str | None = None,
 ) -> PipelineBlocks:
-    """Block plans for the selected DiTs and encoders of `pipeline` (paths -> modules).
+    """The blocks of the selected DiTs and encoders of `pipeline` (paths -> modules).
 
         blocks = pipeline_blocks(pipe, {"transformer": pipe.transformer,
                                              "transformer_2": pipe.transformer_2},
                                       {"text_encoder": pipe.text_encoder}, resident_layers=2)
 
     Reads the pipeline's ``_offload_plan`` duck-typed (see the module docstring for each field;
-    `pipeline` may be None: no plan).  `owner` names it in messages (default: its class name).
+    `pipeline` may be None: nothing declared).  `owner` names it in messages (default: its class name).
     A DiT must stream (no blocks: `ConfigError`); an encoder streams where its lists are declared
     or found, and is otherwise swapped whole (``blocks.whole`` says why); encoders keep no blocks.
     """
     owner = owner or type(pipeline).__name__
-    plan = getattr(pipeline, "_offload_plan", None)
-    keeping = _keeping(owner, plan, dits, resident_layers)
-    block_attrs = _plan_field(plan, "block_attrs", dict, owner)
-    dit_plans = {}
+    offload_plan = getattr(pipeline, "_offload_plan", None)
+    keeping = _keeping(owner, offload_plan, dits, resident_layers)
+    block_attrs = _declared_field(offload_plan, "block_attrs", dict, owner)
+    dit_blocks = {}
     for path, dit in dits.items():
         declared = block_attrs.get(path)
         if declared is not None:
             declared = _declared_attrs(declared, path, f"_offload_plan.block_attrs[{path!r}]")
-        dit_plans[path] = model_blocks(
-            dit, path=path, declared=declared, extra=_submodule_lists(owner, plan, dit),
+        dit_blocks[path] = model_blocks(
+            dit, path=path, declared=declared, extra=_submodule_lists(owner, offload_plan, dit),
             resident_layers=resident_layers if path in keeping else 0,
         )
-    encoder_plans, whole = {}, {}
+    encoder_blocks, whole = {}, {}
     for path, encoder in encoders.items():
-        result = _encoder_plan(owner, plan, path, encoder)
+        result = _encoder_blocks(owner, offload_plan, path, encoder)
         if isinstance(result, str):
             whole[path] = result
         else:
-            encoder_plans[path] = result
-    return PipelineBlocks(owner=owner, dits=dit_plans, encoders=encoder_plans, whole=whole,
+            encoder_blocks[path] = result
+    return PipelineBlocks(owner=owner, dits=dit_blocks, encoders=encoder_blocks, whole=whole,
                           keeping=keeping if resident_layers else ())

@@ -35,7 +35,8 @@ __all__ = ["DeviceBuffers"]
 
 
 class DeviceBuffers:
-    """The reused device buffers of one scheduler (see the module docstring)."""
+    """The reused device buffers of one scheduler (see the module docstring).  Which of them a
+    group uses is its plan's `Plan.mode`: a phase holds its mode's buffers only."""
 
     def __init__(self, transport: Transport) -> None:
         self.exclusive = (DeviceStorage(transport), DeviceStorage(transport))
@@ -43,6 +44,10 @@ class DeviceBuffers:
         self.layer = DeviceStorage(transport)
         #: Every buffer above, for the walks over all of them.
         self.all = (*self.exclusive, self.layer, *self.block_slots)
+        #: Each plan mode's buffers: the ones its own part loads into (a second for a prefetch
+        #: beside the current group; layer mode prefetches no group), then the rest it uses.
+        self._own = {"module": self.exclusive, "layer": (self.layer,)}
+        self._of_mode = {"module": self.exclusive, "layer": (self.layer, *self.block_slots)}
 
     @property
     def nbytes(self) -> int:
@@ -50,25 +55,24 @@ class DeviceBuffers:
         return sum(storage.nbytes for storage in self.all)
 
     def free_for(self, group: Residency, current: Residency | None) -> DeviceStorage:
-        """The buffer `group` should load into: the layer buffer in layer mode, else its last
-        exclusive buffer unless `current` uses it."""
-        if group.blocks is not None:
-            return self.layer
+        """The buffer `group`'s own part should load into: the last of its mode's buffers it
+        loaded into, unless `current` uses that one."""
+        own = self._own[group.plan.mode]
         occupied = current.device_storage if current is not None else None
-        first, second = self.exclusive
-        last = group.device_storage if group.device_storage in self.exclusive else first
+        last = group.device_storage if group.device_storage in own else own[0]
         if last is not occupied:
             return last
-        return second if occupied is first else first
+        return next(storage for storage in own if storage is not occupied)
 
     def make_room(self, group: Residency) -> DeviceStorage:
-        """Free the buffers of the mode `group` is not in (see [Note: layer mode holds no buffer
+        """Free the buffers of the modes `group` is not in (see [Note: layer mode holds no buffer
         sized for another group]); returns the buffer it loads into while no group is current
         (`free_for`)."""
-        others = (self.layer, *self.block_slots) if group.blocks is None else self.exclusive
-        for storage in others:
-            if storage.buffer is not None:
-                storage.release()
+        for mode, storages in self._of_mode.items():
+            if mode != group.plan.mode:
+                for storage in storages:
+                    if storage.buffer is not None:
+                        storage.release()
         return self.free_for(group, None)
 
     def forget(self, group: Residency) -> None:
@@ -82,15 +86,13 @@ class DeviceBuffers:
             storage.release()
 
     def size_for(self, groups: Iterable[Residency]) -> None:
-        """Size the buffers for the largest exclusive group of each mode, so that each is
-        allocated once."""
+        """Size each mode's buffers for the largest own part of the exclusive groups of that
+        mode, and the slots for the largest streamed part, so that each is allocated once."""
         groups = [g for g in groups if g.exclusive]
-        modules = [g for g in groups if g.blocks is None]
-        layers = [g for g in groups if g.blocks is not None]
-        for storage in self.exclusive:
-            storage.size_hint = max((g.inventory.layout.contiguous_nbytes for g in modules),
-                                    default=0)
-        self.layer.size_hint = max((g.inventory.layout.contiguous_nbytes for g in layers),
-                                   default=0)
+        for mode, own in self._own.items():
+            largest = max((g.inventory.layout.contiguous_nbytes for g in groups
+                           if g.plan.mode == mode), default=0)
+            for storage in own:
+                storage.size_hint = largest
         for slot in self.block_slots:
-            slot.size_hint = max((g.blocks.slot_nbytes for g in layers), default=0)
+            slot.size_hint = max((s.slot_nbytes for g in groups for s in g.streams), default=0)

@@ -38,10 +38,12 @@ Fields (every one guarded by the scheduler lock; `Holds` is their one mutator):
 * ``closed``: set by `close`; then no hold is granted and waiters raise.  The scheduler's one
   closed flag: the facade reads it to refuse its verbs.
 
-Calls go down from here: when a thread's turn comes, the holds ask the placement to make its group
-current (`Placement.switch_to`); they read ``placement.current`` and call nothing above them.
 * ``_queue``: tickets of threads waiting for a group, oldest first.  Invariant: a thread waits on
   at most one ticket and holds nothing while it waits.
+
+Calls go down from here: when a thread's turn comes, the holds ask the placement to make its group
+current (`Placement.switch_to`); they read ``placement.current``, ask the registry whether a phase's
+group is still registered, and call nothing above them.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from residency.engine.enums import PhaseStatus
 from residency.engine.errors import DeadlockError, PhaseError, SchedulerClosedError
 from residency.engine.locks import CHECKING, check_held
 from residency.engine.placement import Placement
+from residency.engine.registry import Registry
 
 __all__ = ["Holds", "ThreadHolds", "Ticket"]
 
@@ -106,6 +109,7 @@ class Holds:
         self,
         lock: threading.RLock,
         placement: Placement,
+        registry: Registry,
         *,
         wait_timeout: float | None,
     ) -> None:
@@ -113,6 +117,8 @@ class Holds:
         #: Makes a group current when a thread's turn comes; its ``current`` is the group a
         #: hold may join.
         self._placement = placement
+        #: Asked whether a phase's group is still registered (a phase may outlive its group).
+        self._registry = registry
         #: Waiters sleep here; the same lock.
         self._wakeup = threading.Condition(lock)
         self.wait_timeout = wait_timeout
@@ -135,6 +141,10 @@ class Holds:
 
     def holders(self) -> list[threading.Thread]:
         return [t for t, e in self._threads.items() if e.held is not None]
+
+    def __iter__(self) -> Iterator[ThreadHolds]:
+        """Every thread's entry (a copy of the table: for inspection and tests)."""
+        return iter(list(self._threads.values()))
 
     def has_holders(self) -> bool:
         return self._holder_count > 0
@@ -166,40 +176,33 @@ class Holds:
         self._threads[entry.thread] = entry
         return phase.group
 
-    def try_join(self, phase) -> ThreadHolds | None:
-        """Open `phase` at once when that needs no swap and no wait; else return the calling
-        thread's entry (for the facade's slow path), changing nothing.
+    def join(self, phase) -> Residency:
+        """Open `phase`; returns its group.
 
-        At once: re-entry of the group the thread holds, or a thread holding nothing joining the
-        current group while nobody is queued.  This is every phase of a denoising loop after the
-        first: a dict lookup and a list append under the lock, no tensor work.
+        At once when that needs no swap and no wait: re-entry of the group the thread holds, or
+        a thread holding nothing joining the current group while nobody is queued.  This is
+        every phase of a denoising loop after the first: a dict lookup and a list append under
+        the lock, no tensor work.  Else the group must still be registered (the phase may be
+        older than a ``remove``), the thread takes the hold the group needs (waiting for the
+        turn, and having the placement swap it in), then the frame is pushed.  A phase of a
+        resident-policy group needs what the thread's innermost phase needs.  If the swap fails,
+        the thread takes its previous group back and nothing is opened.
         """
         if CHECKING:
             check_held(self._lock)
         entry = getattr(self._local, "entry", None) or self._local_entry()
         group, held = phase.group, entry.held
-        if held is not group:  # (a held group is exclusive)
-            if held is not None or self._queue or group is not self._placement.current \
-                    or not group.exclusive:
-                return entry
-            self._holder_count += 1
-            entry.held = group
-            self._threads[entry.thread] = entry
-        entry.frames.append((phase, group))
-        phase.status = _ACTIVE
-        return None
-
-    def enter(self, entry: ThreadHolds, phase) -> Residency:
-        """Open `phase` when `try_join` could not: take the hold its group needs (waiting for the
-        turn, and having the placement swap it in), then push the frame; returns its group.
-
-        A phase of a resident-policy group needs what the thread's innermost phase needs.  If
-        the swap fails, the thread takes its previous group back and nothing is opened.
-        """
-        if CHECKING:
-            check_held(self._lock)
+        if held is group or (held is None and not self._queue and group.exclusive
+                             and group is self._placement.current):  # (a held group is exclusive)
+            if held is None:
+                self._holder_count += 1
+                entry.held = group
+                self._threads[entry.thread] = entry
+            entry.frames.append((phase, group))
+            phase.status = _ACTIVE
+            return group
+        self._registry.check_registered(group)
         self.collect_abandoned()
-        group = phase.group
         needs = group if group.exclusive else entry.needs()
         if needs is not entry.held:
             self.move(entry, needs, restore_on_failure=True)
@@ -221,7 +224,7 @@ class Holds:
             self._drop_hold(entry)
             return None
         needs = self.pop(entry, phase)
-        if frames and self._drop_abandoned(entry):
+        if frames and _drop_abandoned(entry):
             needs = entry.needs()
         if needs is entry.held:
             self.forget_if_idle(entry)
@@ -244,24 +247,13 @@ class Holds:
             check_held(self._lock)
         frames = entry.frames
         if not frames or frames[-1][0] is not phase:  # unless phases inside were abandoned
-            if not (self._drop_abandoned(entry) and frames and frames[-1][0] is phase):
-                self._refuse_exit(entry, phase)
+            if not (_drop_abandoned(entry) and frames and frames[-1][0] is phase):
+                _refuse_exit(entry, phase)
         frames.pop()
         phase.status = PhaseStatus.EXITED
         while frames and frames[-1][0].status is PhaseStatus.LEAVING:
             frames.pop()[0].status = PhaseStatus.EXITED_LATE
         return frames[-1][1] if frames else None
-
-    def _refuse_exit(self, entry: ThreadHolds, phase) -> None:
-        depth = _depth_of(entry, phase)
-        if depth != len(entry.frames) - 1:
-            phase.status = PhaseStatus.LEAVING
-            inner = ", ".join(repr(p.group.name) for p, _ in entry.frames[depth + 1 :])
-            raise PhaseError(
-                f"the phase of {phase.group.name!r} was left while phases inside it are still "
-                f"active ({inner}); it will close when they are left. Use `with`, and leave "
-                "phases in the reverse order of entering them"
-            )
 
     def collect_abandoned(self) -> None:
         """Close every phase whose ``with`` statement has ended without a completed exit (an
@@ -273,19 +265,8 @@ class Holds:
         for entry in list(self._threads.values()):
             if not entry.thread.is_alive():  # a thread that ended inside: `DeadlockError`
                 continue
-            if self._drop_abandoned(entry) and not entry.frames and entry.held is not None:
+            if _drop_abandoned(entry) and not entry.frames and entry.held is not None:
                 self._drop_hold(entry)
-
-    def _drop_abandoned(self, entry: ThreadHolds) -> bool:
-        dropped = {id(frame): frame for frame in entry.frames if _abandoned(frame)}
-        if not dropped:
-            return False
-        entry.frames[:] = [frame for frame in entry.frames if id(frame) not in dropped]
-        for frame in dropped.values():
-            frame[0].status = PhaseStatus.EXITED
-            _log.info("closed an abandoned phase of %r on thread %r (its `with` ended without "
-                      "a completed exit: interrupted)", frame[0].group.name, entry.thread.name)
-        return True
 
     def settle(self, phase) -> None:
         """After an entry or exit of `phase` on this thread stopped half-way (see [Note:
@@ -300,7 +281,7 @@ class Holds:
         frames = entry.frames
         if frames and frames[-1][0] is phase:
             frames.pop()
-        self._drop_abandoned(entry)
+        _drop_abandoned(entry)
         if phase.status is _ACTIVE or phase.status is PhaseStatus.NEW:
             phase.status = PhaseStatus.EXITED
         while frames and frames[-1][0].status is PhaseStatus.LEAVING:
@@ -354,10 +335,6 @@ class Holds:
         if self._queue and not self._holder_count:
             self._wakeup.notify_all()
 
-    def may_join(self, group: Residency, current: Residency | None) -> bool:
-        """Whether a thread may hold `group` at once: it is current and nobody waits."""
-        return group is current and not self._queue
-
     # -- waiting -----------------------------------------------------------------------------
 
     def enqueue(self, ticket: Ticket) -> None:
@@ -404,7 +381,7 @@ class Holds:
         self._wakeup.notify_all()
 
     def _acquire(self, entry: ThreadHolds, group: Residency) -> None:
-        if self.may_join(group, self._placement.current):
+        if group is self._placement.current and not self._queue:  # at once: nobody waits
             self.take(entry, group)
             return
         ticket = Ticket(group, entry.thread)
@@ -424,14 +401,8 @@ class Holds:
         try:
             self._acquire(entry, previous)
         except BaseException as restore_error:  # the first error is the one to report
-            note = (
-                f"residency: group {previous.name!r} could not be made resident again "
-                f"({restore_error!r}); the enclosing phase runs without it"
-            )
-            if hasattr(error, "add_note"):  # Python 3.11+
-                error.add_note(note)
-            else:
-                _log.error(note)
+            _add_note(error, f"residency: group {previous.name!r} could not be made resident "
+                             f"again ({restore_error!r}); the enclosing phase runs without it")
 
     def _wait_for_turn(self, ticket: Ticket) -> None:
         """Sleep until `ticket` may join the current group or swap it out (first come, first
@@ -439,18 +410,14 @@ class Holds:
         deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
         while not self._may_proceed(ticket, self._placement.current):
             if self.closed:
-                raise SchedulerClosedError(
-                    "the scheduler was closed while this phase waited for its group; create a new "
-                    "Scheduler and add the modules again to keep offloading"
-                )
+                raise _closed_while_waiting()
             self.collect_abandoned()
             self._release_dead_holders(ticket.group, self._placement.current)
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlockError(
                     f"waited {self.wait_timeout} s for group {ticket.group.name!r}: "
                     f"{self.describe_holders(self._placement.current)}. Leave phases promptly, or "
-                    "raise wait_timeout"
-                )
+                    "raise wait_timeout")
             self._wakeup.wait(_DEAD_HOLDER_POLL)
 
     def _may_proceed(self, ticket: Ticket, current: Residency | None) -> bool:
@@ -474,15 +441,57 @@ class Holds:
         for thread in dead:
             del self._threads[thread]
         self._holder_count -= len(dead)
-        names = ", ".join(repr(t.name) for t in dead)
-        raise DeadlockError(
-            f"group {wanted.name!r} waited on group {current.name if current else None!r}, held "
-            f"by phases of thread(s) {names} that ended without leaving them; those holds are now "
-            "released. Leave every phase on the thread that entered it (use `with`)"
+        raise _dead_holders(wanted, current, dead)
+
+
+def _closed_while_waiting() -> SchedulerClosedError:
+    return SchedulerClosedError(
+        "the scheduler was closed while this phase waited for its group; create a new "
+        "Scheduler and add the modules again to keep offloading"
+    )
+
+
+def _dead_holders(wanted: Residency, current: Residency | None, dead) -> DeadlockError:
+    names = ", ".join(repr(t.name) for t in dead)
+    return DeadlockError(
+        f"group {wanted.name!r} waited on group {current.name if current else None!r}, held "
+        f"by phases of thread(s) {names} that ended without leaving them; those holds are now "
+        "released. Leave every phase on the thread that entered it (use `with`)"
+    )
+
+
+def _refuse_exit(entry: ThreadHolds, phase) -> None:
+    """Refuse leaving `phase` (see [Note: misnested exits]): it is not open on this thread, or
+    phases inside it are still open (then it is marked LEAVING)."""
+    depth = _depth_of(entry, phase)
+    if depth != len(entry.frames) - 1:
+        phase.status = PhaseStatus.LEAVING
+        inner = ", ".join(repr(p.group.name) for p, _ in entry.frames[depth + 1 :])
+        raise PhaseError(
+            f"the phase of {phase.group.name!r} was left while phases inside it are still "
+            f"active ({inner}); it will close when they are left. Use `with`, and leave "
+            "phases in the reverse order of entering them"
         )
 
-    def __iter__(self) -> Iterator[ThreadHolds]:
-        return iter(list(self._threads.values()))
+
+def _drop_abandoned(entry: ThreadHolds) -> bool:
+    """Close `entry`'s abandoned frames (see `Holds.collect_abandoned`); whether there were any."""
+    dropped = {id(frame): frame for frame in entry.frames if _abandoned(frame)}
+    if not dropped:
+        return False
+    entry.frames[:] = [frame for frame in entry.frames if id(frame) not in dropped]
+    for frame in dropped.values():
+        frame[0].status = PhaseStatus.EXITED
+        _log.info("closed an abandoned phase of %r on thread %r (its `with` ended without "
+                  "a completed exit: interrupted)", frame[0].group.name, entry.thread.name)
+    return True
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(note)
+    else:
+        _log.error(note)
 
 
 def _abandoned(frame: tuple) -> bool:

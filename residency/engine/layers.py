@@ -6,15 +6,17 @@
         for block in group.layers():                         # the explicit form, same streaming
             hidden = block(hidden)
 
-Which blocks stream is `residency.engine.blocks`'s answer (a `ModelBlocks`); this file is *how*.  A
-layer-mode group is one `Residency` for everything outside the streamed blocks (the kept blocks
-included: loaded at the phase's start, evicted at its end, as in module mode) and one small
-`Residency` per streamed block with its own host master.  `BlockStream` owns the block
-residencies and moves them through the two slots the placement lends it.
+Which blocks stream is `residency.engine.blocks`'s answer (a `ModelBlocks`), and the group's plan
+(`residency.engine.plan`) names them as its streamed parts; this file is *when*.  A layer-mode
+group is one `Residency` for its own part, everything outside the streamed blocks (the kept blocks
+included: loaded at the phase's start, evicted at its end, as in module mode), and one small
+`Residency` per streamed part with its own host master.  `BlockStream` owns the parts and decides
+which goes into which of the two slots and when; the slots' placement
+(`residency.engine.slots.SlotPlacement`) carries each move out.
 
 [Note: what is on the device in layer mode]
 While the group is current: the outside part, then at most two streamed blocks, one per slot
-(`Placement.block_slots`, each sized for the largest block and allocated once per run of layer
+(`DeviceBuffers.block_slots`, each sized for the largest block and allocated once per run of layer
 phases).  Entering block i's forward waits for its copy (or loads it on demand) and issues the
 copy of the next block in streaming order into the other slot on the copy stream, so that copy
 overlaps block i's compute; leaving block i evicts it (its slot is retired: the next copy into it
@@ -70,23 +72,25 @@ from residency.engine.enums import Policy, ResidencyState
 from residency.engine.errors import PhaseError, RegistrationError
 from residency.engine.instance_wrappers import InstanceWrapper, unreachable
 from residency.engine.locks import in_context, locked
-from residency.engine.memory import DeviceStorage, HostMaster
+from residency.engine.memory import HostMaster
 from residency.engine.records import BlockLog
+from residency.engine.slots import SlotPlacement
 from residency.engine.tensors import Inventory
 
-__all__ = ["BlockStream", "as_block_plans", "build_stream", "restream", "streamed_modules"]
+__all__ = ["BlockStream", "as_model_blocks", "build_stream", "restream", "streamed_modules"]
 
 _OFFLOADED, _LOADING, _RESIDENT = (
     ResidencyState.OFFLOADED, ResidencyState.LOADING, ResidencyState.RESIDENT,
 )
 
 
-def as_block_plans(
+def as_model_blocks(
     name: str, roots: Sequence[nn.Module], layers: object, policy: Policy
 ) -> tuple[ModelBlocks, ...]:
-    """`Scheduler.add`'s ``layers=``: False -> (), True -> each root's plan, else the plans given.
+    """`Scheduler.add`'s ``layers=``: False -> (), True -> each root's `ModelBlocks`, else the
+    `ModelBlocks` given.
 
-        as_block_plans("transformer", (dit,), True, Policy.EXCLUSIVE)   # (model_blocks(dit),)
+        as_model_blocks("transformer", (dit,), True, Policy.EXCLUSIVE)   # (model_blocks(dit),)
     """
     if layers is False or layers is None:
         return ()
@@ -99,85 +103,90 @@ def as_block_plans(
     if layers is True:
         return tuple(model_blocks(root) for root in roots)
     if isinstance(layers, ModelBlocks):
-        plans = (layers,)
+        given = (layers,)
     elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)):
-        plans = tuple(layers)
+        given = tuple(layers)
     else:
-        plans = (layers,)
+        given = (layers,)
     inside = {id(m) for root in roots for m in root.modules()}
-    for plan in plans:
-        if not isinstance(plan, ModelBlocks):
+    for blocks in given:
+        if not isinstance(blocks, ModelBlocks):
             raise RegistrationError(
-                f"group {name!r}: layers={layers!r}; give True (plan each module's blocks) or "
+                f"group {name!r}: layers={layers!r}; give True (find each module's blocks) or "
                 "ModelBlocks from residency.model_blocks(model, resident_layers=...)"
             )
-        if id(plan.model) not in inside:
+        if id(blocks.model) not in inside:
             raise RegistrationError(
-                f"group {name!r}: the ModelBlocks for {plan.model_path!r} is of a model outside "
-                "the group's modules; plan the modules you add"
+                f"group {name!r}: the ModelBlocks for {blocks.model_path!r} is of a model outside "
+                "the group's modules; give the blocks of the modules you add"
             )
-    return plans
+    return given
 
 
-def streamed_modules(plans: Sequence[ModelBlocks]) -> tuple[nn.Module, ...]:
-    """The modules of every streamed block of `plans`, in streaming order."""
-    return tuple(block.module for plan in plans for block in plan.streamed)
+def streamed_modules(given: Sequence[ModelBlocks]) -> tuple[nn.Module, ...]:
+    """The modules of every streamed block of `given`, in streaming order."""
+    return tuple(block.module for blocks in given for block in blocks.streamed)
 
 
 def restream(group: Residency) -> tuple[tuple[ModelBlocks, ...], tuple[nn.Module, ...]]:
-    """The block plans and the excluded modules `group` is re-registered with (``refresh``):
-    each plan made again (`residency.engine.blocks.reread_blocks`), so a block replaced in its list streams in
+    """The `ModelBlocks` and the excluded modules `group` is re-registered with (``refresh``):
+    each made again (`residency.engine.blocks.reread_blocks`), so a block replaced in its list streams in
     its place."""
-    if group.blocks is None:
-        return (), group.excluded
-    before = {id(m) for m in streamed_modules(group.blocks.plans)}
-    plans = tuple(reread_blocks(plan) for plan in group.blocks.plans)
+    given = tuple(blocks for stream in group.streams for blocks in stream.model_blocks)
+    before = {id(m) for m in streamed_modules(given)}
+    model_blocks = tuple(reread_blocks(blocks) for blocks in given)
     excluded = tuple(m for m in group.excluded if id(m) not in before)
-    return plans, excluded + streamed_modules(plans)
+    return model_blocks, excluded + streamed_modules(model_blocks)
 
 
 def build_stream(
     group: Residency,
-    plans: tuple[ModelBlocks, ...],
+    model_blocks: tuple[ModelBlocks, ...],
     inventories: Sequence[Inventory],
     *,
     pack: Callable[[str, Inventory], HostMaster],
-    slots: tuple[DeviceStorage, DeviceStorage],
+    slots: SlotPlacement,
     lock: threading.RLock,
     log: BlockLog,
-    adopt: Callable[[Residency], None],
-) -> BlockStream:
-    """Pack each streamed block of `group` into its own host master (`inventories`: one per
-    streamed block, in order) and make the stream that moves them.
+) -> tuple[BlockStream, ...]:
+    """The streams that carry out `group`'s plan for its streamed parts: one, with each streamed
+    block of `model_blocks` packed into its own host master (`inventories`: one per streamed
+    block, in order); none without `model_blocks` (module mode).  With every block kept the
+    stream has no parts: it only answers `layers`.
 
-    Each block is a `Residency` named "<model path>.<block path>", with the group's category,
-    edit detection and weight transfer (with ``"allgather"`` every block load is split among the
-    node's ranks, as the group's own part is).
+    Each block is a `Residency` named as its part in the plan ("<model path>.<block path>"),
+    with the group's category, edit detection and weight transfer (with ``"allgather"`` every
+    block load is split among the node's ranks, as the group's own part is).
     """
-    streamed = [(plan, block) for plan in plans for block in plan.streamed]
-    blocks = []
-    for (plan, block), inventory in zip(streamed, inventories, strict=True):
-        name = f"{plan.model_path}.{block.path}"
+    if not model_blocks:
+        return ()
+    modules = streamed_modules(model_blocks)
+    parts = []
+    for name, module, inventory in zip(group.plan.streamed, modules, inventories, strict=True):
         master = pack(f"{group.name}[{name}]", inventory)
-        blocks.append(Residency(
-            name, (block.module,), Policy.EXCLUSIVE, inventory, master, group._transport,
+        parts.append(Residency(
+            name, (module,), Policy.EXCLUSIVE, inventory, master, group._transport,
             category=group.category, detect_edits=group.detect_edits, sharded=group.sharded,
         ))
-    return BlockStream(group.name, plans, blocks, slots, lock=lock, log=log, adopt=adopt)
+    return (BlockStream(group, model_blocks, parts, slots, lock=lock, log=log),)
 
 
 class BlockStream:
-    """The streamed blocks of one layer-mode group and their way through the two slots.
+    """The streamed parts of one layer-mode group and their way through the two slots.
 
         stream.start()        # the group became current: park the first block in a slot
         stream.enter(i) ...   # by block i's wrapper, around its forward
         stream.stop()         # the group is evicted: every block back in its master
 
+    The stream decides which block goes into which slot and when; every move is the slots'
+    placement's (`residency.engine.slots.SlotPlacement`): this class calls no transition of a
+    block's `Residency` itself.
+
     Fields (guarded by the scheduler lock; this object is their one mutator):
 
     * ``_occupant``: the block index each slot holds (LOADING or RESIDENT in it), or None.
       Invariant: a block is LOADING or RESIDENT exactly when it is some slot's occupant, and its
-      ``device_storage`` (once RESIDENT) is that slot.
+      ``device_target`` is that slot.
     * ``_running``: the forwards inside a block now, over all threads: token -> block index (at
       most two blocks: one per slot).  A block leaves its slot when its last forward ends.  The
       token `enter` hands out is what `exit` takes back, once: an exit repeated after an
@@ -190,31 +199,31 @@ class BlockStream:
 
     def __init__(
         self,
-        name: str,
-        plans: tuple[ModelBlocks, ...],
-        blocks: list[Residency],
-        slots: tuple[DeviceStorage, DeviceStorage],
+        group: Residency,
+        model_blocks: tuple[ModelBlocks, ...],
+        parts: list[Residency],
+        slots: SlotPlacement,
         *,
         lock: threading.RLock,
         log: BlockLog,
-        adopt: Callable[[Residency], None],
     ) -> None:
-        self.name = name
-        self.plans = plans
-        #: One Residency per streamed block, in streaming order.
-        self.blocks = blocks
+        self.group = group
+        self.name = group.name
+        #: What each model streams (made again by ``refresh``: `restream`).
+        self.model_blocks = model_blocks
+        #: One Residency per streamed part, in streaming order (the plan's streamed parts).
+        self.parts = parts
         self._slots = slots
         self._lock = lock
         self._log = log
-        self._adopt = adopt
         self._occupant: list[int | None] = [None, None]
         self._running: dict[object, int] = {}
         self._suspended: dict[object, int] = {}
         self.active = False
         self._wrappers: list[_BlockForward] = []
         try:
-            for index, block in enumerate(blocks):
-                self._wrappers.append(_BlockForward(self, index, block.modules[0]))
+            for index, part in enumerate(parts):
+                self._wrappers.append(_BlockForward(self, index, part.modules[0]))
                 self._wrappers[-1].install()
         except BaseException:  # none left behind (see [Note: interrupts] in residency.engine.scheduler)
             for wrapper in self._wrappers:
@@ -222,18 +231,22 @@ class BlockStream:
             raise
 
     def __repr__(self) -> str:
-        return f"<BlockStream {self.name!r}: {len(self.blocks)} blocks, active={self.active}>"
+        return f"<BlockStream {self.name!r}: {len(self.parts)} blocks, active={self.active}>"
 
     @property
     def slot_nbytes(self) -> int:
         """Bytes one slot must hold: the largest streamed block's laid-out bytes (whole shards,
         when the node's ranks all-gather each block)."""
-        sharded = self.blocks[0].sharded if self.blocks else None
-        return slot_nbytes((block.inventory for block in self.blocks), sharded)
+        return slot_nbytes((part.inventory for part in self.parts), self.group.sharded)
 
     def layers(self) -> tuple[nn.Module, ...]:
-        """Every planned block (kept and streamed), in the order the model runs them."""
-        return tuple(block.module for plan in self.plans for block in plan.blocks)
+        """Every block of the models (kept and streamed), in the order the model runs them."""
+        return tuple(block.module for blocks in self.model_blocks for block in blocks.blocks)
+
+    def describe_outside(self, own: Inventory) -> str:
+        """For the group's repr: what its own part (`own`) holds outside the streamed blocks."""
+        return (f"; outside its {len(self.parts)} streamed blocks {own.tensor_count} tensors, "
+                f"{own.nbytes / 2**20:.1f} MiB")
 
     # -- the group's phase -----------------------------------------------------------------------
 
@@ -247,32 +260,33 @@ class BlockStream:
         suspended, self._suspended = self._suspended, {}
         self._running.update(suspended)
         for index in sorted(set(suspended.values())):
-            if self.blocks[index].state is _OFFLOADED:
+            if self.parts[index].state is _OFFLOADED:
                 self._load_on_demand(index)
-            elif self.blocks[index].state is _LOADING:
+            elif self.parts[index].state is _LOADING:
                 self._park(index)
-        if self.blocks:
+        if self.parts:
             self._prefetch(0)
-            if self.blocks[0].state is _LOADING:
+            if self.parts[0].state is _LOADING:
                 self._park(0)
 
     def stop(self, *, repack: bool = True) -> int:
         """The group leaves the device: every block back in its master; returns bytes written.
 
-        If an eviction fails (a write-back refused on a shared master), the stream stays active,
-        as the group stays resident.  Forwards still inside a block (a nested phase of another
-        group) are remembered for `start`.  A block re-typed in its slot is re-packed at once,
-        unless `repack` is False (the group is being removed: its tensors stay as the user made
-        them, as a removed module-mode group's do).
+        If an eviction fails (a write-back refused on a shared master), the error propagates
+        with the stream still active; the placement's `settle` then runs it exactly when its
+        group is current.  Forwards still inside a block (a nested phase of another group) are
+        remembered for `start`.  A block re-typed in its slot is re-packed at once, unless
+        `repack` is False (the group is being removed: its tensors stay as the user made them,
+        as a removed module-mode group's do).
         """
         written = 0
         for slot, index in enumerate(self._occupant):
             if index is None:
                 continue
-            block = self.blocks[index]
-            if block.state is _LOADING:
+            part = self.parts[index]
+            if part.state is _LOADING:
                 self._cancel(index)
-            elif block.state is _RESIDENT:
+            elif part.state is _RESIDENT:
                 written += self._evict(index, slot, repack=repack)
         self.active = False
         self._suspended.update(self._running)
@@ -292,12 +306,12 @@ class BlockStream:
         """Mark each slot with the block whose state says it is there (see [Note: a slot's
         occupant is written before a move and cleared by its failure])."""
         for slot, index in enumerate(self._occupant):
-            if index is not None and self.blocks[index].state is _OFFLOADED:
+            if index is not None and self.parts[index].state is _OFFLOADED:
                 self._occupant[slot] = None
-        for index, block in enumerate(self.blocks):
-            if block.state is not _OFFLOADED and index not in self._occupant:
-                storage = block.device_storage if block.is_resident else block._pending.storage
-                self._occupant[self._slots.index(storage)] = index
+        for index, part in enumerate(self.parts):
+            slot = self._slots.slot_of(part)
+            if slot is not None and index not in self._occupant:
+                self._occupant[slot] = index
 
     def rewrap(self) -> None:
         """Set a block's forward again where another library dropped it: a wrapper set below
@@ -318,9 +332,7 @@ class BlockStream:
         self._suspended.clear()
         for wrapper in self._wrappers:
             wrapper.remove()
-        for slot in self._slots:
-            for block in self.blocks:
-                slot.forget(block)
+        self._slots.forget(self.parts)
 
     # -- around one block's forward (called by its wrapper) --------------------------------------
 
@@ -332,14 +344,14 @@ class BlockStream:
     def _enter(self, index: int) -> object | None:
         if not self.active:
             return None
-        block, token = self.blocks[index], object()
+        part, token = self.parts[index], object()
         try:
-            if block.state is _LOADING:
+            if part.state is _LOADING:
                 self._park(index)
-            if block.state is _OFFLOADED:  # not prefetched, or its copy abandoned at parking
+            if part.state is _OFFLOADED:  # not prefetched, or its copy abandoned at parking
                 self._load_on_demand(index)
             self._running[token] = index
-            self._prefetch((index + 1) % len(self.blocks))
+            self._prefetch((index + 1) % len(self.parts))
             self._record(index, "compute", self._slot_of(index), 0)
             return token
         except BaseException:  # the forward will not run, so no exit will come
@@ -360,74 +372,61 @@ class BlockStream:
         try:
             slot = self._slot_of(index)
             if index not in self._running.values() and slot is not None \
-                    and self.blocks[index].state is _RESIDENT:
+                    and self.parts[index].state is _RESIDENT:
                 self._evict(index, slot)
-            following = (index + 1) % len(self.blocks)
-            if self.blocks[following].state is _LOADING:
+            following = (index + 1) % len(self.parts)
+            if self.parts[following].state is _LOADING:
                 self._park(following)
         except BaseException:  # the block stays in its slot, or leaves it: either is sound
             self._match_slots()
             raise
 
-    # -- moves -----------------------------------------------------------------------------------
+    # -- moves (each carried out by the slots' placement) ----------------------------------------
     # [Note: a slot's occupant is written before a move and cleared by its failure]
     # A copy is issued only into a slot already marked as the block's, and a failed move (its
     # load cancelled, its eviction refused half-way) clears the mark before the error goes on, so
     # "a block is LOADING or RESIDENT exactly when it occupies a slot" survives any exception.
 
     def _prefetch(self, index: int) -> None:
-        """Issue block `index`'s copy into a slot no running block uses (if it needs one).
-
-        Edits made to the block's master before it is parked (by the running block's forward)
-        are copied again then (`watch_edits`), or copied in when the tensor got new storage.
-        The pointer pass is parking's, not this: parking sees every tensor given new storage
-        since the block's last eviction, before or after this copy (one pass per load).
-        """
-        block = self.blocks[index]
-        if block.state is not _OFFLOADED or block.inventory.changed_structure() is not None:
+        """Issue block `index`'s copy into a slot no running block uses (if it needs one and
+        may have one: `SlotPlacement.may_prefetch`)."""
+        if not self._slots.may_prefetch(self.parts[index]):
             return
         slot = self._free_slot()
         if slot is None:
             return
         self._occupant[slot] = index
         try:
-            nbytes = block._begin_load(self._slots[slot], watch_edits=True, replaced=[])
+            nbytes = self._slots.prefetch(self.parts[index], slot)
         except BaseException:
             self._occupant[slot] = None
             raise
         self._record(index, "prefetch", slot, nbytes)
 
     def _park(self, index: int) -> None:
-        """Finish block `index`'s copy: its tensors now view its slot (see [Note: keeping every
-        edit in layer mode]).  A block given another dtype or shape while its copy was under way
-        (by the running block's forward) is not parked: the copy is abandoned, and the block is
-        re-packed and loaded when it is entered."""
-        block = self.blocks[index]
-        replaced = block.replaced_on_host()
-        if block.misfit_change(replaced) is not None:
-            self._cancel(index)
-            return
+        """Finish block `index`'s copy (see [Note: keeping every edit in layer mode]); an
+        abandoned copy (`SlotPlacement.park`) frees its slot, and the block loads at its entry."""
         try:
-            block._finish_load(replaced=replaced)
+            parked = self._slots.park(self.parts[index])
         except BaseException:  # the load was cancelled: the block is back on its master
             self._vacate(index)
             raise
+        if not parked:
+            self._vacate(index)
 
     def _cancel(self, index: int) -> None:
         """Abandon block `index`'s copy; its slot is free whether or not that succeeds."""
         try:
-            self.blocks[index]._cancel_load()
+            self._slots.cancel(self.parts[index])
         finally:
             self._vacate(index)
 
     def _load_on_demand(self, index: int) -> None:
         """Block `index` was not prefetched (run out of order): load it now."""
-        block = self.blocks[index]
-        self._adopt(block)
         slot = self._free_slot()
         if slot is None:
             raise PhaseError(
-                f"group {self.name!r}: block {self.blocks[index].name} was called while two other "
+                f"group {self.name!r}: block {self.parts[index].name} was called while two other "
                 f"blocks ({self._describe_running()}) were running, nested in each other's "
                 "forwards or on other threads; layer mode streams through two slots, so at most "
                 "two blocks run at once. Run the blocks one after another, or register the group "
@@ -435,22 +434,20 @@ class BlockStream:
             )
         self._occupant[slot] = index
         try:
-            nbytes = block._load(self._slots[slot])
+            nbytes = self._slots.load(self.group, self.parts[index], slot)
         except BaseException:
             self._occupant[slot] = None
             raise
         self._record(index, "load", slot, nbytes)
 
     def _evict(self, index: int, slot: int, *, repack: bool = True) -> int:
-        block = self.blocks[index]
+        part = self.parts[index]
         try:
-            written = block._evict()
+            written = self._slots.evict(self.group, part, repack=repack)
         finally:  # evicted, or refused with the block still RESIDENT (then it keeps its slot)
-            if block.state is not _RESIDENT:
+            if part.state is not _RESIDENT:
                 self._occupant[slot] = None
         self._record(index, "evict", slot, written)
-        if block.left_misfits and repack:  # re-typed in its slot: re-pack it (views its master)
-            self._adopt(block)
         return written
 
     def _free_slot(self) -> int | None:
@@ -465,7 +462,7 @@ class BlockStream:
             return None
         slot = candidates[0]
         held = self._occupant[slot]
-        if self.blocks[held].state is _LOADING:
+        if self.parts[held].state is _LOADING:
             self._cancel(held)
         else:
             self._evict(held, slot)
@@ -480,10 +477,10 @@ class BlockStream:
         return next((s for s, held in enumerate(self._occupant) if held == index), None)
 
     def _describe_running(self) -> str:
-        return ", ".join(self.blocks[i].name for i in sorted(set(self._running.values())))
+        return ", ".join(self.parts[i].name for i in sorted(set(self._running.values())))
 
     def _record(self, index: int, kind: str, slot: int, nbytes: int) -> None:
-        self._log.add(self.name, self.blocks[index].name, index, kind, slot, nbytes)
+        self._log.add(self.name, self.parts[index].name, index, kind, slot, nbytes)
 
 
 class _BlockForward(InstanceWrapper):
@@ -496,7 +493,7 @@ class _BlockForward(InstanceWrapper):
     def __init__(self, stream: BlockStream, index: int, module: nn.Module) -> None:
         super().__init__(module, "forward", stream)
         self._index = index
-        self._range = f"residency::block {stream.name}.{stream.blocks[index].name}"
+        self._range = f"residency::block {stream.name}.{stream.parts[index].name}"
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # traced by torch.compile: see _enter

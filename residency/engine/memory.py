@@ -198,10 +198,17 @@ class DeviceStorage:
             self._view_count += len(views)
         return views
 
-    def views_and_pointers(self, key: object, inventory: Inventory):
-        """`views_for`, with the views' data pointers (plain ints: holding them keeps no memory
-        alive): what a load re-points to, and where it finds ``.data = ...`` at eviction."""
-        return self.views_for(key, inventory), self._pointers[key]
+    def prepare_load(self, key: object, inventory: Inventory, master: HostMaster, nbytes: int):
+        """Everything a load of `master` (laid out as `inventory`) into this storage needs, in
+        one call: a buffer of at least `nbytes` (`prepare`), the views the tensors will be
+        re-pointed to, their data pointers (plain ints: holding them keeps no memory alive;
+        where eviction finds ``.data = ...``), and the (device slice, host chunk) copies.
+
+            views, pointers, copies = storage.prepare_load(group, inventory, master, nbytes)
+        """
+        self.prepare(nbytes)
+        views = self.views_for(key, inventory)
+        return views, self._pointers[key], master.chunk_copies(self.buffer, inventory)
 
     def forget(self, key: object) -> None:
         """Drop the views made for `key` (a group that was unregistered or re-packed)."""
@@ -209,11 +216,6 @@ class DeviceStorage:
         self._pointers.pop(key, None)
         if views is not None:
             self._view_count -= len(views)
-
-    def retire(self) -> None:
-        """Mark that compute has stopped reading the buffer (the next copy into it waits for it)."""
-        if self.buffer is not None:
-            self._transport.retire(self.buffer)
 
     def release(self) -> None:
         """Drop the buffer and every view of it (memory returns once no tensor uses it)."""

@@ -1,8 +1,13 @@
 """Placement: which groups' bytes are on the device, in which storage, and how a switch happens.
 
-The one answer to "what is on the device?".  It owns the device storages and carries out every
-phase change (evict the current exclusive group, load the next, write the record), so the next
-placement policies (layer mode's block slots, multi-rank's sharded copies) plug in here.
+The one answer to "what is on the device?".  It carries out every group's plan
+(`residency.engine.plan`) at every phase change: the swapped own part of the current exclusive
+group is evicted and the next one's loaded into its mode's buffer, the streams of both are stopped
+and started, a kept own part was loaded at registration; then the record is written.  Streamed
+parts move through the block slots by the slots' placement (`residency.engine.slots`), which this
+object owns and lends to every stream.  No branch here asks which mode a group is in: the plan's
+answers (`Plan.mode`, `Plan.prefetchable`, `Plan.own`) and the group's streams (none when nothing
+streams) carry every plan out the same way.
 
 Fields (every one guarded by the scheduler lock; `Placement` is their one mutator):
 
@@ -16,7 +21,8 @@ Fields (every one guarded by the scheduler lock; `Placement` is their one mutato
   only the current group's stream has blocks in the block slots.
 
 Calls go down from here: to the groups (their transitions), to their streams, to `Adoption` (a
-changed group is re-packed) and to the buffers; nothing here calls the facade or the holds.
+changed group is re-packed), to the slots' placement and to the buffers; nothing here calls the
+facade or the holds.
 
 Which storage a group's tensors view is the group's own fact (`Residency.device_storage`, written
 when a load finishes); placement reads it to choose a buffer.
@@ -38,7 +44,9 @@ from residency.engine.enums import Policy, ResidencyState
 from residency.engine.errors import DeviceMemoryError
 from residency.engine.locks import CHECKING, check_held, in_context
 from residency.engine.memory import DeviceStorage
+from residency.engine.plan import Where
 from residency.engine.records import TransitionLog, TransitionRecord
+from residency.engine.slots import SlotPlacement
 from residency.engine.transport import Transport
 
 __all__ = ["Placement"]
@@ -64,18 +72,22 @@ class Placement:
         self._lock = lock
         self._transport = transport
         self.device = device
-        self.device_memory_limit = adoption.device_memory_limit
         self._buffers = buffers
         self._adoption = adoption
         #: The scheduler's log: appended to here (under the lock); it has its own lock for readers.
         self._transitions = transitions
-        #: Layer mode's slots (lent to each layer-mode group's stream).
-        self.block_slots = buffers.block_slots
+        #: The placement of streamed parts in the block slots (lent to every group's stream).
+        self.slots = SlotPlacement(buffers.block_slots, adoption)
         self._planned: list[Residency] = []  # guarded by the lock
         self.current: Residency | None = None  # guarded by the lock
         self.prefetched: Residency | None = None  # guarded by the lock
 
     # -- queries --------------------------------------------------------------------------------
+
+    @property
+    def device_memory_limit(self) -> int | None:
+        """The scheduler's device budget (`Adoption`'s, which checks it), or None."""
+        return self._adoption.device_memory_limit
 
     @property
     def device_nbytes(self) -> int:
@@ -96,13 +108,14 @@ class Placement:
     # -- admitting and withdrawing groups --------------------------------------------------------
 
     def admit(self, group: Residency) -> None:
-        """Plan a place for a newly registered group; an always-resident group is loaded now.
+        """Take a newly registered group's plan: a kept own part (policy 'resident') is loaded
+        now, into a storage of its own; a swapped one waits for its phase.
 
         If that load fails the group is not admitted and the error propagates.
         """
         if CHECKING:
             check_held(self._lock)
-        if group.exclusive:
+        if group.plan.own.where is not Where.KEPT:
             self._planned.append(group)
             self._buffers.size_for(self._planned)
             return
@@ -131,8 +144,8 @@ class Placement:
         self.cancel_prefetch()
         if evict and group.is_resident:
             self._evict(group, repack=False)
-        if group.blocks is not None:
-            group.blocks.close()
+        for stream in group.streams:
+            stream.close()
         if self.current is group:
             self.current = None
         self._buffers.forget(group)
@@ -175,7 +188,7 @@ class Placement:
             storage = self._make_room(group)
             replaced = self._adopt_before_load(group)
             nbytes = in_context(record_function(f"residency::load {group.name}"),
-                                self._load_and_stream, group, storage, replaced)
+                                self._load_parts, group, storage, replaced)
             self.current = group
         self._record(previous, group, nbytes, written, start, evicted)
 
@@ -208,8 +221,8 @@ class Placement:
         resident = [g for g in candidates if g.is_resident]
         self.current = resident[0] if resident else None
         for group in candidates:
-            if group.blocks is not None:
-                group.blocks.settle(running=group is self.current)
+            for stream in group.streams:
+                stream.settle(running=group is self.current)
 
     def prefetch(self, group: Residency) -> bool:
         """Start copying exclusive `group` beside the current one when there is room (see
@@ -223,14 +236,12 @@ class Placement:
             raise
 
     def _prefetch(self, group: Residency) -> bool:
-        if not group.exclusive or group is self.current or group is self.prefetched:
+        if not group.plan.prefetchable or group is self.current or group is self.prefetched:
             return False
         change, replaced = group.changes_on_host()
         if change is not None:  # re-packed at its phase, not beside another
             return False
         if group.sharded is not None:  # its load is collective: at the phase, on every rank
-            return False
-        if group.blocks is not None:  # see [Note: layer mode holds no buffer sized for another]
             return False
         if not self._room_for_prefetch(group):
             return False
@@ -271,18 +282,16 @@ class Placement:
             check_held(self._lock)
         self._buffers.free_all()
 
-    # -- layer mode ------------------------------------------------------------------------------
+    # -- a group's parts --------------------------------------------------------------------------
 
-    def _load_and_stream(self, group: Residency, storage: DeviceStorage,
-                         replaced: list[int]) -> int:
-        """Load `group` (into `storage`, unless prefetched); a layer-mode group's blocks then
-        start streaming.  If that fails (no device memory for a slot), the group is evicted
-        again and the error propagates."""
+    def _load_parts(self, group: Residency, storage: DeviceStorage, replaced: list[int]) -> int:
+        """Load `group`'s own part (into `storage`, unless prefetched), then start its streams.
+        If a stream cannot start (no device memory for a slot), the group is evicted again and
+        the error propagates."""
         nbytes = self._load(group, storage, replaced)
-        if group.blocks is None:
-            return nbytes
         try:
-            group.blocks.start()
+            for stream in group.streams:
+                stream.start()
             return nbytes
         except BaseException:
             if group.is_resident:
@@ -290,22 +299,20 @@ class Placement:
             raise
 
     def _evict(self, group: Residency, *, repack: bool = True) -> int:
-        """Evict a resident group, its streamed blocks first (re-packing one re-typed in its
-        slot, unless `repack` is False: the group is being withdrawn); returns bytes written."""
-        written = group.blocks.stop(repack=repack) if group.blocks is not None else 0
-        try:
-            return written + group._evict()
-        except BaseException:  # the group stays resident (a refused write-back): so do its blocks
-            if group.blocks is not None:
-                group.blocks.start()
-            raise
+        """Evict a resident group: its stream's parts first (re-packing one re-typed in its slot,
+        unless `repack` is False: the group is being withdrawn), then its own part; returns bytes
+        written.  If the own part's eviction is refused (a write-back on a shared master), the
+        group stays resident and the caller's `settle` starts its stream again."""
+        written = sum(stream.stop(repack=repack) for stream in group.streams)
+        return written + group._evict()
 
     def _make_room(self, group: Residency) -> DeviceStorage:
-        """Free the buffers of the mode `group` is not in (see [Note: layer mode holds no buffer
-        sized for another group] in `residency.engine.buffers`); returns the buffer it loads into
-        (called with no group current)."""
-        if group.blocks is not None and self.prefetched is not group:
-            self.cancel_prefetch()  # a module-mode copy may be under way into them
+        """Free the buffers of the modes `group` is not in (see [Note: layer mode holds no buffer
+        sized for another group] in `residency.engine.buffers`), cancelling a prefetch into them
+        first; returns the buffer it loads into (called with no group current)."""
+        prefetched = self.prefetched
+        if prefetched is not None and prefetched.plan.mode != group.plan.mode:
+            self.cancel_prefetch()
         return self._buffers.make_room(group)
 
     # -- helpers ---------------------------------------------------------------------------------

@@ -65,30 +65,28 @@ class Claim:
     name: str
     policy: Policy
     inventory: Inventory
-    #: Layer mode: each streamed block's inventory (outside `inventory`).
-    blocks: tuple[Inventory, ...] = ()
+    #: Layer mode: each streamed part's inventory (outside `inventory`).
+    streamed: tuple[Inventory, ...] = ()
     #: How its loads split among the node's ranks (``weight_transfer="allgather"``), or None.
     sharded: ShardedLoad | None = None
 
     @property
     def inventories(self) -> tuple[Inventory, ...]:
         """Everything the group will own (as `Residency.inventories`)."""
-        return (self.inventory, *self.blocks)
+        return (self.inventory, *self.streamed)
 
     @property
     def device_need(self) -> int:
         """Device bytes the group will need while current (as `Residency.device_need`)."""
-        return device_need(self.inventory, self.blocks, self.sharded)
+        return device_need(self.inventory, self.streamed, self.sharded)
 
 
 def repacked_claim(group: Residency, part: Residency, inventory: Inventory) -> Claim:
-    """`group` as it will be once `part` (the group itself, or one of its streamed blocks) is
+    """`group` as it will be once `part` (the group itself, or one of its streamed parts) is
     re-packed from `inventory`: what the device budget is checked against."""
-    blocks = () if group.blocks is None else tuple(
-        inventory if block is part else block.inventory for block in group.blocks.blocks
-    )
+    streamed = tuple(inventory if other is part else other.inventory for other in group.parts)
     own = inventory if part is group else group.inventory
-    return Claim(group.name, group.policy, own, blocks, group.sharded)
+    return Claim(group.name, group.policy, own, streamed, group.sharded)
 
 
 def owned_modules(owner: Residency | Claim) -> list[nn.Module]:

@@ -64,7 +64,7 @@ from residency.vllm_omni.discovery import scheduler_from_pipeline
 from residency.engine.enums import PhaseStatus, Policy
 from residency.engine.errors import PhaseError
 from residency.engine.holds import Holds
-from residency.engine.layers import as_block_plans, streamed_modules
+from residency.engine.layers import as_model_blocks, streamed_modules
 from residency.engine.locks import locked, new_lock
 from residency.engine.no_offload import NoOffload
 from residency.multirank.node import node_view
@@ -186,16 +186,15 @@ class Scheduler:
         self._lock = new_lock()
         self._registry = Registry(self._lock, owner_label=f"<Scheduler on {self.device}>")
         buffers = DeviceBuffers(self._transport)
-        self._adoption = Adoption(self._packer, self._registry, buffers,
-                                  device_memory_limit=device_memory_limit)
+        adoption = Adoption(self._packer, self._registry, buffers,
+                            device_memory_limit=device_memory_limit)
         self._placement = Placement(self._lock, self._transport, device=self.device,
-                                    buffers=buffers, adoption=self._adoption,
+                                    buffers=buffers, adoption=adoption,
                                     transitions=self.transitions)
-        self._holds = Holds(self._lock, self._placement, wait_timeout=wait_timeout)
+        self._holds = Holds(self._lock, self._placement, self._registry, wait_timeout=wait_timeout)
         self._admission = Admission(self._lock, registry=self._registry, packer=self._packer,
                                     placement=self._placement, holds=self._holds,
-                                    adoption=self._adoption, transport=self._transport,
-                                    block_records=self.block_records)
+                                    transport=self._transport, block_records=self.block_records)
         #: Agreement of the node's ranks on collective loads (``weight_transfer="allgather"``).
         self._ledger = None if self._packer.node is None else PhaseLedger(self._packer.node.group)
         if not self.pin_memory:
@@ -275,10 +274,10 @@ class Scheduler:
         check_flag("detect_edits", detect_edits)
         sharded = sharded_load(self._packer.node, self._ledger, name, weight_transfer)
         roots = as_modules(name, modules)
-        plans = as_block_plans(name, roots, layers, policy)
-        excluded = as_excluded(name, exclude, roots) + streamed_modules(plans)
+        given = as_model_blocks(name, roots, layers, policy)
+        excluded = as_excluded(name, exclude, roots) + streamed_modules(given)
         return self._admission.register(name, roots, policy, excluded, category, detect_edits,
-                                        plans, sharded)
+                                        given, sharded)
 
     def alias(self, path: str, name: str) -> None:
         """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline).
@@ -429,13 +428,9 @@ class Scheduler:
     def _enter(self, phase: Phase) -> Residency:
         if self._holds.closed:
             check_open(True)
-        if phase.group.blocks is not None:
-            phase.group.blocks.rewrap()
-        entry = self._holds.try_join(phase)
-        if entry is None:  # joined at once: no tensor work
-            return phase.group
-        self._registry.check_registered(phase.group)
-        return self._holds.enter(entry, phase)
+        for stream in phase.group.streams:
+            stream.rewrap()
+        return self._holds.join(phase)
 
     def _exit(self, phase: Phase) -> None:
         self._holds.leave(phase)

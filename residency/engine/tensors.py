@@ -285,6 +285,48 @@ class Inventory:
         wanted = set(regions)
         return [i for i, p in enumerate(self.places) if p.region in wanted]
 
+    def changes_while_resident(self, pointers: list[int], homes: Sequence[torch.Tensor]):
+        """What an eviction reads of the tensors, in one call: each one's version counter, which
+        were given new storage since `pointers` were taken (`moved_from`), and which of those no
+        longer fit their places `homes` (`misfits`)."""
+        moved = moved_from(self.tensors, pointers)
+        return versions(self.tensors), moved, self.misfits(homes, moved) if moved else []
+
+    def changes_while_offloaded(self, pointers: list[int], homes: Sequence[torch.Tensor]):
+        """What a load reads of the modules and tensors, in one call: why the group must be
+        re-packed first (the modules' structure changed, or a tensor given new storage no longer
+        fits its place in `homes`; None: it may load as packed), and which tensors were given
+        new storage since `pointers` were taken."""
+        moved = moved_from(self.tensors, pointers)
+        why = self.changed_structure()
+        if why is None and moved:
+            why = self.describe_misfit(self.misfits(homes, moved))
+        return why, moved
+
+    def misfits(self, homes: Sequence[torch.Tensor], replaced: list[int]) -> list[tuple[int, str]]:
+        """(index, why) of the tensors `replaced` (given new storage) whose bytes cannot go back
+        to their places `homes` (the master's views).
+
+        A new dtype, shape or stride needs a new layout; new storage for one of several tensors
+        that shared a storage broke the tie, and writing it back would change the others.
+        """
+        found = []
+        for i in replaced:
+            tensor, home = self.tensors[i], homes[i]
+            if (tensor.dtype, tensor.shape, tensor.stride()) != (home.dtype, home.shape, home.stride()):
+                found.append((i, f"it changed from {_kind(home)} to {_kind(tensor)}"))
+            elif self.shares_region(i):
+                found.append((i, "it was given new storage, untying it from the tensors it "
+                                 "shared storage with"))
+        return found
+
+    def describe_misfit(self, misfits: list[tuple[int, str]]) -> str | None:
+        """The first of `misfits` in words (why the group must be re-packed), or None."""
+        if not misfits:
+            return None
+        index, why = misfits[0]
+        return f"the {self.slots[index][0].describe()}: {why}"
+
     def changed_structure(self) -> str | None:
         """Describe how the modules changed since registration; None if they did not.
 
@@ -460,6 +502,19 @@ def repoint_group(inventory: Inventory, views: Sequence[torch.Tensor]) -> None:
     collections.deque(map(_set_data, inventory.tensors, views), maxlen=0)
     if inventory.wrappers is not None:
         inventory.wrappers.follow(views[0].device)
+
+
+def _kind(tensor: torch.Tensor) -> str:
+    return f"{tensor.dtype} {tuple(tensor.shape)} strides {tensor.stride()}"
+
+
+def moved_from(tensors: Sequence[torch.Tensor], pointers: list[int]) -> list[int]:
+    """Indices of the tensors whose data pointer is no longer the one in `pointers` (given new
+    storage: ``.data = ...``, ``module.to(...)``), in order; one pass over the pointers."""
+    now = data_ptrs(tensors)
+    if now == pointers:
+        return []
+    return [i for i, p in enumerate(now) if p != pointers[i]]
 
 
 def versions(tensors: Sequence[torch.Tensor]) -> list[int]:

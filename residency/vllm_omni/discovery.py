@@ -132,9 +132,9 @@ def _proxy(mapping: Mapping) -> Mapping:
 class ComponentGroups:
     """Which groups a pipeline's modules form: group name -> its members ((path, module) pairs).
 
-        plan = group_components("MyPipeline", dits, encoders, vaes, residents, config)
-        register_groups(scheduler, plan)
-        with scheduler.resident(next(iter(plan.exclusive))):
+        found = group_components("MyPipeline", dits, encoders, vaes, residents, config)
+        register_groups(scheduler, found)
+        with scheduler.resident(next(iter(found.exclusive))):
             ...
 
     A group's modules are the outermost of its members (a member nested in another member of the
@@ -174,7 +174,7 @@ class ComponentGroups:
     def groups(self) -> Iterator[tuple[str, Policy, tuple[nn.Module, ...], tuple[nn.Module, ...]]]:
         """(name, policy, modules, excluded) of every group: exclusive groups first.
 
-            for name, policy, modules, excluded in plan.groups():
+            for name, policy, modules, excluded in found.groups():
                 scheduler.add(name, modules, policy=policy, exclude=excluded)
         """
         for policy, table in ((Policy.EXCLUSIVE, self.exclusive), (Policy.RESIDENT, self.resident)):
@@ -218,7 +218,7 @@ def group_components(
 
     `config` None means offloading is off: every category is planned resident (for `NoOffload`).
 
-        plan = group_components("WanPipeline", {"transformer": t1, "transformer_2": t2},
+        found = group_components("WanPipeline", {"transformer": t1, "transformer_2": t2},
                                {"text_encoder": te}, {"vae": vae}, {}, config)
 
     `companions` maps a DiT's path to modules that run inside each of its steps (a ControlNet):
@@ -229,7 +229,7 @@ def group_components(
     Pure: reads the modules, changes nothing.  Raises `ConfigError` (naming `owner_name` and the
     path) for layer mode, a module listed twice, a module nested inside a listed module of another
     group (outside the subtrees that group leaves out), split-model parts that do not resolve or
-    contain each other.  A pipeline with no DiT or no encoder is accepted: ``plan.note`` says what
+    contain each other.  A pipeline with no DiT or no encoder is accepted: ``found.note`` says what
     offloading does for it (`stage_note`).
     """
     selected: set[str] = set()
@@ -247,16 +247,16 @@ def group_components(
         builder.add(VAE_GROUP, _policy("vae", selected), vaes.items(), category="vae")
     for path, module in residents.items():
         builder.add(path, Policy.RESIDENT, [(path, module)])
-    plan = builder.build()
+    found = builder.build()
     return attrs.evolve(
-        plan, note=stage_note(plan, dits, encoders, selected),
-        blocks=layer_blocks(plan, config, pipeline, dits, encoders),
-        weight_transfers=_weight_transfers(plan, config, pipeline, encoders),
+        found, note=stage_note(found, dits, encoders, selected),
+        blocks=layer_blocks(found, config, pipeline, dits, encoders),
+        weight_transfers=_weight_transfers(found, config, pipeline, encoders),
     )
 
 
 def layer_blocks(
-    plan: ComponentGroups,
+    found: ComponentGroups,
     config: OffloadConfig | None,
     pipeline: object,
     dits: Mapping[str, nn.Module],
@@ -266,10 +266,10 @@ def layer_blocks(
 
     Each selected DiT streams its blocks (`residency.engine.blocks.pipeline_blocks`: declared by
     the pipeline's ``_offload_plan`` or the class - vLLM-Omni's declaration, then diffusers'
-    ``_repeated_blocks`` - else found, each plan's source logged at INFO; ``resident_layers``
+    ``_repeated_blocks`` - else found, each model's blocks' source logged at INFO; ``resident_layers``
     keeps leading blocks); a selected encoder streams where its blocks are declared or found and
     is otherwise swapped whole with the rest of the encoder group (vLLM-Omni 0.30 refuses a
-    selected text encoder without a declared plan: an extension).  A split model's parts are
+    selected text encoder without declared blocks: an extension).  A split model's parts are
     refused.
     """
     if config is None or config.mode != "layer":
@@ -279,17 +279,17 @@ def layer_blocks(
     for path, dit in streamed_dits.items():
         if split_parts(dit):
             raise ConfigError(
-                f"{plan.owner}: {path!r} is a split model ({', '.join(split_parts(dit))}); layer "
+                f"{found.owner}: {path!r} is a split model ({', '.join(split_parts(dit))}); layer "
                 "mode streams the blocks of whole DiTs only. Use \"mode\": \"module\" for it"
             )
     streamed_encoders = dict(encoders) if "text_encoder" in selected else {}
     resident = config.options_for("dit").resident_layers if "dit" in selected else 0
     found = pipeline_blocks(pipeline, streamed_dits, streamed_encoders,
-                                 resident_layers=resident, owner=plan.owner)
+                                 resident_layers=resident, owner=found.owner)
     for path, why in found.whole.items():
-        _log.info("%s: %s is swapped whole in layer mode (%s)", plan.owner, path, why)
+        _log.info("%s: %s is swapped whole in layer mode (%s)", found.owner, path, why)
     for path, streamed in (*found.dits.items(), *found.encoders.items()):
-        _log.info("%s: %s streams %d block(s) in layer mode (%s)%s", plan.owner, path,
+        _log.info("%s: %s streams %d block(s) in layer mode (%s)%s", found.owner, path,
                   len(streamed.blocks), streamed.source,
                   "" if streamed.note is None else f": {streamed.note}")
     plans = {path: (dit_plan,) for path, dit_plan in found.dits.items()}
@@ -299,17 +299,17 @@ def layer_blocks(
 
 
 def _weight_transfers(
-    plan: ComponentGroups, config: OffloadConfig | None, pipeline: object,
+    found: ComponentGroups, config: OffloadConfig | None, pipeline: object,
     encoders: Mapping[str, nn.Module],
 ) -> dict[str, str]:
     """Group name -> "allgather" where the config asks the ranks to split a component's copy."""
     if config is None:
         return {}
     gathered = config.allgathered()
-    transfers = {name: "allgather" for name in plan.exclusive
-                 if plan.categories.get(name) in gathered}
+    transfers = {name: "allgather" for name in found.exclusive
+                 if found.categories.get(name) in gathered}
     if transfers.get(ENCODER_GROUP) == "allgather":
-        _check_encoders_replicated(plan.owner, pipeline, encoders)
+        _check_encoders_replicated(found.owner, pipeline, encoders)
     return transfers
 
 
@@ -354,14 +354,14 @@ def _policy(component: str, selected: set[str]) -> Policy:
     return Policy.EXCLUSIVE if component in selected else Policy.RESIDENT
 
 
-def stage_note(plan: ComponentGroups, dits: Mapping, encoders: Mapping, selected) -> str | None:
+def stage_note(found: ComponentGroups, dits: Mapping, encoders: Mapping, selected) -> str | None:
     """The one line that says what module mode does for a pipeline missing a stage, else None.
 
-        note = stage_note(plan, {"transformer": t}, {}, {"dit", "text_encoder"})
+        note = stage_note(found, {"transformer": t}, {}, {"dit", "text_encoder"})
         # "DiTPipeline has no encoder: 'transformer' is its only exclusive group, so ..."
 
     The rule for a pipeline with no DiT or no encoder, in one place (`group_components` stores the
-    line as ``plan.note``; `register_groups` logs it).  As vLLM-Omni 0.30 does with the legacy
+    line as ``found.note``; `register_groups` logs it).  As vLLM-Omni 0.30 does with the legacy
     switch, such a pipeline is accepted, not refused; unlike 0.30 (which then offloads nothing,
     and refuses an explicit config), the selected modules it has are still offloaded.
     """
@@ -370,8 +370,8 @@ def stage_note(plan: ComponentGroups, dits: Mapping, encoders: Mapping, selected
     missing = [kind for kind, listed in (("DiT", dits), ("encoder", encoders)) if not listed]
     if not missing:
         return None
-    has = f"{plan.owner} has no {' and no '.join(missing)}"
-    exclusive = list(plan.exclusive)
+    has = f"{found.owner} has no {' and no '.join(missing)}"
+    exclusive = list(found.exclusive)
     if not exclusive:
         return f"{has}: the offload config selects none of its modules, so nothing is offloaded"
     if len(exclusive) == 1:
@@ -379,7 +379,7 @@ def stage_note(plan: ComponentGroups, dits: Mapping, encoders: Mapping, selected
         return (
             f"{has}: {exclusive[0]!r} is its only exclusive group, so it has nothing to take turns "
             f"with and stays on the device from its first phase on"
-            f"{hint if VAE_GROUP in plan.resident else ''}"
+            f"{hint if VAE_GROUP in found.resident else ''}"
         )
     return f"{has}: its exclusive groups {exclusive} take turns on the device"
 
@@ -460,7 +460,7 @@ class _GroupsBuilder:
                     "the attribute or the part"
                 )
             tables[policy][name] = members
-        plan = ComponentGroups(
+        found = ComponentGroups(
             owner=self.owner,
             exclusive=tables[Policy.EXCLUSIVE],
             resident=tables[Policy.RESIDENT],
@@ -469,8 +469,8 @@ class _GroupsBuilder:
             excluded=excluded,
             categories=self.categories,
         )
-        _check_alias_names(plan)
-        return plan
+        _check_alias_names(found)
+        return found
 
 
 def _resolve_parts(
@@ -538,12 +538,12 @@ def _check_disjoint(
                 )
 
 
-def _check_alias_names(plan: ComponentGroups) -> None:
-    names = set(plan.exclusive) | set(plan.resident)
-    for alias, group in plan.aliases.items():
+def _check_alias_names(found: ComponentGroups) -> None:
+    names = set(found.exclusive) | set(found.resident)
+    for alias, group in found.aliases.items():
         if alias in names:
             raise ConfigError(
-                f"{plan.owner}: {alias!r} names group {alias!r} and is also a path or part of "
+                f"{found.owner}: {alias!r} names group {alias!r} and is also a path or part of "
                 f"group {group!r}; rename the attribute or the part so that each name means one "
                 "group"
             )
@@ -629,8 +629,8 @@ def _declared_modules(pipeline: object, declaration: str) -> dict[str, nn.Module
 # -- applying -----------------------------------------------------------------------------------
 
 
-def register_groups(scheduler: Registrar, plan: ComponentGroups) -> None:
-    """Register the plan's groups and aliases on `scheduler` and attach its split models.
+def register_groups(scheduler: Registrar, found: ComponentGroups) -> None:
+    """Register the groups found and their aliases on `scheduler` and attach its split models.
 
         groups = group_components("MyPipeline", dits, encoders, vaes, {}, config)
         register_groups(Scheduler("cuda"), groups)
@@ -638,27 +638,27 @@ def register_groups(scheduler: Registrar, plan: ComponentGroups) -> None:
     Each group is added with ``exclude=`` its excluded subtrees and its category.
 
     All or nothing, in one way: on any exception - a refused or failed ``add``, an interrupt at
-    any line - every group of the plan the scheduler did not hold before is removed (with its
+    any line - every group found that the scheduler did not hold before is removed (with its
     aliases) and the split models get their previous scheduler back, before the error
-    propagates.  The plan's ownership rules are read first (modules another scheduler owns,
+    propagates.  Their ownership rules are read first (modules another scheduler owns,
     tensors two groups would share: `ConfigError`, unless offloading is off), not for atomicity
-    but so that a refused plan moves no tensor: a removed group's weights stay in its host
+    but so that a refused registration moves no tensor: a removed group's weights stay in its host
     master, where an ``add`` put them.
     """
     if not isinstance(scheduler, NoOffload):
-        check_modules_unowned(plan.owner, _member_submodules(plan))
-        check_tensors_disjoint(plan.owner, _member_tensors(plan))
-        if plan.note is not None:
-            _log.warning("%s", plan.note)
-    names = [name for name, _, _, _ in plan.groups()]
+        check_modules_unowned(found.owner, _member_submodules(found))
+        check_tensors_disjoint(found.owner, _member_tensors(found))
+        if found.note is not None:
+            _log.warning("%s", found.note)
+    names = [name for name, _, _, _ in found.groups()]
     held = {name for name in names if name in scheduler}  # `add` refuses these: never removed
-    attached = [(model, vars(model).get("scheduler")) for _, model in plan.split_models]
+    attached = [(model, vars(model).get("scheduler")) for _, model in found.split_models]
     try:
-        for name, policy, modules, excluded in plan.groups():
-            category = plan.categories.get(name)
+        for name, policy, modules, excluded in found.groups():
+            category = found.categories.get(name)
             scheduler.add(name, modules, policy=policy, exclude=excluded, category=category,
-                          **_layer_mode_options(plan, name))
-        for path, name in plan.aliases.items():
+                          **_layer_mode_options(found, name))
+        for path, name in found.aliases.items():
             scheduler.alias(path, name)
         for model, _ in attached:
             model.scheduler = scheduler
@@ -687,39 +687,36 @@ plan_components = group_components  # historical name
 apply_plan = register_groups  # historical name
 
 
-def _layer_mode_options(plan: ComponentGroups, name: str) -> dict[str, object]:
-    """``add`` keywords beyond module mode's: block plans and a non-default weight transfer."""
-    options: dict[str, object] = {}
-    if name in plan.blocks:
-        options["layers"] = plan.blocks[name]
-    if name in plan.weight_transfers:
-        options["weight_transfer"] = plan.weight_transfers[name]
-    return options
+def _layer_mode_options(found: ComponentGroups, name: str) -> dict[str, object]:
+    """``add`` keywords beyond module mode's, for the groups that have them: the blocks a group
+    streams (``layers=``) and a non-default weight transfer."""
+    given = (("layers", found.blocks), ("weight_transfer", found.weight_transfers))
+    return {keyword: values[name] for keyword, values in given if name in values}
 
 
-def build_scheduler(plan: ComponentGroups, make_scheduler: Callable[[], Registrar]) -> Registrar:
-    """A new scheduler with `plan` applied; closed again if the plan cannot be applied.
+def build_scheduler(found: ComponentGroups, make_scheduler: Callable[[], Registrar]) -> Registrar:
+    """A new scheduler with the groups `found` registered; closed again if they cannot be.
 
-        scheduler = build_scheduler(plan, lambda: Scheduler(device))
+        scheduler = build_scheduler(found, lambda: Scheduler(device))
     """
     scheduler = make_scheduler()
     try:
-        register_groups(scheduler, plan)
+        register_groups(scheduler, found)
     except BaseException:
         scheduler.close()
         raise
     return scheduler
 
 
-def _member_submodules(plan: ComponentGroups) -> Iterator[tuple[str, nn.Module]]:
-    for group, path, module in plan.members():
-        for submodule in unique_submodules([module], plan.excluded.get(group, ())):
+def _member_submodules(found: ComponentGroups) -> Iterator[tuple[str, nn.Module]]:
+    for group, path, module in found.members():
+        for submodule in unique_submodules([module], found.excluded.get(group, ())):
             yield path, submodule
 
 
-def _member_tensors(plan: ComponentGroups) -> Iterator[tuple[str, str, Iterable[torch.Tensor]]]:
-    for group, path, module in plan.members():
-        yield group, path, _group_tensors(module, plan.excluded.get(group, ()))
+def _member_tensors(found: ComponentGroups) -> Iterator[tuple[str, str, Iterable[torch.Tensor]]]:
+    for group, path, module in found.members():
+        yield group, path, _group_tensors(module, found.excluded.get(group, ()))
 
 
 def scheduler_from_pipeline(
@@ -745,8 +742,8 @@ def scheduler_from_pipeline(
         raise ConfigError(_undeclared_message(pipeline))
     dits, encoders, vaes, residents = (_declared_modules(pipeline, d) for d in _DECLARATIONS)
     check_transfers_have_ranks(owner, parsed, process_group)
-    plan = group_components(owner, dits, encoders, vaes, residents, parsed, pipeline=pipeline)
+    found = group_components(owner, dits, encoders, vaes, residents, parsed, pipeline=pipeline)
     if parsed is None:
-        return build_scheduler(plan, lambda: NoOffload(device))
+        return build_scheduler(found, lambda: NoOffload(device))
     pin_memory = None if parsed.pin_memory else False
-    return build_scheduler(plan, lambda: make_scheduler(device, pin_memory=pin_memory))
+    return build_scheduler(found, lambda: make_scheduler(device, pin_memory=pin_memory))
