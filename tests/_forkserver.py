@@ -8,11 +8,12 @@ forked from an interpreter that has already imported the third-party libraries.
 A fresh interpreter spends seconds importing torch (and torch._dynamo, diffusers, transformers)
 before the command line does anything.  A server process (one per preload list, environment and
 folder) imports only those third-party modules - never a module of ours: it checks - then forks a
-child per command.  The child does what ``python ARGS`` does: sets ``sys.argv`` and ``sys.path[0]``,
-runs the module (``runpy._run_module_as_main``, as ``-m`` does) or the script's code in a fresh
-``__main__`` module, with its stdout and stderr on files of its own, turns ``SystemExit`` and an uncaught
-exception into the exit status as the interpreter does (the traceback through ``sys.excepthook``),
-waits for non-daemon threads, runs the atexit handlers and exits.  So every module of ours is
+child per command.  The child does what ``python ARGS`` does: sets ``sys.argv`` and
+``sys.path[0]``, runs the module (``runpy._run_module_as_main``, as ``-m`` does) or the script's
+code in a fresh ``__main__`` module, with its stdout and stderr on files of its own, turns
+``SystemExit`` and an uncaught exception into the exit status as the interpreter does (the
+traceback through ``sys.excepthook``), waits for non-daemon threads, runs the atexit handlers
+and exits.  So every module of ours is
 imported fresh in each child, argument parsing and all, and the test reads the real process's exit
 status, stdout and stderr.  Not for a test that measures the process itself (its memory: the
 child shares the server's pages) or that changes what can be imported.
@@ -138,7 +139,8 @@ class _Server:
             raise RuntimeError(f"the fork server died:\n{self._log.read()[-3000:]}")
         return json.loads(line)
 
-    def run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], env: dict[str, str],
+            timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="forkserver-") as folder:
             stdout, stderr = Path(folder, "stdout"), Path(folder, "stderr")
             request = {"argv": argv, "env": env, "stdout": str(stdout), "stderr": str(stderr)}
