@@ -333,14 +333,20 @@ def reachable(graph: dict[str, set[str]], start: str) -> dict[str, str]:
 # [Note: importing each module on its own]
 # ``import residency.engine.holds`` runs residency/__init__.py first, which imports nearly every module;
 # so a plain fresh import of each module would test the package's import order many times over.
-# Instead one fresh interpreter imports torch and attrs, then forks once per module; each child
-# stubs the packages (empty, with their folders as __path__, so __init__ does not run) and imports
-# that one module.  A module that only works because something else was imported first fails here.
+# Instead one fresh interpreter imports the third-party modules ours import at top level (torch,
+# torch._dynamo - seconds, see _LOADED_BY_TORCH -, attrs; never a module of ours), then forks
+# once per module.  Each child first checks that no module of ours is loaded yet, then (when asked
+# to) stubs the packages (empty, with their folders as __path__, so __init__ does not run) and
+# imports that one module.  A module that only works because something else of ours was imported
+# first fails here.  The entry points use the same driver without the stubs: each child imports
+# one entry point, package __init__ and all, as a fresh interpreter would.
 _STANDALONE_DRIVER = """
 import importlib, json, os, sys, traceback, types
 packages, modules = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 for first in json.loads(sys.argv[3]):  # third-party modules every child shares (loaded once)
     importlib.import_module(first)
+stub = json.loads(sys.argv[4]) if len(sys.argv) > 4 else True
+ours = {package.partition(".")[0] for package in packages}
 failed = {}
 for name in modules:
     read, write = os.pipe()
@@ -349,12 +355,15 @@ for name in modules:
         os.close(read)
         code = 0
         try:
-            for package, folder in packages.items():
+            loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ours)
+            if loaded:
+                raise AssertionError(f"modules of ours loaded before the import: {loaded}")
+            for package, folder in packages.items() if stub else ():
                 if name != package:
-                    stub = types.ModuleType(package)
-                    stub.__path__ = [folder]
-                    sys.modules[package] = stub
-            for package in packages:
+                    stub_module = types.ModuleType(package)
+                    stub_module.__path__ = [folder]
+                    sys.modules[package] = stub_module
+            for package in packages if stub else ():
                 parent, _, child = package.rpartition(".")
                 if parent in sys.modules and package in sys.modules:
                     setattr(sys.modules[parent], child, sys.modules[package])
@@ -384,20 +393,52 @@ def _fresh_python(*arguments: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one child per module")
-def test_each_module_imports_on_its_own_without_the_package_init():
+#: Third-party modules that loading ours imports without an import statement of ours naming them:
+#: ``@torch.compiler.disable`` on a method imports torch._dynamo (seconds) when the class is made.
+_LOADED_BY_TORCH = {"torch._dynamo"}
 
-    modules = sorted(MODULES)
+
+def _third_party_imports() -> list[str]:
+    """The modules outside ours and outside the standard library that our modules import at top
+    level (``torch.profiler``, ``attrs``, ...): what the driver loads once before it forks."""
+    names = set(_LOADED_BY_TORCH)
+    for module in MODULES:
+        for statement in _tree(module).body:
+            if isinstance(statement, ast.Import):
+                names.update(alias.name for alias in statement.names)
+            elif isinstance(statement, ast.ImportFrom) and not statement.level:
+                names.add(statement.module)
+    return sorted(
+        name for name in names
+        if name.partition(".")[0] not in {"residency", *sys.stdlib_module_names}
+    )
+
+
+def _run_driver(modules: list[str], stub: bool) -> dict:
     result = _fresh_python(
         "-c",
         _STANDALONE_DRIVER,
         json.dumps({package: str(folder) for package, folder in PACKAGES.items()}),
         json.dumps(modules),
-        json.dumps(["torch", "attrs"]),
+        json.dumps(_third_party_imports()),
+        json.dumps(stub),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["imported"] == len(modules)
+    return report
+
+
+def test_the_driver_loads_torch_and_no_module_of_ours_before_it_forks():
+    preloaded = _third_party_imports()
+    assert {"torch", "torch._dynamo", "torch.profiler", "attrs"} <= set(preloaded), preloaded
+    assert not [name for name in preloaded if name.startswith("residency")], preloaded
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one child per module")
+def test_each_module_imports_on_its_own_without_the_package_init():
+
+    report = _run_driver(sorted(MODULES), stub=True)
     assert not report["failed"], "\n\n".join(f"{m}:\n{e}" for m, e in report["failed"].items())
 
 
@@ -418,12 +459,39 @@ def test_the_standalone_import_catches_a_module_that_needs_another_imported_firs
     assert list(report["failed"]) == ["pkg.b"], report
 
 
-@pytest.mark.parametrize(
-    "module", ["residency.__main__", "residency.app.main", "residency.adapters.diffusers"]
-)
-def test_each_entry_point_imports_in_a_fresh_interpreter(module):
-    result = _fresh_python("-c", f"import {module}")
-    assert result.returncode == 0, f"import {module} failed:\n{result.stderr[-3000:]}"
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one child per module")
+def test_the_driver_refuses_to_import_when_a_module_of_ours_is_already_loaded(tmp_path):
+    """The driver itself: a preload that drags in one of our modules fails every child."""
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("X = 1\n")
+    (tmp_path / "third.py").write_text("import pkg.a\n")  # a "third-party" module importing ours
+    result = subprocess.run(
+        [sys.executable, "-c", _STANDALONE_DRIVER, json.dumps({"pkg": str(package)}),
+         json.dumps(["pkg.a"]), json.dumps(["third"]), "false"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert list(report["failed"]) == ["pkg.a"], report
+    assert "modules of ours loaded before the import: ['pkg', 'pkg.a']" in report["failed"]["pkg.a"]
+
+
+ENTRY_POINTS = ["residency.__main__", "residency.app.main", "residency.adapters.diffusers"]
+
+
+@pytest.fixture(scope="module")
+def entry_point_imports() -> dict:
+    """One driver run for all the entry points (no stubs: the package __init__ runs in each)."""
+    return _run_driver(ENTRY_POINTS, stub=False)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one child per entry point")
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_each_entry_point_imports_in_a_fresh_interpreter(module, entry_point_imports):
+    failure = entry_point_imports["failed"].get(module)
+    assert failure is None, f"import {module} failed:\n{failure}"
 
 
 def test_every_module_of_the_package_is_found_and_placed_in_a_layer():

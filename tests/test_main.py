@@ -28,6 +28,8 @@ from residency.app.timeline import (
     write_trace,
 )
 
+from _forkserver import DIFFUSERS, run_python
+
 #: One intra-op thread in the subprocesses: on a shared 2-core machine OpenMP waits dominate.
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 MODULE_MODE = {"mode": "module", "components": ["dit", "text_encoder"]}
@@ -37,8 +39,10 @@ WAN_CALL = ["--height", "16", "--width", "16", "--num-frames", "5",
 
 
 def run_main(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "residency", *args], capture_output=True,
-                          text=True, env=ENV, timeout=120)
+    """``python -m residency ARGS`` in a process of its own: a child of a fork server that has
+    imported torch, diffusers and transformers, none of our modules ([Note: a fork server for the
+    command-line tests] in tests/_forkserver.py)."""
+    return run_python(["-m", "residency", *args], env=ENV, timeout=120, preload=DIFFUSERS)
 
 
 def timeline_row(stdout: str, change: str) -> list[str]:
