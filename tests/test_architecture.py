@@ -442,15 +442,21 @@ def test_each_module_imports_on_its_own_without_the_package_init():
     assert not report["failed"], "\n\n".join(f"{m}:\n{e}" for m, e in report["failed"].items())
 
 
+def _package(root: Path, modules: dict[str, str]) -> Path:
+    """A package "pkg" under `root` with `modules` (name -> source)."""
+    package = root / "pkg"
+    package.mkdir()
+    for name, source in modules.items():
+        (package / f"{name}.py").write_text(source)
+    return package
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one child per module")
 def test_the_standalone_import_catches_a_module_that_needs_another_imported_first(tmp_path):
     """The driver itself: a module that reads a sibling it never imported fails on its own."""
 
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("from pkg import a, b\n")
-    (package / "a.py").write_text("X = 1\n")
-    (package / "b.py").write_text("import pkg\nY = pkg.a.X\n")  # works only after a
+    package = _package(tmp_path, {"__init__": "from pkg import a, b\n", "a": "X = 1\n",
+                                  "b": "import pkg\nY = pkg.a.X\n"})  # b works only after a
     result = _fresh_python(
         "-c", _STANDALONE_DRIVER, json.dumps({"pkg": str(package)}), json.dumps(["pkg.a", "pkg.b"]),
         "[]",
@@ -463,10 +469,7 @@ def test_the_standalone_import_catches_a_module_that_needs_another_imported_firs
 def test_the_driver_refuses_to_import_when_a_module_of_ours_is_already_loaded(tmp_path):
     """The driver itself: a preload that drags in one of our modules fails every child."""
 
-    package = tmp_path / "pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "a.py").write_text("X = 1\n")
+    package = _package(tmp_path, {"__init__": "", "a": "X = 1\n"})
     (tmp_path / "third.py").write_text("import pkg.a\n")  # a "third-party" module importing ours
     result = subprocess.run(
         [sys.executable, "-c", _STANDALONE_DRIVER, json.dumps({"pkg": str(package)}),
