@@ -436,6 +436,26 @@ def _cache_on(component: nn.Module) -> str | None:
     return None
 
 
+def _enter_phase(offload: _Offload, group: str) -> Phase:
+    """Enter `group`'s phase, checking the components first at a phase change.
+
+    Kept out of ``torch.compile``'s graphs (`PhaseEntry` calls it marked so): a compiled
+    component (``transformer.compile()``) traces what the entry wraps and runs the phase change
+    itself eagerly.
+    """
+    scheduler = offload.scheduler
+    if scheduler.current != group:  # a phase change, or a resident-policy group
+        offload.check_phase_change()
+    phase = scheduler.resident(group)
+    phase.__enter__()
+    return phase
+
+
+def _exit_phase(phase: Phase, error: BaseException | None) -> None:
+    """Leave a phase `_enter_phase` entered (also kept out of compiled graphs)."""
+    phase.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
+
+
 class PhaseEntry(InstanceWrapper):
     """A module's own ``forward``, ``encode`` or ``decode``, run inside its group's phase.
 
@@ -466,6 +486,18 @@ class PhaseEntry(InstanceWrapper):
         self.__dict__.pop("__wrapped__", None)  # a copied one, hidden by the slot
         #: The exclusive group entered around each call.
         self.group = group
+        if PhaseEntry._enter_phase is _enter_phase:  # see [Note: the entries under torch.compile]
+            PhaseEntry._enter_phase = staticmethod(torch.compiler.disable(_enter_phase))
+            PhaseEntry._exit_phase = staticmethod(torch.compiler.disable(_exit_phase))
+
+    # [Note: the entries under torch.compile]
+    # The phase change runs outside any graph: `_enter_phase` and `_exit_phase` are marked with
+    # `torch.compiler.disable` when the first entry is made, not when this module is imported
+    # (marking imports torch._dynamo: seconds of ``python -m residency``'s start, which a run
+    # without the adapter or without compile never needs).  Marked before any entry runs, so
+    # before any tracing; the same two functions for every entry.
+    _enter_phase = staticmethod(_enter_phase)
+    _exit_phase = staticmethod(_exit_phase)
 
     @property
     def offload(self) -> _Offload | None:
@@ -482,14 +514,14 @@ class PhaseEntry(InstanceWrapper):
         offload = self.attached
         if offload is None:
             return self.__wrapped__(*args, **kwargs)
-        phase = _enter_phase(offload, self.group)
+        phase = self._enter_phase(offload, self.group)
         device = offload.scheduler.device
         try:
             result = self.__wrapped__(*_to_device(args, device), **_to_device(kwargs, device))
         except BaseException as error:
-            _exit_phase(phase, error)
+            self._exit_phase(phase, error)
             raise
-        _exit_phase(phase, None)
+        self._exit_phase(phase, None)
         return result
 
     def __repr__(self) -> str:
@@ -497,27 +529,6 @@ class PhaseEntry(InstanceWrapper):
         if self.attached is None:
             return f"<PhaseEntry {name!r}, detached>"
         return f"<PhaseEntry {name!r} of group {self.group!r}>"
-
-
-@torch.compiler.disable
-def _enter_phase(offload: _Offload, group: str) -> Phase:
-    """Enter `group`'s phase, checking the components first at a phase change.
-
-    Kept out of ``torch.compile``'s graphs: a compiled component (``transformer.compile()``)
-    traces what the entry wraps and runs the phase change itself eagerly.
-    """
-    scheduler = offload.scheduler
-    if scheduler.current != group:  # a phase change, or a resident-policy group
-        offload.check_phase_change()
-    phase = scheduler.resident(group)
-    phase.__enter__()
-    return phase
-
-
-@torch.compiler.disable
-def _exit_phase(phase: Phase, error: BaseException | None) -> None:
-    """Leave a phase `_enter_phase` entered (also kept out of compiled graphs)."""
-    phase.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
 
 
 def _chain(entry_point: object) -> Iterator[PhaseEntry]:

@@ -494,6 +494,9 @@ class _BlockForward(InstanceWrapper):
         super().__init__(module, "forward", stream)
         self._index = index
         self._range = f"residency::block {stream.name}.{stream.parts[index].name}"
+        if _BlockForward._enter is _BlockForward._enter_eagerly:  # see [Note: ... torch.compile]
+            _BlockForward._enter = torch.compiler.disable(_BlockForward._enter_eagerly)
+            _BlockForward._exit = torch.compiler.disable(_BlockForward._exit_eagerly)
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # traced by torch.compile: see _enter
@@ -531,20 +534,26 @@ class _BlockForward(InstanceWrapper):
             raise
 
     # [Note: the block forwards under torch.compile]
-    # Streaming moves tensors, so it runs outside any graph: torch.compile calls these two
-    # eagerly (a graph break on each side of a block's compute).  In eager mode they are not
-    # called at all - `__call__` calls the stream directly - because a disabled function costs
-    # microseconds per call, about the whole budget of a block's streaming.
-    @torch.compiler.disable
-    def _enter(self) -> object | None:
+    # Streaming moves tensors, so it runs outside any graph: torch.compile calls `_enter` and
+    # `_exit` eagerly (a graph break on each side of a block's compute).  In eager mode they are
+    # not called at all - `__call__` calls the stream directly - because a disabled function
+    # costs microseconds per call, about the whole budget of a block's streaming.  They are
+    # marked (`torch.compiler.disable`) when the first block forward is made, not when this
+    # module is imported: marking imports torch._dynamo, 2.6 s of the 5.5 s `import residency`
+    # took on a 2-core VM, which a module-mode job never needs.  Marked once, before any block
+    # runs (so before any tracing), and the same two functions for every block: one graph
+    # serves every block of a regionally compiled model.
+    def _enter_eagerly(self) -> object | None:
         stream = self.attached
         return None if stream is None else stream.enter(self._index)
 
-    @torch.compiler.disable
-    def _exit(self, token: object) -> None:
+    def _exit_eagerly(self, token: object) -> None:
         stream = self.attached
         if stream is not None:  # else removed with its group meanwhile: nothing to leave
             stream.exit(token)
+
+    _enter = _enter_eagerly
+    _exit = _exit_eagerly
 
     def __repr__(self) -> str:
         return f"<layer-mode forward of {self._range.split(' ', 1)[1]}>"
