@@ -698,6 +698,23 @@ def test_the_old_paths_issue_21_keeps_still_work():
     assert all(callable(namespace[n]) for n in ("describe", "disable_offload", "enable_offload"))
 
 
+def test_the_schedulers_transport_is_public_and_read_only():
+    """Issue 21: ``scheduler.transport``, the one it moves bytes with (given or chosen)."""
+    from residency.engine.transport import CpuTransport
+
+    chosen, given = Scheduler("cpu"), Scheduler("cpu", transport=CpuTransport())
+    try:
+        assert isinstance(chosen.transport, CpuTransport)
+        assert chosen.transport is chosen._transport
+        assert given.transport is given._transport
+        with pytest.raises(AttributeError):
+            chosen.transport = CpuTransport()
+        assert chosen.transport is chosen._transport
+    finally:
+        chosen.close()
+        given.close()
+
+
 # -- the import graph -----------------------------------------------------------------------------
 
 

@@ -365,6 +365,12 @@ class Scheduler:
         return getattr(self._placement.current, "name", None)
 
     @property
+    def transport(self) -> Transport:
+        """How this scheduler moves bytes (read-only): the transport given, else the one for its
+        device (`CpuTransport` on the CPU, `AcceleratorTransport` on an accelerator)."""
+        return self._transport
+
+    @property
     def device_memory_limit(self) -> int | None:
         """Most device bytes this scheduler's storages may hold together (None: no limit)."""
         return self._placement.device_memory_limit
