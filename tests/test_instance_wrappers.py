@@ -227,3 +227,29 @@ def test_the_block_forwards_and_the_adapter_entries_keep_only_their_call():
     for user in (PhaseEntry, _BlockForward):
         assert issubclass(user, InstanceWrapper)
         assert not mechanism & set(vars(user)), user.__name__
+
+
+def test_a_compile_mark_an_interrupt_left_unmade_is_made_by_the_next_wrapper(monkeypatch):
+    """The two torch.compile marks of each user are made one by one when its first wrapper is
+    made ([Note: the block forwards under torch.compile]): with the first made and the second
+    not (an interrupt between them), the next wrapper makes the second."""
+    pytest.importorskip("diffusers")
+    import types
+
+    from residency.adapters import diffusers as adapter
+
+    stream = types.SimpleNamespace(name="dit", parts=[types.SimpleNamespace(name="blocks.0")])
+    users = [
+        (_BlockForward, "_exit", _BlockForward._exit_eagerly,
+         lambda: _BlockForward(stream, 0, nn.Linear(2, 2))),
+        (adapter.PhaseEntry, "_exit_phase", adapter._exit_phase,
+         lambda: adapter.PhaseEntry(object(), "dit", nn.Linear(2, 2), "forward")),
+    ]
+    for user, second, eager, make in users:
+        make()  # the first wrapper: both marks made
+        monkeypatch.setattr(user, second, staticmethod(eager) if user is adapter.PhaseEntry
+                            else eager)  # as if interrupted before the second mark
+        assert getattr(user, second) is eager
+        make()
+        assert getattr(user, second) is not eager, f"{user.__name__}.{second} left unmarked"
+        assert getattr(user, second).__wrapped__ is eager

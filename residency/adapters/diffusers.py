@@ -486,8 +486,11 @@ class PhaseEntry(InstanceWrapper):
         self.__dict__.pop("__wrapped__", None)  # a copied one, hidden by the slot
         #: The exclusive group entered around each call.
         self.group = group
-        if PhaseEntry._enter_phase is _enter_phase:  # see [Note: the entries under torch.compile]
+        # See [Note: the entries under torch.compile]; each mark on its own (an interrupt
+        # between them leaves the second for the next entry).
+        if PhaseEntry._enter_phase is _enter_phase:
             PhaseEntry._enter_phase = staticmethod(torch.compiler.disable(_enter_phase))
+        if PhaseEntry._exit_phase is _exit_phase:
             PhaseEntry._exit_phase = staticmethod(torch.compiler.disable(_exit_phase))
 
     # [Note: the entries under torch.compile]

@@ -494,8 +494,11 @@ class _BlockForward(InstanceWrapper):
         super().__init__(module, "forward", stream)
         self._index = index
         self._range = f"residency::block {stream.name}.{stream.parts[index].name}"
-        if _BlockForward._enter is _BlockForward._enter_eagerly:  # see [Note: ... torch.compile]
+        # See [Note: the block forwards under torch.compile]; each mark on its own, so an
+        # interrupt between the two leaves the second for the next block forward to make.
+        if _BlockForward._enter is _BlockForward._enter_eagerly:
             _BlockForward._enter = torch.compiler.disable(_BlockForward._enter_eagerly)
+        if _BlockForward._exit is _BlockForward._exit_eagerly:
             _BlockForward._exit = torch.compiler.disable(_BlockForward._exit_eagerly)
 
     def __call__(self, *args, **kwargs):
