@@ -12,6 +12,7 @@ from collections.abc import Container, Iterable, Mapping
 import torch
 from torch import nn
 
+from residency.engine.budget import AutoOptions, as_auto_options
 from residency.vllm_omni.config import COMPONENTS
 from residency.engine.enums import Policy
 from residency.engine.errors import ConfigError, RegistrationError
@@ -166,8 +167,10 @@ def _accelerator_is(kind: str) -> bool:
     return torch.accelerator.current_accelerator().type == kind
 
 
-def check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory):
-    """The constructor's numbers and flags, checked before anything is built."""
+def check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory,
+                  auto=None) -> AutoOptions | None:
+    """The constructor's numbers and flags, checked before anything is built; returns the
+    options of ``auto=`` (`check_auto`)."""
     if isinstance(chunk_nbytes, bool) or not isinstance(chunk_nbytes, int) or chunk_nbytes < 1:
         raise ConfigError(f"chunk_nbytes={chunk_nbytes!r}; give a positive whole number of bytes")
     limit = device_memory_limit
@@ -187,3 +190,15 @@ def check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit,
         raise ConfigError(f"record_limit={record_limit!r}; give a whole number of records (>= 0)")
     if pin_memory is not None and not isinstance(pin_memory, bool):
         raise ConfigError(f"pin_memory={pin_memory!r}; give True, False, or None for automatic")
+    return check_auto(auto, device_memory_limit)
+
+
+def check_auto(auto: object, device_memory_limit: int | None) -> AutoOptions | None:
+    """The constructor's ``auto=`` as options (None: the fixed module and layer plans)."""
+    options = as_auto_options(auto)
+    if options is not None and device_memory_limit is not None:
+        raise ConfigError(
+            f"device_memory_limit={device_memory_limit!r} with auto=: an auto plan's limit is "
+            "its device budget; give auto={'device_budget': ...} and drop device_memory_limit"
+        )
+    return options

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -58,6 +58,7 @@ from residency.multirank.agreement import PhaseLedger
 from residency.engine.arguments import as_excluded, as_modules, check_flag, check_name, check_options
 from residency.engine.arguments import parse_device, parse_policy
 from residency.engine.blocks import ModelBlocks
+from residency.engine.budget import AutoOptions
 from residency.engine.buffers import DeviceBuffers
 from residency.engine.component import Residency
 from residency.vllm_omni.discovery import scheduler_from_pipeline
@@ -171,8 +172,10 @@ class Scheduler:
         record_limit: int = 10_000,
         transport: Transport | None = None,
         process_group: object = None,
+        auto: AutoOptions | Mapping | bool | None = None,
     ) -> None:
-        check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory)
+        auto_options = check_options(chunk_nbytes, device_memory_limit, wait_timeout,
+                                     record_limit, pin_memory, auto)
         #: Where resident groups live.
         self.device = parse_device(device)
         self._transport = transport if transport is not None else transport_for(self.device)
@@ -197,6 +200,7 @@ class Scheduler:
                                     transport=self._transport, block_records=self.block_records)
         #: Agreement of the node's ranks on collective loads (``weight_transfer="allgather"``).
         self._ledger = None if self._packer.node is None else PhaseLedger(self._packer.node.group)
+        self.auto_options = auto_options  # None: the fixed module and layer plans
         if not self.pin_memory:
             _note_pageable(self.device, self._transport)
 
