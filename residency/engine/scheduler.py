@@ -191,18 +191,16 @@ class Scheduler:
         buffers = DeviceBuffers(self._transport)
         adoption = Adoption(self._packer, self._registry, buffers,
                             device_memory_limit=device_memory_limit)
-        self._placement = Placement(self._lock, self._transport, device=self.device,
-                                    buffers=buffers, adoption=adoption,
-                                    transitions=self.transitions)
+        self._placement = Placement(self._lock, self._transport, device=self.device, buffers=buffers,
+                                    adoption=adoption, transitions=self.transitions)
         self._holds = Holds(self._lock, self._placement, self._registry, wait_timeout=wait_timeout)
         self._admission = Admission(self._lock, registry=self._registry, packer=self._packer,
                                     placement=self._placement, holds=self._holds,
                                     transport=self._transport, block_records=self.block_records)
         #: Agreement of the node's ranks on collective loads (``weight_transfer="allgather"``).
-        self._ledger = None if self._packer.node is None else PhaseLedger(self._packer.node.group)
+        self._ledger = None if node is None else PhaseLedger(self._packer.node.group)
         self.auto_options = auto_options  # None: the fixed module and layer plans
-        if not self.pin_memory:
-            _note_pageable(self.device, self._transport)
+        _note_pageable(self.pin_memory, self.device, self._transport)
 
     @property
     def pin_memory(self) -> bool:
@@ -447,7 +445,9 @@ class Scheduler:
 
     # -- helpers -------------------------------------------------------------------------------
 
-def _note_pageable(device: torch.device, transport: Transport) -> None:
-    """Say that host masters are pageable memory, and why."""
+def _note_pageable(pinned: bool, device: torch.device, transport: Transport) -> None:
+    """Say that host masters are pageable memory (unless `pinned`), and why."""
+    if pinned:
+        return
     why = "pin_memory=False" if transport.can_pin() else "the device is the host: nothing to pin"
     _log.info("host masters on %s are pageable memory (%s)", device, why)
