@@ -150,22 +150,26 @@ LAYERS: list[tuple[str, set[str]]] = [
     # where each part of a group is between and during phases (its plan; data the owners read).
     ("write-back and plan", {"residency.engine.write_back", "residency.engine.plan"}),
     # One group (Residency); building a group's host master (packing); NoOffload, the stand-in
-    # scheduler for offloading switched off.
+    # scheduler for offloading switched off; the auto planner's arithmetic (reads plans).
     (
         "one group",
-        {"residency.engine.component", "residency.engine.packing", "residency.engine.no_offload"},
+        {"residency.engine.component", "residency.engine.packing", "residency.engine.no_offload",
+         "residency.engine.planner"},
     ),
     # Ownership (the registry) and the reused device buffers: what adoption asks.
     ("ownership and buffers", {"residency.engine.registry", "residency.engine.buffers"}),
     # Re-packing a changed group (asked by placement and by the slots' placement).
     ("adoption", {"residency.engine.adoption"}),
-    # The placement of streamed parts: every move into a block slot and out of it.
-    ("slots", {"residency.engine.slots"}),
+    # The placement of streamed parts (every move into a block slot and out of it), and of parts
+    # placed whole apart from their own part (an auto plan's kept and swapped blocks).
+    ("slots", {"residency.engine.slots", "residency.engine.apart"}),
     # A layer-mode group's stream: which part goes into which slot, and when (asks the slots).
     ("streams", {"residency.engine.layers"}),
     # What is on the device: carries out every group's plan at every phase change (asks the
     # groups, their streams, adoption, the slots and the buffers).
     ("placement", {"residency.engine.placement"}),
+    # An auto scheduler's plan: measures calls, asks the planner, has placement carry it out.
+    ("auto plan", {"residency.engine.auto"}),
     # Who may run: asks placement to swap a group in when a thread's turn comes; split models
     # (which know only NoOffload).
     ("holds", {"residency.engine.holds", "residency.vllm_omni.split"}),

@@ -18,9 +18,10 @@ from residency.engine.plan import Part, Plan, Where
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: The files that may ask whether a group streams: the plan, the stream, the slots' placement,
-#: and which blocks a model streams.
+#: which blocks a model streams, and the auto planner's cost of each plan.
 PLAN_AND_STREAM_FILES = {
     "residency/engine/plan.py",
+    "residency/engine/planner.py",
     "residency/engine/layers.py",
     "residency/engine/slots.py",
     "residency/engine/blocks.py",
@@ -71,19 +72,34 @@ def test_a_layer_mode_plan_streams_every_block_but_the_kept_ones():
     ((Part("h", Where.SWAPPED),), r"begins with the group's own part, named 'g'; it begins with 'h'"),
     ((Part("g", Where.STREAMED),), r"group 'g': its own part \(everything outside its blocks\) is "
                                    r"kept or swapped; only blocks stream through the slots"),
-    ((Part("g", Where.SWAPPED), Part("g.b.0", Where.KEPT)),
-     r"group 'g': blocks \['g.b.0'\] are planned 'kept' or 'swapped' apart from the group's own "
-     r"part; a block stays on the device by joining the own part \(model_blocks\(\.\.\., "
-     r"resident_layers=k\) keeps the first k\), else it streams"),
     ((Part("g", Where.KEPT), Part("g.b.0", Where.STREAMED)),
-     r"group 'g' is kept on the device \(policy 'resident'\), so nothing of it streams; drop its "
-     r"streamed blocks \(layers=\) or use policy='exclusive'"),
+     r"group 'g' is kept on the device \(policy 'resident'\), so nothing of it streams or "
+     r"swaps; drop its streamed blocks \(layers=\) or use policy='exclusive'"),
     ((Part("g", Where.SWAPPED), Part("g.b.0", Where.STREAMED), Part("g.b.0", Where.STREAMED)),
      r"a plan for group 'g' names a part twice: \['g', 'g.b.0', 'g.b.0'\]"),
-], ids=["empty", "other-name", "own-streamed", "block-kept", "kept-streams", "twice"])
+], ids=["empty", "other-name", "own-streamed", "resident-streams", "twice"])
 def test_a_plan_no_owner_can_carry_out_is_refused_with_what_to_do(parts, message):
+    exclusive = parts[:1] != (Part("g", Where.KEPT),)
     with pytest.raises(RegistrationError, match=message):
-        Plan("g", parts)
+        Plan("g", parts, exclusive=exclusive)
+
+
+def test_an_auto_plan_places_blocks_apart_kept_swapped_or_streamed():
+    blocks = model_blocks(Stack(depth=4), path="dit")
+    first = Plan.for_group("dit", Policy.EXCLUSIVE, (blocks,), apart=True)
+    assert first.swapped == ("dit.blocks.0", "dit.blocks.1", "dit.blocks.2", "dit.blocks.3")
+    assert (first.mode, first.prefetchable, first.wholly_kept) == ("module", False, False)
+    plan = first.replace({"dit.blocks.0": Where.KEPT, "dit.blocks.1": Where.KEPT,
+                          "dit.blocks.3": Where.STREAMED})
+    assert (plan.kept, plan.swapped, plan.streamed) == (
+        ("dit.blocks.0", "dit.blocks.1"), ("dit.blocks.2",), ("dit.blocks.3",))
+    assert plan.mode == "layer" and plan.where["dit.blocks.2"] is Where.SWAPPED
+    assert plan.describe() == ("dit: own part swapped; 2 parts kept apart; 1 parts swapped apart; "
+                               "1 parts streamed through the block slots")
+    whole = first.replace({name: Where.KEPT for name in first.where})
+    assert whole.wholly_kept and not whole.prefetchable
+    with pytest.raises(RegistrationError, match=r"group 'dit' has no parts \['dit.blocks.9'\]"):
+        first.replace({"dit.blocks.9": Where.KEPT})
 
 
 # -- carried out -------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ class Admission:
 
     def __init__(self, lock: threading.RLock, *, registry: Registry, packer: Packer,
                  placement: Placement, holds: Holds, transport: Transport,
-                 block_records: BlockLog) -> None:
+                 block_records: BlockLog, auto: bool = False) -> None:
         self._lock = lock
         self._registry = registry
         self._packer = packer
@@ -49,6 +49,9 @@ class Admission:
         self._holds = holds
         self._transport = transport
         self._block_records = block_records
+        #: Whether groups are planned by an auto scheduler: each block is packed apart from the
+        #: own part (swapped, until the planner places it), so any plan can follow.
+        self._auto = auto
 
     def refresh(self, name: str) -> Residency:
         """Withdraw group `name` and register its modules again as they are now (see
@@ -67,9 +70,9 @@ class Admission:
         step it reached is undone (see [Note: interrupts] in `residency.engine.scheduler`).
 
         The plan (`residency.engine.plan`) comes first: it names the parts that are packed."""
-        plan = Plan.for_group(name, policy, model_blocks)
+        plan = Plan.for_group(name, policy, model_blocks, apart=self._auto)
         streamed = tuple(self._packer.inventory((m,), ()) for m in streamed_modules(model_blocks))
-        inventory = self._packer.inventory(roots, excluded, allow_empty=plan.streams)
+        inventory = self._packer.inventory(roots, excluded, allow_empty=len(plan.parts) > 1)
         claim, group = Claim(name, policy, inventory, streamed, sharded), None
         try:
             locked(self._lock, self._reserve, claim)

@@ -50,7 +50,8 @@ class Adoption:
         if change is None:
             return
         inventory = self._packer.inventory(part.modules, part.excluded,
-                                           allow_empty=part is group and group.plan.streams)
+                                           allow_empty=part is group
+                                           and len(group.plan.parts) > 1)
         claim = Claim(group.name, group.policy, inventory)
         self._registry.check_claimable(claim, replacing=group)
         need = repacked_claim(group, part, inventory).device_need

@@ -105,7 +105,8 @@ class AutoOptions:
     """
 
     #: Bytes, a size text, or a fraction in (0, 1] of the free device memory; None: all of it.
-    device_budget: int | str | float | None = attrs.field(default=None, validator=_check_budget)
+    device_budget: int | str | float | None = attrs.field(
+        default=None, validator=_check_budget, eq=lambda value: (type(value), value))
     #: Bytes (or a size text) kept free for activations; None: `DEFAULT_HEADROOM_FRACTION` of
     #: the budget.
     headroom: int | str | None = attrs.field(default=None, validator=_check_headroom)

@@ -90,7 +90,8 @@ class Residency:
     ) -> None:
         self.name = name
         #: Where each of its parts is between and during phases (`residency.engine.plan`);
-        #: module mode's unless given.  Set once.
+        #: module mode's unless given.  Set at registration, and by an auto scheduler's
+        #: placement when it re-plans (`Placement.replan`).
         self.plan = Plan.for_group(name, policy, ()) if plan is None else plan
         #: How the group loads when its ranks share its master and split the copy
         #: (``weight_transfer="allgather"``); None: this process copies every byte.
@@ -128,13 +129,14 @@ class Residency:
         self._pending: _PendingLoad | None = None
         #: The streams that carry out the plan's streamed parts (each part a small `Residency`
         #: outside this one's own inventory): one `residency.engine.layers.BlockStream` in layer
-        #: mode, none in module mode.  Set once, by the scheduler's add.
+        #: mode, none in module mode.  Set by the scheduler's add (and `Placement.replan`).
         self.streams: tuple[BlockStream, ...] = ()
+        #: The parts placed whole apart from this one (an auto plan's kept and swapped blocks,
+        #: each a small `Residency`; `plan.where` says which).  Set as `streams` is.
+        self.apart: tuple[Residency, ...] = ()
 
     def __repr__(self) -> str:
-        """Counts of the whole group, then (layer mode) of its part outside the streamed blocks:
-        ``<Residency 'dit' exclusive offloaded: 1 module(s), 40 tensors, 0.3 MiB; outside its 4
-        streamed blocks 8 tensors, 0.1 MiB>``."""
+        """Counts of the whole group, then (layer mode) of its part outside the streamed blocks."""
         tensors = sum(inventory.tensor_count for inventory in self.inventories)
         text = (f"<Residency {self.name!r} {self.policy.value} {self.state.value}: "
                 f"{len(self.modules)} module(s), {tensors} tensors, {self.nbytes / 2**20:.1f} MiB")
@@ -167,8 +169,8 @@ class Residency:
 
     @property
     def parts(self) -> tuple[Residency, ...]:
-        """Each streamed part (layer mode), in streaming order; () in module mode."""
-        return tuple(part for stream in self.streams for part in stream.parts)
+        """Each part apart from the own one: placed whole (`apart`), then streamed."""
+        return (*self.apart, *(part for stream in self.streams for part in stream.parts))
 
     @property
     def device_need(self) -> int:
@@ -390,10 +392,8 @@ class Residency:
 
     def _require(self, state: ResidencyState, action: str) -> None:
         if self.state is not state:
-            raise PhaseError(
-                f"cannot {action} group {self.name!r}: it is {self.state.value}, and {action} "
-                f"needs it {state.value}"
-            )
+            raise PhaseError(f"cannot {action} group {self.name!r}: it is {self.state.value}, "
+                             f"and {action} needs it {state.value}")
 
     def _prepare_storage(self, storage: DeviceStorage, nbytes: int):
         """`DeviceStorage.prepare_load` for this group: its views, their pointers and the chunk

@@ -69,15 +69,19 @@ from torch.profiler import record_function
 from residency.engine.blocks import ModelBlocks, model_blocks, reread_blocks
 from residency.engine.component import Residency, slot_nbytes
 from residency.engine.enums import Policy, ResidencyState
-from residency.engine.errors import PhaseError, RegistrationError
+from residency.engine.errors import ConfigError, PhaseError, RegistrationError
 from residency.engine.instance_wrappers import InstanceWrapper, unreachable
 from residency.engine.locks import in_context, locked
 from residency.engine.memory import HostMaster
+from residency.engine.plan import Plan, Where
 from residency.engine.records import BlockLog
 from residency.engine.slots import SlotPlacement
 from residency.engine.tensors import Inventory
 
-__all__ = ["BlockStream", "as_model_blocks", "build_stream", "restream", "streamed_modules"]
+__all__ = [
+    "BlockStream", "as_model_blocks", "auto_blocks", "build_stream", "close_untaken", "restream",
+    "streams_over", "streamed_modules",
+]
 
 _OFFLOADED, _LOADING, _RESIDENT = (
     ResidencyState.OFFLOADED, ResidencyState.LOADING, ResidencyState.RESIDENT,
@@ -123,6 +127,28 @@ def as_model_blocks(
     return given
 
 
+def auto_blocks(
+    name: str, roots: Sequence[nn.Module], layers: object, policy: Policy
+) -> tuple[ModelBlocks, ...]:
+    """An auto scheduler's ``layers=``: the `ModelBlocks` given (`as_model_blocks`), else each
+    root's own blocks where it has block lists (a root without is all own part); none for a
+    group of policy 'resident' (kept whole).
+
+        auto_blocks("transformer", (dit,), False, Policy.EXCLUSIVE)   # (model_blocks(dit),)
+    """
+    if layers is not False and layers is not None:
+        return as_model_blocks(name, roots, layers, policy)
+    if policy is not Policy.EXCLUSIVE:
+        return ()
+    found = []
+    for root in roots:
+        try:
+            found.append(model_blocks(root))
+        except ConfigError:  # no block lists: the root moves whole, with the own part
+            continue
+    return tuple(found)
+
+
 def streamed_modules(given: Sequence[ModelBlocks]) -> tuple[nn.Module, ...]:
     """The modules of every streamed block of `given`, in streaming order."""
     return tuple(block.module for blocks in given for block in blocks.streamed)
@@ -149,10 +175,11 @@ def build_stream(
     lock: threading.RLock,
     log: BlockLog,
 ) -> tuple[BlockStream, ...]:
-    """The streams that carry out `group`'s plan for its streamed parts: one, with each streamed
-    block of `model_blocks` packed into its own host master (`inventories`: one per streamed
-    block, in order); none without `model_blocks` (module mode).  With every block kept the
-    stream has no parts: it only answers `layers`.
+    """The streams that carry out `group`'s plan for its blocks: one, with each streamed block
+    of `model_blocks` packed into its own host master (`inventories`: one per block, in order);
+    none without `model_blocks` (module mode).  Blocks the plan places whole apart from the own
+    part (an auto plan's kept and swapped ones) are packed the same way and become
+    ``group.apart``; the stream holds the streamed ones (with none it only answers `layers`).
 
     Each block is a `Residency` named as its part in the plan ("<model path>.<block path>"),
     with the group's category, edit detection and weight transfer (with ``"allgather"`` every
@@ -162,13 +189,50 @@ def build_stream(
         return ()
     modules = streamed_modules(model_blocks)
     parts = []
-    for name, module, inventory in zip(group.plan.streamed, modules, inventories, strict=True):
-        master = pack(f"{group.name}[{name}]", inventory)
+    for part, module, inventory in zip(group.plan.parts[1:], modules, inventories, strict=True):
+        master = pack(f"{group.name}[{part.name}]", inventory)
         parts.append(Residency(
-            name, (module,), Policy.EXCLUSIVE, inventory, master, group._transport,
+            part.name, (module,), Policy.EXCLUSIVE, inventory, master, group._transport,
             category=group.category, detect_edits=group.detect_edits, sharded=group.sharded,
         ))
-    return (BlockStream(group, model_blocks, parts, slots, lock=lock, log=log),)
+    group.apart = tuple(p for p in parts if p.name not in group.plan.streamed)
+    return streams_over(group, model_blocks, parts, group.plan.streamed, slots=slots, lock=lock,
+                        log=log)
+
+
+def streams_over(group: Residency, model_blocks: tuple[ModelBlocks, ...],
+                 parts: Iterable[Residency], streamed: Sequence[str], *, slots: SlotPlacement,
+                 lock: threading.RLock, log: BlockLog) -> tuple[BlockStream, ...]:
+    """The stream of `group`'s parts named in `streamed` (a plan's), in that order: one for
+    the blocks of `model_blocks` (with no part streamed it only answers `layers`), none
+    without them."""
+    if not model_blocks:
+        return ()
+    by_name = {part.name: part for part in parts}
+    return (BlockStream(group, model_blocks, [by_name[name] for name in streamed], slots,
+                        lock=lock, log=log),)
+
+
+def take_plan(group: Residency, plan: Plan, *, slots: SlotPlacement, lock: threading.RLock,
+              log: BlockLog) -> None:
+    """Give offloaded `group` `plan` (an auto scheduler's re-plan), its parts apart and a
+    stream of the parts it streams: the old streams are closed first, and a stream built and not
+    taken (an interrupt) is closed again."""
+    parts = {part.name: part for part in group.parts}
+    given = tuple(blocks for stream in group.streams for blocks in stream.model_blocks)
+    for stream in group.streams:
+        stream.close()
+    apart = tuple(parts[p.name] for p in plan.parts[1:] if p.where is not Where.STREAMED)
+    built: tuple[BlockStream, ...] = ()
+    try:
+        built = streams_over(group, given, parts.values(), plan.streamed, slots=slots, lock=lock,
+                             log=log)
+        group.plan, group.apart, group.streams = plan, apart, built  # one line: the commit
+    except BaseException:
+        if group.streams is not built:
+            for stream in built:
+                stream.close()
+        raise
 
 
 class BlockStream:

@@ -38,14 +38,16 @@ import torch
 from torch.profiler import record_function
 
 from residency.engine.adoption import Adoption, check_budget
+from residency.engine.apart import PartsApart
 from residency.engine.buffers import DeviceBuffers
 from residency.engine.component import Residency
 from residency.engine.enums import Policy, ResidencyState
 from residency.engine.errors import DeviceMemoryError
 from residency.engine.locks import CHECKING, check_held, in_context
 from residency.engine.memory import DeviceStorage
-from residency.engine.plan import Where
-from residency.engine.records import TransitionLog, TransitionRecord
+from residency.engine.layers import take_plan
+from residency.engine.plan import Plan, Where
+from residency.engine.records import BlockLog, TransitionLog, TransitionRecord
 from residency.engine.slots import SlotPlacement
 from residency.engine.transport import Transport
 
@@ -68,6 +70,7 @@ class Placement:
         buffers: DeviceBuffers,
         adoption: Adoption,
         transitions: TransitionLog,
+        block_log: BlockLog,
     ) -> None:
         self._lock = lock
         self._transport = transport
@@ -78,9 +81,15 @@ class Placement:
         self._transitions = transitions
         #: The placement of streamed parts in the block slots (lent to every group's stream).
         self.slots = SlotPlacement(buffers.block_slots, adoption)
+        #: The placement of parts placed whole apart from their own part (an auto plan's).
+        self.apart = PartsApart(adoption, transport, buffers.all)
+        self._block_log = block_log
         self._planned: list[Residency] = []  # guarded by the lock
         self.current: Residency | None = None  # guarded by the lock
         self.prefetched: Residency | None = None  # guarded by the lock
+        #: An auto plan's weights budget (`residency.engine.auto`): what a prefetch may not
+        #: exceed when no ``device_memory_limit`` is set; None: the fixed plans.
+        self.budget: int | None = None  # guarded by the lock
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -93,45 +102,38 @@ class Placement:
     def device_nbytes(self) -> int:
         """Bytes of every device storage that exists now (the shared buffers included)."""
         own = {id(g.device_storage): g.device_storage for g in self._planned
-               if not g.exclusive and g.device_storage is not None}
+               if g.device_storage is not None and g.device_storage not in self._buffers.all}
+        own.update((id(s), s) for g in self._planned for s in self.apart.held(g))
         return self._buffers.nbytes + sum(storage.nbytes for storage in own.values())
 
     def resident_names(self) -> list[str]:
-        """Names of the groups whose weights are on the device now, in registration order."""
-        return [g.name for g in self._planned if not g.exclusive or g is self.current]
+        """Names of the groups whose weights are on the device now, in registration order: the
+        current group and those whose plan keeps every byte (a partly kept group is not one)."""
+        return [g.name for g in self._planned if g.plan.wholly_kept or g is self.current]
 
     def check_budget(self, name: str, needs: Iterable[tuple[Policy, int]]) -> None:
-        """Refuse a group whose device bytes, with those of `needs` (every group and claim,
-        the new one last), would exceed ``device_memory_limit``."""
+        """`adoption.check_budget` against ``device_memory_limit``."""
         check_budget(self.device_memory_limit, name, needs)
 
     # -- admitting and withdrawing groups --------------------------------------------------------
 
     def admit(self, group: Residency) -> None:
-        """Take a newly registered group's plan: a kept own part (policy 'resident') is loaded
-        now, into a storage of its own; a swapped one waits for its phase.
-
-        If that load fails the group is not admitted and the error propagates.
-        """
+        """Take a newly registered group's plan: what it keeps (a 'resident' group) is loaded
+        now, into storages of its own.  If that load fails, the group is not admitted."""
         if CHECKING:
             check_held(self._lock)
-        if group.plan.own.where is not Where.KEPT:
-            self._planned.append(group)
-            self._buffers.size_for(self._planned)
-            return
         start = time.perf_counter()
-        nbytes = in_context(record_function(f"residency::load {group.name}"), group._load,
-                            DeviceStorage(self._transport))
+        nbytes = in_context(record_function(f"residency::load {group.name}"),
+                            self.apart.load_kept, group)
         self._planned.append(group)
-        self._record(None, group, nbytes, 0, start, start)
+        self._buffers.size_for(self._planned)
+        if nbytes:
+            self._record(None, group, nbytes, 0, start, start)
 
     def withdraw(self, group: Residency, *, evict: bool) -> None:
-        """Forget `group` and drop its views and storage.
-
-        With `evict`, a resident group is evicted first (changes written back; tensors that no
-        longer fit their place are kept as the user made them, on the host).  Without, its
-        tensors keep viewing the device bytes (`refresh` re-packs them from there).
-        """
+        """Forget `group` and drop its views and storage.  With `evict`, what is on the device is
+        evicted first (changes written back; tensors that no longer fit their place are kept as
+        the user made them, on the host); without, its tensors keep viewing the device bytes."""
         if CHECKING:
             check_held(self._lock)
         try:
@@ -142,14 +144,14 @@ class Placement:
 
     def _withdraw(self, group: Residency, evict: bool) -> None:
         self.cancel_prefetch()
-        if evict and group.is_resident:
+        if evict:
             self._evict(group, repack=False)
         for stream in group.streams:
             stream.close()
         if self.current is group:
             self.current = None
         self._buffers.forget(group)
-        if not group.exclusive and group.device_storage is not None:
+        if group.device_storage is not None and group.device_storage not in self._buffers.all:
             group.device_storage.release()
         if group in self._planned:
             self._planned.remove(group)
@@ -160,13 +162,10 @@ class Placement:
     def switch_to(self, group: Residency | None) -> None:
         """Evict the current exclusive group and load `group` (None: leave the device empty).
 
-        A group whose modules changed (see `Residency.pending_change`) is re-packed before its
-        load, and the evicted group right away when its eviction left re-typed tensors on the
-        host (so every tensor of an offloaded group stays in its master): `residency.engine.adoption`.
-        Other changes of the evicted group (tensors added while it was resident) are adopted at
-        its next load: a phase change checks one group's structure, not two.  Called with no
-        holders.  On failure, the device holds no exclusive group.
-        """
+        A group whose modules changed (`Residency.pending_change`) is re-packed before its load,
+        and the evicted group at once when its eviction left re-typed tensors on the host
+        (`residency.engine.adoption`); its other changes are adopted at its next load: a phase
+        change checks one group's structure.  No holders.  On failure, no group is current."""
         if CHECKING:
             check_held(self._lock)
         try:
@@ -179,14 +178,14 @@ class Placement:
         previous, start, written = self.current, time.perf_counter(), 0
         if previous is not None:
             written = in_context(record_function(f"residency::evict {previous.name}"),
-                                 self._evict, previous)
+                                 self._leave, previous)
             self.current = None
             if previous.left_misfits:
                 self._adoption.adopt(previous)
         evicted, nbytes = time.perf_counter(), 0
         if group is not None:
             storage = self._make_room(group)
-            replaced = self._adopt_before_load(group)
+            replaced = self._adopt_before_load(group) if _moves_own(group) else []
             nbytes = in_context(record_function(f"residency::load {group.name}"),
                                 self._load_parts, group, storage, replaced)
             self.current = group
@@ -218,11 +217,18 @@ class Placement:
         for group in candidates:
             if group.state is ResidencyState.LOADING and group is not self.prefetched:
                 group._cancel_load()
-        resident = [g for g in candidates if g.is_resident]
-        self.current = resident[0] if resident else None
+        moved = [g for g in candidates if g.is_resident and _moves_own(g)]
+        kept = self.current if self.current in candidates and self.current.is_resident else None
+        current = moved[0] if moved else kept
+        if current is not None and not self.apart.all_placed(current):
+            self._leave(current)  # a part of it did not arrive: its next phase loads it all
+            current = None
+        self.current = current
         for group in candidates:
+            if group is not current:
+                self.apart.evict(group, Where.SWAPPED)
             for stream in group.streams:
-                stream.settle(running=group is self.current)
+                stream.settle(running=group is current)
 
     def prefetch(self, group: Residency) -> bool:
         """Start copying exclusive `group` beside the current one when there is room (see
@@ -282,29 +288,69 @@ class Placement:
             check_held(self._lock)
         self._buffers.free_all()
 
+    def replan(self, group: Residency, plan: Plan) -> None:
+        """Carry out a new `plan` for `group` (an auto scheduler's; no holders): the current
+        group leaves, what the plan no longer keeps is evicted, a stream takes the streamed
+        parts (`take_plan`), then what it keeps is loaded: the device never holds more than the
+        larger of the two plans.  Loads are recorded as a transition into the group.  Each step
+        reads where the last one ended: after an interrupt `settle` makes the owners agree, and
+        the same call carries the plan out."""
+        if CHECKING:
+            check_held(self._lock)
+        try:
+            self._replan(group, plan)
+        except BaseException:  # see [Note: interrupts] in residency.engine.scheduler
+            self.settle()
+            raise
+
+    def _replan(self, group: Residency, plan: Plan) -> None:
+        self.cancel_prefetch()
+        if self.current is not None:
+            self.switch_to(None)
+        start, written = time.perf_counter(), self.apart.drop_unkept(group, plan)
+        if group.plan != plan:
+            take_plan(group, plan, slots=self.slots, lock=self._lock, log=self._block_log)
+        nbytes = self.apart.load_kept(group)
+        self._buffers.size_for(self._planned)
+        if nbytes or written:
+            self._record(None, group, nbytes, written, start, start)
+
     # -- a group's parts --------------------------------------------------------------------------
 
     def _load_parts(self, group: Residency, storage: DeviceStorage, replaced: list[int]) -> int:
-        """Load `group`'s own part (into `storage`, unless prefetched), then start its streams.
-        If a stream cannot start (no device memory for a slot), the group is evicted again and
-        the error propagates."""
-        nbytes = self._load(group, storage, replaced)
+        """Load `group`'s swapped own part (into `storage`, unless prefetched), what it keeps and
+        is not on the device (after an interrupted step), its parts swapped apart; start its
+        streams.  On failure (no device memory) the group leaves again and the error propagates."""
+        nbytes = self._load(group, storage, replaced) if _moves_own(group) else 0
         try:
+            nbytes += self.apart.load_for_phase(group)
             for stream in group.streams:
                 stream.start()
             return nbytes
         except BaseException:
             if group.is_resident:
-                self._evict(group)
+                self._leave(group)
             raise
 
+    def _leave(self, group: Residency) -> int:
+        """`group` leaves for another group's phase: its streams stop, what it swaps is evicted,
+        what it keeps stays; returns the bytes written back (see `_evict`)."""
+        written = sum(stream.stop() for stream in group.streams)
+        written += self.apart.evict(group, Where.SWAPPED)
+        if _moves_own(group) and group.state is ResidencyState.RESIDENT:
+            written += group._evict()
+            if not group.plan.reuses_buffers:
+                group.device_storage.release()
+        return written
+
     def _evict(self, group: Residency, *, repack: bool = True) -> int:
-        """Evict a resident group: its stream's parts first (re-packing one re-typed in its slot,
-        unless `repack` is False: the group is being withdrawn), then its own part; returns bytes
-        written.  If the own part's eviction is refused (a write-back on a shared master), the
-        group stays resident and the caller's `settle` starts its stream again."""
+        """Evict every byte of `group`: its streams' parts (re-packing one re-typed in its slot
+        unless `repack` is False: it is being withdrawn), its parts apart, its own part; returns
+        bytes written.  An own part's eviction refused (a write-back on a shared master) leaves
+        it resident; the caller's `settle` starts its stream again."""
         written = sum(stream.stop(repack=repack) for stream in group.streams)
-        return written + group._evict()
+        written += self.apart.evict(group, None, repack=repack)
+        return written + (group._evict() if group.is_resident else 0)
 
     def _make_room(self, group: Residency) -> DeviceStorage:
         """Free the buffers of the modes `group` is not in (see [Note: layer mode holds no buffer
@@ -313,7 +359,8 @@ class Placement:
         prefetched = self.prefetched
         if prefetched is not None and prefetched.plan.mode != group.plan.mode:
             self.cancel_prefetch()
-        return self._buffers.make_room(group)
+        shared = self._buffers.make_room(group)
+        return shared if group.plan.reuses_buffers else self.apart.storage_of_its_own(group)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -330,19 +377,11 @@ class Placement:
         return self._buffers.free_for(group, self.current)
 
     def _room_for_prefetch(self, group: Residency) -> bool:
-        """Whether the buffer `group` would be copied into fits beside everything already held.
-
-        Without `device_memory_limit`, the device's free memory decides; where the backend cannot
-        tell it, the answer is yes, and `prefetch` takes the allocator's out-of-memory as no.
-        """
-        storage = self._free_storage(group)
-        needed = max(group.inventory.layout.contiguous_nbytes, storage.size_hint)
-        growth = 0 if storage.nbytes >= needed and not storage.is_aliased() else needed
-        if self.device_memory_limit is not None:
-            held = self.device_nbytes - (storage.nbytes if growth else 0)
-            return held + growth <= self.device_memory_limit
-        free = _free_device_memory(self.device)
-        return free is None or growth <= free
+        """Whether the buffer `group` would be copied into fits beside everything already held
+        (see `_room_beside`)."""
+        limit = self.device_memory_limit if self.device_memory_limit is not None else self.budget
+        return _room_beside(self._free_storage(group), group, self.device_nbytes, limit,
+                            self.device)
 
     def _record(
         self,
@@ -365,6 +404,24 @@ class Placement:
                 thread=threading.current_thread().name,
             )
         )
+
+
+def _moves_own(group: Residency) -> bool:
+    """Whether `group`'s own part moves at its phase changes (swapped, not kept)."""
+    return group.plan.own.where is Where.SWAPPED
+
+
+def _room_beside(storage: DeviceStorage, group: Residency, held: int, limit: int | None,
+                 device: torch.device) -> bool:
+    """Whether `group` fits into `storage` beside the `held` device bytes: within `limit` when
+    there is one, else within the device's free memory; where the backend cannot tell it, the
+    answer is yes, and `prefetch` takes the allocator's out-of-memory as no."""
+    needed = max(group.inventory.layout.contiguous_nbytes, storage.size_hint)
+    growth = 0 if storage.nbytes >= needed and not storage.is_aliased() else needed
+    if limit is not None:
+        return held - (storage.nbytes if growth else 0) + growth <= limit
+    free = _free_device_memory(device)
+    return free is None or growth <= free
 
 
 def _free_device_memory(device: torch.device) -> int | None:

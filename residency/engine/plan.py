@@ -32,7 +32,8 @@ no owner asks which mode a group is in.  In the glossary
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import attrs
 
@@ -75,18 +76,10 @@ def _check_parts(plan: Plan, _attribute, parts: tuple[Part, ...]) -> None:
             f"group {plan.group!r}: its own part (everything outside its blocks) is kept or "
             "swapped; only blocks stream through the slots"
         )
-    moved = [part.name for part in rest if part.where is not Where.STREAMED]
-    if moved:
-        raise RegistrationError(
-            f"group {plan.group!r}: blocks {moved} are planned {Where.KEPT.value!r} or "
-            f"{Where.SWAPPED.value!r} apart from the group's own part; a block stays on the "
-            "device by joining the own part (model_blocks(..., resident_layers=k) keeps the "
-            "first k), else it streams"
-        )
-    if rest and own.where is Where.KEPT:
+    if not plan.exclusive and (own.where is not Where.KEPT or rest):
         raise RegistrationError(
             f"group {plan.group!r} is kept on the device (policy 'resident'), so nothing of it "
-            "streams; drop its streamed blocks (layers=) or use policy='exclusive'"
+            "streams or swaps; drop its streamed blocks (layers=) or use policy='exclusive'"
         )
     names = [part.name for part in parts]
     if len(set(names)) != len(names):
@@ -102,23 +95,57 @@ class Plan:
     """
 
     group: str
-    #: The group's own part first, then each streamed part in streaming order.
+    #: The group's own part first, then each block planned apart from it: streamed ones in
+    #: streaming order.
     parts: tuple[Part, ...] = attrs.field(converter=tuple, validator=_check_parts)
+    #: Whether the group is swapped by phases (policy 'exclusive'); a 'resident' group's plan
+    #: keeps its own part and nothing else.
+    exclusive: bool = attrs.field(default=True, kw_only=True)
+    #: Whether a swapped own part loads into the scheduler's reused buffers (the fixed module and
+    #: layer plans) or, as every part apart does, into a storage of its own, released when it
+    #: leaves (an auto plan's: its device bytes are then exactly its parts').
+    reuses_buffers: bool = attrs.field(default=True, kw_only=True)
 
     @classmethod
-    def for_group(cls, name: str, policy: Policy, model_blocks: Sequence[ModelBlocks]) -> Plan:
+    def for_group(cls, name: str, policy: Policy, model_blocks: Sequence[ModelBlocks], *,
+                  apart: bool = False) -> Plan:
         """Module mode (no `model_blocks`): the own part kept (policy 'resident') or swapped.
-        Layer mode: the own part swapped, each streamed block of each `ModelBlocks` streamed."""
-        own = Where.KEPT if policy is Policy.RESIDENT else Where.SWAPPED
-        streamed = [Part(f"{blocks.model_path}.{block.path}", Where.STREAMED)
-                    for blocks in model_blocks for block in blocks.streamed]
-        return cls(name, (Part(name, own), *streamed))
+        Layer mode: the own part swapped, each streamed block of each `ModelBlocks` streamed.
+        With `apart` (an auto scheduler's first plan of a group, before the planner's), each
+        of those blocks is swapped apart from the own part instead: the group moves as in
+        module mode, and any plan of its parts can follow without packing it again."""
+        exclusive = policy is Policy.EXCLUSIVE
+        own = Where.SWAPPED if exclusive else Where.KEPT
+        where = Where.SWAPPED if apart else Where.STREAMED
+        blocks = [Part(f"{chosen.model_path}.{block.path}", where)
+                  for chosen in model_blocks for block in chosen.streamed]
+        return cls(name, (Part(name, own), *blocks), exclusive=exclusive,
+                   reuses_buffers=not apart)
+
+    def replace(self, where: Mapping[str, Where]) -> Plan:
+        """This plan with the parts named in `where` placed there (an auto plan's choice).
+
+            plan.replace({"dit": Where.KEPT, "dit.blocks.0": Where.KEPT})
+        """
+        unknown = sorted(set(where) - set(self.where))
+        if unknown:
+            raise RegistrationError(f"group {self.group!r} has no parts {unknown}")
+        return Plan(self.group, [Part(p.name, where.get(p.name, p.where)) for p in self.parts],
+                    exclusive=self.exclusive, reuses_buffers=self.reuses_buffers)
 
     # Derived from `parts` once (read on every phase change: attributes, not calls).
-    #: The group's own part: every tensor outside its streamed blocks.
+    #: The group's own part: every tensor outside the blocks planned apart from it.
     own: Part = attrs.field(init=False, eq=False, repr=False)
+    #: Where each part is, by name.
+    where: Mapping[str, Where] = attrs.field(init=False, eq=False, repr=False)
     #: The names of the streamed parts, in streaming order.
     streamed: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)
+    #: The names of the blocks kept on the device apart from the own part (they stay there
+    #: while other groups run: partial residency when the own part is swapped).
+    kept: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)
+    #: The names of the blocks swapped apart from the own part (loaded with it, each into a
+    #: storage of its own, and evicted with it).
+    swapped: tuple[str, ...] = attrs.field(init=False, eq=False, repr=False)
     #: Whether any part streams (layer mode).
     streams: bool = attrs.field(init=False, eq=False, repr=False)
     #: ``"layer"`` when parts stream, else ``"module"``: which of the reused buffers the own part
@@ -126,24 +153,36 @@ class Plan:
     mode: str = attrs.field(init=False, eq=False, repr=False)
     #: Whether the group may be copied beside the current one before its phase (see [Note:
     #: layer mode holds no buffer sized for another group] in `residency.engine.buffers`): its
-    #: own part is swapped and nothing of it streams.
+    #: own part is swapped and is all that moves.
     prefetchable: bool = attrs.field(init=False, eq=False, repr=False)
+    #: Whether every byte of the group stays on the device: its phases move nothing.
+    wholly_kept: bool = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        streamed = tuple(part.name for part in self.parts[1:])
-        for name, value in (("own", self.parts[0]), ("streamed", streamed),
-                            ("streams", bool(streamed)),
+        rest = self.parts[1:]
+        named = {where: tuple(p.name for p in rest if p.where is where) for where in Where}
+        streamed, swapped = named[Where.STREAMED], named[Where.SWAPPED]
+        own_kept = self.parts[0].where is Where.KEPT
+        for name, value in (("own", self.parts[0]),
+                            ("where", MappingProxyType({p.name: p.where for p in self.parts})),
+                            ("streamed", streamed), ("kept", named[Where.KEPT]),
+                            ("swapped", swapped), ("streams", bool(streamed)),
                             ("mode", "layer" if streamed else "module"),
-                            ("prefetchable", self.parts[0].where is Where.SWAPPED
-                             and not streamed)):
+                            ("prefetchable", not own_kept and not streamed and not swapped
+                             and self.reuses_buffers),
+                            ("wholly_kept", own_kept and not streamed and not swapped)):
             object.__setattr__(self, name, value)
 
     def describe(self) -> str:
-        """One line: where the own part is, and how many parts stream.
+        """One line: where the own part is, and how many parts are kept, swapped and streamed
+        apart from it.
 
             transformer: own part swapped; 8 parts streamed through the block slots
         """
         text = f"{self.group}: own part {self.own.where.value}"
+        for names, how in ((self.kept, "kept"), (self.swapped, "swapped")):
+            if names:
+                text += f"; {len(names)} parts {how} apart"
         if self.streams:
             text += f"; {len(self.streamed)} parts streamed through the block slots"
         return text

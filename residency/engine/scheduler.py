@@ -58,14 +58,15 @@ from residency.multirank.agreement import PhaseLedger
 from residency.engine.arguments import as_excluded, as_modules, check_flag, check_name, check_options
 from residency.engine.arguments import parse_device, parse_policy
 from residency.engine.blocks import ModelBlocks
+from residency.engine.auto import AutoPlan, AutoPlanner
 from residency.engine.budget import AutoOptions
 from residency.engine.buffers import DeviceBuffers
 from residency.engine.component import Residency
 from residency.vllm_omni.discovery import scheduler_from_pipeline
 from residency.engine.enums import PhaseStatus, Policy
-from residency.engine.errors import PhaseError
+from residency.engine.errors import ConfigError, PhaseError
 from residency.engine.holds import Holds
-from residency.engine.layers import as_model_blocks, streamed_modules
+from residency.engine.layers import as_model_blocks, auto_blocks, streamed_modules
 from residency.engine.locks import locked, new_lock
 from residency.engine.no_offload import NoOffload
 from residency.multirank.node import node_view
@@ -181,25 +182,25 @@ class Scheduler:
         self._transport = transport if transport is not None else transport_for(self.device)
         pin = self._transport.can_pin() if pin_memory is None else pin_memory
         node = None if process_group is None else node_view(process_group)
-        self._packer = Packer(
-            self._transport, device=self.device, chunk_nbytes=chunk_nbytes, pin_memory=pin, node=node
-        )
+        self._packer = Packer(self._transport, device=self.device, chunk_nbytes=chunk_nbytes,
+                              pin_memory=pin, node=node)
         #: Records of phase changes and (layer mode) of block moves: the newest `record_limit`.
         self.transitions, self.block_records = TransitionLog(record_limit), BlockLog(record_limit)
         self._lock = new_lock()
         self._registry = Registry(self._lock, owner_label=f"<Scheduler on {self.device}>")
         buffers = DeviceBuffers(self._transport)
-        adoption = Adoption(self._packer, self._registry, buffers,
-                            device_memory_limit=device_memory_limit)
+        adoption = Adoption(self._packer, self._registry, buffers, device_memory_limit=device_memory_limit)
         self._placement = Placement(self._lock, self._transport, device=self.device, buffers=buffers,
-                                    adoption=adoption, transitions=self.transitions)
+                                    adoption=adoption, transitions=self.transitions,
+                                    block_log=self.block_records)
         self._holds = Holds(self._lock, self._placement, self._registry, wait_timeout=wait_timeout)
         self._admission = Admission(self._lock, registry=self._registry, packer=self._packer,
                                     placement=self._placement, holds=self._holds,
-                                    transport=self._transport, block_records=self.block_records)
+                                    transport=self._transport, block_records=self.block_records,
+                                    auto=auto_options is not None)
+        self._auto = _auto_planner(auto_options, self)
         #: Agreement of the node's ranks on collective loads (``weight_transfer="allgather"``).
         self._ledger = None if node is None else PhaseLedger(self._packer.node.group)
-        self.auto_options = auto_options  # None: the fixed module and layer plans
         _note_pageable(self.pin_memory, self.device, self._transport)
 
     @property
@@ -276,10 +277,12 @@ class Scheduler:
         check_flag("detect_edits", detect_edits)
         sharded = sharded_load(self._packer.node, self._ledger, name, weight_transfer)
         roots = as_modules(name, modules)
-        given = as_model_blocks(name, roots, layers, policy)
+        given = (as_model_blocks if self._auto is None else auto_blocks)(name, roots, layers, policy)
         excluded = as_excluded(name, exclude, roots) + streamed_modules(given)
-        return self._admission.register(name, roots, policy, excluded, category, detect_edits,
-                                        given, sharded)
+        group = self._admission.register(name, roots, policy, excluded, category, detect_edits,
+                                         given, sharded)
+        return self._auto.added(group, self._registry, self._lock, self._admission.remove) \
+            if self._auto is not None else group
 
     def alias(self, path: str, name: str) -> None:
         """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline).
@@ -296,7 +299,9 @@ class Scheduler:
         (resident-policy groups are placed again).  Phases of the group are refused meanwhile.
         """
         check_open(self._holds.closed)
-        return self._admission.refresh(name)
+        group = self._admission.refresh(name)
+        self._plan_again(f"group {name!r} refreshed")
+        return group
 
     def remove(self, name: str) -> Residency:
         """Unregister group `name`; its modules keep their weights in host memory.
@@ -305,7 +310,14 @@ class Scheduler:
         while the group was resident are left as the user made them (moved to the host).
         """
         check_open(self._holds.closed)
-        return locked(self._lock, self._admission.remove, name, "remove")
+        group = locked(self._lock, self._admission.remove, name, "remove")
+        self._plan_again(f"group {name!r} removed")
+        return group
+
+    def _plan_again(self, reason: str) -> None:
+        """An auto scheduler plans its groups again (a group left, or was packed again)."""
+        if self._auto is not None:
+            locked(self._lock, self._auto.replan, self._registry, reason)
 
     def close(self) -> None:
         """Return every group's weights to host memory and release device storage.
@@ -373,6 +385,35 @@ class Scheduler:
         return self._transport
 
     @property
+    def auto_options(self) -> AutoOptions | None:
+        """The options of this scheduler's auto plan (`residency.engine.budget`), or None: the
+        fixed module and layer plans."""
+        return None if self._auto is None else self._auto.options
+
+    @property
+    def plan(self) -> AutoPlan | None:
+        """The auto plan in force (`residency.engine.auto.AutoPlan`: each group's plan, the
+        prediction per call, each call's measured figures; ``.describe()``), or None."""
+        return None if self._auto is None else self._auto.plan
+
+    def set_device_budget(self, device_budget: int | str | float) -> None:
+        """Give an auto scheduler a new device budget (bytes, a size such as "20GiB", or a
+        fraction of the free device memory) and re-plan now.  Refused, changing nothing, during
+        a phase, without ``auto=``, or when no plan fits the budget.
+
+            scheduler.set_device_budget("20GiB")
+        """
+        check_open(self._holds.closed)
+        if self._auto is None:
+            raise ConfigError("set_device_budget is for an auto scheduler; create it with "
+                              "Scheduler(auto={'device_budget': ...})")
+        locked(self._lock, self._set_device_budget, device_budget)
+
+    def _set_device_budget(self, device_budget: object) -> None:
+        self._admission.check_no_holders("set the device budget")
+        self._auto.set_budget(self._registry, device_budget)
+
+    @property
     def device_memory_limit(self) -> int | None:
         """Most device bytes this scheduler's storages may hold together (None: no limit)."""
         return self._placement.device_memory_limit
@@ -436,6 +477,9 @@ class Scheduler:
     def _enter(self, phase: Phase) -> Residency:
         if self._holds.closed:
             check_open(True)
+        if self._auto is not None:
+            self._auto.entering(phase.group, self._placement.current, self._registry,
+                                not self._holds.has_holders())
         for stream in phase.group.streams:
             stream.rewrap()
         return self._holds.join(phase)
@@ -444,6 +488,14 @@ class Scheduler:
         self._holds.leave(phase)
 
     # -- helpers -------------------------------------------------------------------------------
+
+def _auto_planner(options: AutoOptions | None, scheduler: Scheduler) -> AutoPlanner | None:
+    """The owner of `scheduler`'s auto plan (`residency.engine.auto`), or None."""
+    if options is None:
+        return None
+    return AutoPlanner(options, placement=scheduler._placement, transport=scheduler._transport,
+                       transitions=scheduler.transitions, block_log=scheduler.block_records)
+
 
 def _note_pageable(pinned: bool, device: torch.device, transport: Transport) -> None:
     """Say that host masters are pageable memory (unless `pinned`), and why."""

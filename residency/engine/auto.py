@@ -1,0 +1,290 @@
+"""The auto scheduler's owner: what a call does, the plan chosen for it, and the plan's record.
+
+    scheduler = Scheduler("cuda", auto={"device_budget": "38GiB"})
+    ...                                        # add the groups, run a call
+    print(scheduler.plan.describe())           # per group: kept, swapped, streamed; per call:
+                                               # predicted bytes and seconds beside the measured
+    scheduler.set_device_budget("20GiB")       # re-plans now (between phases)
+
+An auto scheduler places each group's parts by a plan the planner (`residency.engine.planner`)
+computes from the device budget (`residency.engine.budget`), the groups' parts, the phase order
+and the measured compute and copy times; placement carries it out (`Placement.replan`).  This
+object measures and decides when to plan again: when a group is added, when the budget changes
+(`Scheduler.set_device_budget`), after the first call (the phase order it observed: the first
+call runs on a plan made as if each group were entered once per call, within the budget), when a
+call's groups or parts changed size (a re-packed group), and when two calls in a row moved bytes
+off the prediction by more than ``drift``.
+
+[Note: what a call is]
+The scheduler sees phases, not pipeline calls.  A call begins when the first group of the phase
+order (declared by ``phase_order``, else the first exclusive group ever entered) becomes current
+after another group was: Wan2.2's encoder, two experts and VAE make a call of three switches.
+Each group's entries (switches to it) and passes (its phase entries: one per forward of its
+model) are counted per call; the bytes a call moved are the records' running totals
+(`TransitionLog.nbytes` + `BlockLog.nbytes`) between two beginnings, read after any re-plan at
+the boundary (its loads belong to no call).
+
+Fields (guarded by the scheduler lock; this object is their one mutator): ``options``, the
+resolved ``budget`` and ``headroom``, the per-call counters (``_entries``, ``_passes``,
+``_compute``), what the last complete call did (``_observed``), and ``plan`` (the `AutoPlan` in
+force, with its measured calls).  Invariant: every registered group carries the plan in
+``plan.plans`` (the planner's choice for it), and the planned peak is within ``budget -
+headroom``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+
+import attrs
+import torch
+
+from residency.engine.budget import AutoOptions
+from residency.engine.component import Residency
+from residency.engine.locks import locked
+from residency.engine.placement import Placement
+from residency.engine.plan import Plan, Where
+from residency.engine.planner import Cost, Workload, choose, predict
+from residency.engine.records import BlockLog, TransitionLog
+from residency.engine.transport import CpuTransport, Transport
+
+__all__ = ["AutoPlan", "AutoPlanner", "free_device_memory"]
+
+#: Copy bandwidth assumed before any copy was measured (bytes per second).
+_ASSUMED_BANDWIDTH = {True: 10e9, False: 5e9}
+
+
+@attrs.frozen
+class AutoPlan:
+    """The plans an auto scheduler carries out, why, what they predict and what calls measured.
+
+        plan = scheduler.plan
+        plan.plans["transformer"].kept        # the expert's blocks kept on the device
+        plan.predicted.nbytes, plan.measured  # bytes per call: the model's, then each call's
+    """
+
+    #: The device budget and the headroom left for activations, in bytes.
+    budget: int
+    headroom: int
+    #: Each group's plan, by name.
+    plans: Mapping[str, Plan]
+    #: What one call costs by the cost model (bytes, seconds, peak device bytes of weights).
+    predicted: Cost
+    #: The group workloads the prediction is for (bytes of parts, entries and passes per call).
+    workloads: tuple[Workload, ...]
+    #: Why this plan was made ("group 'vae' added", "first call observed", ...).
+    reason: str
+    #: (bytes moved, seconds) of each complete call made under this plan, oldest first.
+    measured: tuple[tuple[int, float], ...] = ()
+
+    def describe(self) -> str:
+        """Per group what is kept, swapped and streamed (and their bytes), then the predicted
+        bytes and seconds per call beside the measured ones."""
+        lines = [f"auto plan ({self.reason}): budget {_size(self.budget)}, headroom "
+                 f"{_size(self.headroom)}, peak {_size(self.predicted.peak)} of weights"]
+        for w in self.workloads:
+            lines.append("  " + _describe_group(w, self.plans[w.name]))
+        lines.append(f"  predicted per call: {_size(self.predicted.nbytes)} moved, "
+                     f"{self.predicted.seconds:.3f} s")
+        for index, (nbytes, seconds) in enumerate(self.measured[-3:]):
+            lines.append(f"  measured call {len(self.measured) - min(3, len(self.measured)) + index + 1}: "
+                         f"{_size(nbytes)} moved, {seconds:.3f} s")
+        return "\n".join(lines)
+
+
+class AutoPlanner:
+    """Plans, measures and re-plans an auto scheduler's groups (see the module docstring);
+    called with the scheduler lock held."""
+
+    def __init__(self, options: AutoOptions, *, placement: Placement, transport: Transport,
+                 transitions: TransitionLog, block_log: BlockLog) -> None:
+        self.options = options
+        self._placement = placement
+        self._overlap = not isinstance(transport, CpuTransport)
+        self._transitions, self._block_log = transitions, block_log
+        self.budget, self.headroom = options.resolve(free_device_memory(placement.device))
+        self.plan: AutoPlan | None = None
+        self._first = options.phase_order[0] if options.phase_order else None
+        self._entries: dict[str, int] = {}
+        self._passes: dict[str, int] = {}
+        self._compute: dict[str, float] = {}
+        self._observed: dict[str, tuple[int, int, float]] | None = None
+        self._call_start: tuple[int, float] | None = None
+        self._phase_start: tuple[str, float] | None = None
+        self._drifted = 0
+
+    # -- planning --------------------------------------------------------------------------------
+
+    def replan(self, groups: Iterable[Residency], reason: str) -> None:
+        """Choose every group's plan for the budget and carry it out (called with no holders).
+        Raises `DeviceMemoryError` when nothing fits, with nothing changed."""
+        groups = list(groups)
+        workloads = tuple(self._workload(group) for group in groups)
+        bandwidth = self._bandwidth()
+        plans = choose(workloads, weights_budget=self.budget - self.headroom,
+                       bandwidth=bandwidth, overlap=self._overlap)
+        predicted = predict(workloads, plans, bandwidth=bandwidth, overlap=self._overlap)
+        order = sorted(groups, key=lambda g: _kept_nbytes(plans[g.name], g)
+                       - _kept_nbytes(g.plan, g))  # the ones keeping less first
+        try:
+            for group in order:
+                self._placement.replan(group, plans[group.name])
+        except BaseException:  # carried out again once (see [Note: interrupts])
+            for group in order:
+                self._placement.replan(group, plans[group.name])
+            raise
+        self._placement.budget = self.budget - self.headroom
+        self.plan = AutoPlan(self.budget, self.headroom, plans, predicted, workloads, reason)
+        self._call_start = None  # the loads above belong to no call
+        self._drifted = 0
+
+    def added(self, group: Residency, groups: Iterable[Residency], lock, remove) -> Residency:
+        """Plan the groups again with `group` just registered (takes `lock`) and return it; if
+        no plan fits (or the step is interrupted), `group` is removed again (``remove(group,
+        "add")``) and the others keep a plan without it."""
+        try:
+            locked(lock, self.replan, groups, f"group {group.name!r} added")
+            return group
+        except BaseException:  # refused: nothing changed (see [Note: interrupts])
+            locked(lock, remove, group, "add")
+            if self.plan is not None and group.name in self.plan.plans:
+                locked(lock, self.replan, groups, f"group {group.name!r} refused")
+            raise
+
+    def set_budget(self, groups: Iterable[Residency], device_budget: object) -> None:
+        """Take a new device budget (as `AutoOptions.device_budget` accepts) and re-plan; a
+        budget nothing fits is refused with nothing changed."""
+        options = attrs.evolve(self.options, device_budget=device_budget)
+        budget, headroom = options.resolve(free_device_memory(self._placement.device,
+                                                              held=self._placement.device_nbytes))
+        before = (self.options, self.budget, self.headroom)
+        self.options, self.budget, self.headroom = options, budget, headroom
+        try:
+            self.replan(groups, f"device budget set to {device_budget!r}")
+        except BaseException:
+            self.options, self.budget, self.headroom = before
+            raise
+
+    def _workload(self, group: Residency) -> Workload:
+        entries, passes, compute = (self._observed or {}).get(group.name, (1, 1, 0.0))
+        blocks = tuple((part.name, part.inventory.layout.nbytes,
+                        part.inventory.layout.contiguous_nbytes) for part in group.parts)
+        layout = group.inventory.layout
+        return Workload(group.name, (layout.nbytes, layout.contiguous_nbytes), blocks,
+                        exclusive=group.exclusive, entries=entries, passes=passes,
+                        compute_seconds=compute)
+
+    def _bandwidth(self) -> float:
+        records = [r for r in self._transitions if r.nbytes and r.load_seconds > 0]
+        if not records:
+            return _ASSUMED_BANDWIDTH[self._overlap]
+        return sum(r.nbytes for r in records) / sum(r.load_seconds for r in records)
+
+    # -- observing calls --------------------------------------------------------------------------
+
+    def entering(self, group: Residency, current: Residency | None,
+                 groups: Iterable[Residency], no_holders: bool) -> None:
+        """A phase of `group` begins (`current`: the exclusive group on the device before it).
+        Counts it; at a call's beginning closes the last call and re-plans when due."""
+        if not group.exclusive:
+            return
+        now = time.perf_counter()
+        switching = current is not group
+        if switching and self._first is None:
+            self._first = group.name
+        if switching and group.name == self._first:
+            self._close_call(now, groups, no_holders)
+        self._passes[group.name] = self._passes.get(group.name, 0) + 1
+        if switching:
+            self._entries[group.name] = self._entries.get(group.name, 0) + 1
+            self._end_phase(now)
+            self._phase_start = (group.name, now)
+
+    def _end_phase(self, now: float) -> None:
+        if self._phase_start is not None:
+            name, began = self._phase_start
+            self._compute[name] = self._compute.get(name, 0.0) + now - began
+
+    def _close_call(self, now: float, groups: Iterable[Residency], no_holders: bool) -> None:
+        self._end_phase(now)
+        self._phase_start = None
+        moved = self._transitions.nbytes + self._block_log.nbytes
+        if self._call_start is not None and self.plan is not None:
+            nbytes, seconds = moved - self._call_start[0], now - self._call_start[1]
+            self.plan = attrs.evolve(self.plan, measured=(*self.plan.measured, (nbytes, seconds)))
+            observed = {name: (self._entries[name], self._passes.get(name, 0),
+                               self._compute.get(name, 0.0)) for name in self._entries}
+            first = self._observed is None
+            self._observed = observed
+            reason = self._due(first, nbytes)
+            if reason is not None and no_holders:
+                self.replan(groups, reason)
+                moved = self._transitions.nbytes + self._block_log.nbytes
+        self._entries, self._passes, self._compute = {}, {}, {}
+        self._call_start = (moved, time.perf_counter())
+
+    def _due(self, first: bool, nbytes: int) -> str | None:
+        """Why a plan is due now, or None."""
+        if first:
+            return "first call observed"
+        predicted = self.plan.predicted.nbytes
+        if abs(nbytes - predicted) > self.options.drift * max(predicted, 1):
+            self._drifted += 1
+        else:
+            self._drifted = 0
+        if self._drifted >= 2:
+            return f"two calls off the prediction ({predicted} bytes) by more than " \
+                   f"{self.options.drift:.0%}"
+        sizes = {w.name: (w.own, w.blocks) for w in self.plan.workloads}
+        if any(sizes.get(name) is None for name in self._observed):
+            return "a call entered groups the plan did not expect"
+        return None
+
+
+def free_device_memory(device: torch.device, held: int = 0) -> int | None:
+    """Bytes free for this scheduler on `device` (with `held`, what it holds now, counted as
+    free): the accelerator's free memory, or the host's available memory on the CPU; None where
+    the backend cannot tell."""
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024 + held
+        except OSError:
+            pass
+        pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else None
+        return None if pages is None else pages * os.sysconf("SC_PAGE_SIZE") + held
+    try:
+        free, _ = torch.accelerator.get_memory_info(device.index)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+    return free + held
+
+
+def _kept_nbytes(plan: Plan, group: Residency) -> int:
+    parts = {part.name: part for part in group.parts}
+    kept = group.inventory.layout.contiguous_nbytes if plan.own.where is Where.KEPT else 0
+    return kept + sum(parts[name].inventory.layout.contiguous_nbytes for name in plan.kept
+                      if name in parts)
+
+
+def _describe_group(w: Workload, plan: Plan) -> str:
+    held = {name: h for name, _, h in w.blocks}
+    sums = {where: sum(held[n] for n in held if plan.where[n] is where) for where in Where}
+    own = plan.own.where.value
+    text = f"{w.name}: own part {own} ({_size(w.own[1])})"
+    for where, names in ((Where.KEPT, plan.kept), (Where.SWAPPED, plan.swapped),
+                         (Where.STREAMED, plan.streamed)):
+        if names:
+            text += f"; {len(names)} blocks {where.value} ({_size(sums[where])})"
+    return text + f"; {w.entries} entries, {w.passes} passes per call"
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
