@@ -1,13 +1,21 @@
-"""argparse flags: --diffusion-offload-config and --enable-cpu-offload."""
+"""argparse flags: --diffusion-offload-config and --enable-cpu-offload (and in the main job)."""
 
 import argparse
 import json
+import os
 import re
 
 import pytest
 
+from residency import Scheduler
 from residency.adapters.cli import add_offload_arguments, offload_config_from_args
+from residency.app.main import build_parser
+from residency.app.main import main as main_job
+from residency.app.synthetic import SyntheticWan22
+from residency.engine.budget import AutoOptions
 from residency.vllm_omni.config import OffloadConfig
+
+from _forkserver import run_python
 
 
 def _parse(argv):
@@ -47,6 +55,15 @@ def test_layer_mode_parses():
     assert config.mode == "layer"
 
 
+def test_auto_mode_parses_with_its_options():
+    config = _parse(["--diffusion-offload-config",
+                     '{"mode": "auto", "auto_options": {"device_budget": "20GiB", '
+                     '"phase_order": ["text_encoder", "transformer"]}}'])
+    assert (config.mode, config.components) == ("auto", ("dit", "text_encoder"))
+    assert config.auto_options == AutoOptions(device_budget="20GiB",
+                                              phase_order=("text_encoder", "transformer"))
+
+
 def test_flags_join_an_existing_parser_and_its_help():
     parser = argparse.ArgumentParser(prog="generate")
     parser.add_argument("--steps", type=int, default=4)
@@ -55,6 +72,31 @@ def test_flags_join_an_existing_parser_and_its_help():
     assert (args.steps, args.enable_cpu_offload, args.diffusion_offload_config) == (2, True, None)
     text = parser.format_help()
     assert "--diffusion-offload-config JSON" in text and "--enable-cpu-offload" in text
+
+
+FLAG = "--diffusion-offload-config"
+#: Auto configs each flag refuses, with the message it must say.
+AUTO_REFUSALS = [
+    ('{"mode": "auto", "auto_options": {"device_budget": 2.0}}',
+     r"offload config field 'auto_options': device_budget=2\.0; a fraction of the free device "
+     r"memory is in \(0, 1\]"),
+    ('{"mode": "auto", "auto_options": {"device_budget": "12 parsecs"}}',
+     r"offload config field 'auto_options': device_budget='12 parsecs'; give a whole number of "
+     r"bytes"),
+    ('{"mode": "auto", "auto_options": {"headroom": -1}}',
+     r"offload config field 'auto_options': headroom=-1; give a whole number of bytes"),
+    ('{"mode": "auto", "auto_options": {"budget": 1}}',
+     r"offload config field 'auto_options': auto_options has unknown keys \['budget'\]"),
+    ('{"mode": "auto", "auto_options": {"phase_order": []}}',
+     r"offload config field 'auto_options': phase_order=\(\); give the group names"),
+    ('{"mode": "module", "components": ["dit"], "auto_options": {"device_budget": "1GiB"}}',
+     r"offload config field 'auto_options' is \{'device_budget': '1GiB'\}, but mode 'module' "
+     r"takes no auto options .*; set \"mode\": \"auto\", or drop 'auto_options'"),
+    ('{"mode": "auto", "layer_options": {"dit": {"resident_layers": 2}}}',
+     r"offload config field 'layer_options' is .*, but mode 'auto' chooses itself which blocks "
+     r"stream .*, or set \"mode\": \"layer\" to fix weight_transfer and resident_layers by "
+     r"hand"),
+]
 
 
 @pytest.mark.parametrize(
@@ -76,6 +118,11 @@ def test_flags_join_an_existing_parser_and_its_help():
           '{"mode": "layer", "components": ["dit"]}'],
          r"generate: error: enable_cpu_offload=True asks for module mode, but the offload config "
          r"given with it is"),
+        (["--enable-cpu-offload", "--diffusion-offload-config", '{"mode": "auto"}'],
+         r"generate: error: enable_cpu_offload=True asks for module mode, but the offload config "
+         r"given with it is \{'mode': 'auto', .*\(mode 'auto'\); drop enable_cpu_offload"),
+        *[([FLAG, config], rf"argument --diffusion-offload-config: {message}")
+          for config, message in AUTO_REFUSALS],
     ],
 )
 def test_bad_values_are_argparse_errors_with_exit_status_2(argv, message, capsys):
@@ -85,3 +132,52 @@ def test_bad_values_are_argparse_errors_with_exit_status_2(argv, message, capsys
     stderr = capsys.readouterr().err
     assert stderr.startswith("usage: generate")
     assert re.search(message, stderr.replace("\n", " ")), stderr
+
+
+# -- the main job (python -m residency) ---------------------------------------------------------
+
+
+def test_the_main_job_takes_an_auto_config_to_its_scheduler():
+    """Parsing only: the flag gives the config, and the synthetic pipeline's scheduler gets its
+    options (a run under auto waits for the engine)."""
+    config = OffloadConfig.from_dict({"mode": "auto", "auto_options": {"device_budget": "1GiB"}})
+    args = build_parser().parse_args(["--size", "tiny", FLAG, config.to_json()])
+    assert args.diffusion_offload_config == config
+    scheduler = Scheduler.from_pipeline(SyntheticWan22.build("tiny"), config, device="cpu")
+    assert scheduler.auto_options == AutoOptions(device_budget="1GiB")
+    scheduler.close()
+
+
+@pytest.mark.parametrize(("config", "message"), AUTO_REFUSALS)
+def test_the_main_job_refuses_a_bad_auto_config_with_exit_status_2(config, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main_job(["--size", "tiny", FLAG, config])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no work began
+    error = captured.err.splitlines()[-1]
+    assert error.startswith("python -m residency: error: argument --diffusion-offload-config: ")
+    assert re.search(message, error), error
+
+
+def test_the_main_job_refuses_the_legacy_flag_with_an_auto_config(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main_job(["--size", "tiny", "--enable-cpu-offload", FLAG, '{"mode": "auto"}'])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert re.search(r"^python -m residency: error: enable_cpu_offload=True asks for module "
+                     r"mode, .*\(mode 'auto'\)", captured.err.splitlines()[-1])
+
+
+def test_python_m_residency_ends_a_bad_auto_config_with_one_line_and_exit_status_2():
+    done = run_python(["-m", "residency", "--size", "tiny", FLAG,
+                       '{"mode": "auto", "auto_options": {"device_budget": 0}}'],
+                      env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("usage: python -m residency") and "Traceback" not in done.stderr
+    assert lines[-1] == ("python -m residency: error: argument --diffusion-offload-config: "
+                         "offload config field 'auto_options': device_budget=0; give more than 0 "
+                         "bytes")

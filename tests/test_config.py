@@ -7,8 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from residency.engine.budget import AutoOptions
 from residency.vllm_omni.config import (
     COMPONENTS,
+    EXTENSION_MODES,
+    LEGACY_COMPONENTS,
+    MODES,
     WEIGHT_TRANSFERS,
     LayerOptions,
     ModuleOptions,
@@ -169,16 +173,29 @@ _module_options = st.dictionaries(
 )
 
 
+#: Auto options as `AutoOptions.to_dict` writes them: only what differs from the defaults.
+_auto_options = st.fixed_dictionaries({}, optional={
+    "device_budget": st.one_of(
+        st.integers(1, 2**40), st.sampled_from(["38GiB", "500 MB", "1.5GB"]),
+        st.floats(0, 1, exclude_min=True)),
+    "headroom": st.one_of(st.integers(0, 2**30), st.sampled_from(["2GiB", "0B"])),
+    "phase_order": st.lists(st.sampled_from(["text_encoder", "transformer", "vae"]), min_size=1),
+    "drift": st.floats(0, 4, exclude_min=True).filter(lambda d: d != 0.25),
+})
+
+
 @st.composite
 def _config_dicts(draw):
     chosen = set(draw(st.lists(st.sampled_from(COMPONENTS), min_size=1, unique=True)))
     components = [c for c in COMPONENTS if c in chosen]  # as to_dict writes them
-    data = {"mode": draw(st.sampled_from(["module", "layer"])), "components": components}
+    data = {"mode": draw(st.sampled_from(MODES)), "components": components}
     field, strategy = (("layer_options", _layer_options) if data["mode"] == "layer"
                        else ("module_options", _module_options))
     options = {k: v for k, v in draw(strategy).items() if k in components}
     if options:
         data[field] = options
+    if data["mode"] == "auto":
+        data["auto_options"] = draw(_auto_options)
     data["pin_memory"] = draw(st.booleans())
     return data
 
@@ -200,7 +217,8 @@ def test_to_dict_from_dict_and_json_round_trip(data):
     [
         ({"components": ["dit"]},
          r"field 'mode' is missing from \{'components': \['dit'\]\}; it is required "
-         r"\(accepted modes are 'module', 'layer'\), for example \{\"mode\": \"module\""),
+         r"\(accepted modes are 'module', 'layer', 'auto'\), for example \{\"mode\": "
+         r"\"module\""),
         ({"mode": "module"},
          r"field 'components' is missing from \{'mode': 'module'\}; it is required \(list "
          r"some of 'dit', 'text_encoder', 'vae'\), for example \{\"mode\": \"module\", "
@@ -211,7 +229,8 @@ def test_to_dict_from_dict_and_json_round_trip(data):
          r"field 'mode' is None; accepted modes are 'module', 'layer'"),
         ({"mode": "module", "compnents": ["dit"]},
          r"unknown field 'compnents'; accepted fields are 'mode', 'components', "
-         r"'layer_options', 'module_options', 'pin_memory'\. Did you mean 'components'\?"),
+         r"'layer_options', 'module_options', 'auto_options', 'pin_memory'\. Did you mean "
+         r"'components'\?"),
         ({"mode": "module", "components": ["dit"], "module_option": {}},
          r"unknown field 'module_option'; accepted fields are .*\. Did you mean "
          r"'module_options'\?"),
@@ -326,11 +345,122 @@ def test_to_dict_from_dict_and_json_round_trip(data):
           "layer_options": {"text_encoder": {"resident_layers": 1}}},
          r"'layer_options.text_encoder.resident_layers' is 1; resident layers are for the 'dit' "
          r"component only: remove it or set it to 0"),
+        ({"mode": "module", "components": ["dit"], "auto_options": {"device_budget": "1GiB"}},
+         r"^offload config field 'auto_options' is \{'device_budget': '1GiB'\}, but mode "
+         r"'module' takes no auto options \(they are the device budget of an auto plan\); set "
+         r"\"mode\": \"auto\", or drop 'auto_options'$"),
+        ({"mode": "layer", "components": ["dit"], "auto_options": {}},
+         r"^offload config field 'auto_options' is \{\}, but mode 'layer' takes no auto "
+         r"options .*; set \"mode\": \"auto\", or drop 'auto_options'$"),
+        ({"mode": "auto", "layer_options": {"dit": {"resident_layers": 2}}},
+         r"^offload config field 'layer_options' is \{'dit': \{'weight_transfer': 'rank-local', "
+         r"'resident_layers': 2\}\}, but mode 'auto' chooses itself which blocks stream and "
+         r"which stay resident; remove 'layer_options', or set \"mode\": \"layer\" to fix "
+         r"weight_transfer and resident_layers by hand$"),
+        ({"mode": "auto", "components": []},
+         r"field 'components' is empty; select at least one of"),
+        ({"mode": "auto", "components": ["dit"], "module_options": {"vae": {}}},
+         r"field 'module_options' names 'vae', which is not in components \['dit'\]"),
+        ({"mode": "Auto", "components": ["dit"]},
+         r"field 'mode' is 'Auto'; accepted modes are 'module', 'layer', 'auto'$"),
     ],
 )
 def test_bad_config_messages_name_field_value_and_accepted(data, message):
     with pytest.raises(ConfigError, match=message):
         OffloadConfig.from_dict(data)
+
+
+#: Bad auto options, each with the `AutoOptions` message it must surface with.
+BAD_AUTO_OPTIONS = [
+    ({"device_budget": 2.0},
+     r"device_budget=2\.0; a fraction of the free device memory is in \(0, 1\]: give e\.g\. "
+     r"0\.9, or bytes \(an int or a size such as '38GiB'\)"),
+    ({"device_budget": 0}, r"device_budget=0; give more than 0 bytes"),
+    ({"device_budget": "0GiB"}, r"device_budget='0GiB'; give more than 0 bytes"),
+    ({"device_budget": "12 parsecs"},
+     r"device_budget='12 parsecs'; give a whole number of bytes \(>= 0\) or a size such as "
+     r"'38GiB', '500MB' \(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB\)"),
+    ({"device_budget": True}, r"device_budget=True; give a whole number of bytes"),
+    ({"headroom": -1}, r"headroom=-1; give a whole number of bytes \(>= 0\) or a size"),
+    ({"headroom": "lots"}, r"headroom='lots'; give a whole number of bytes"),
+    ({"phase_order": []},
+     r"phase_order=\(\); give the group names one call enters, in order \(e\.g\. "
+     r"\['text_encoder', 'transformer', 'vae'\]\), or leave it out to observe the first call"),
+    ({"phase_order": ["transformer", 3]}, r"phase_order=\('transformer', 3\); give the group"),
+    ({"phase_order": "transformer"}, r"phase_order='transformer'; give the group names"),
+    ({"drift": 0}, r"drift=0; give a positive fraction, e\.g\. 0\.25"),
+    ({"drift": "0.1"}, r"drift='0\.1'; give a positive fraction"),
+    ({"budget": "1GiB", "headroom": "1GiB"},
+     r"auto_options has unknown keys \['budget'\]; the keys are device_budget, headroom, "
+     r"phase_order, drift"),
+    ("1GiB",
+     r"auto_options='1GiB'; give an object with any of the keys device_budget, headroom, "
+     r"phase_order, drift"),
+    ([], r"auto_options=\[\]; give an object with any of the keys"),
+]
+
+
+def _surfaces(call, options, message):
+    with pytest.raises(ConfigError, match=rf"^offload config field 'auto_options': {message}"):
+        call({"mode": "auto", "components": ["dit"], "auto_options": options})
+
+
+@pytest.mark.parametrize(("options", "message"), BAD_AUTO_OPTIONS)
+def test_bad_auto_options_surface_with_their_message_from_every_entry(options, message):
+    _surfaces(OffloadConfig.from_dict, options, message)
+    _surfaces(lambda data: OffloadConfig.from_json(json.dumps(data)), options, message)
+    _surfaces(resolve_config, options, message)
+    _surfaces(lambda data: resolve_config(json.dumps(data)), options, message)
+    _surfaces(lambda data: OffloadConfig(**data), options, message)
+
+
+def test_auto_mode_parses_with_defaults():
+    config = OffloadConfig.from_dict({"mode": "auto"})
+    assert config.mode in EXTENSION_MODES
+    assert config.components == LEGACY_COMPONENTS  # what module mode offloads by default
+    assert config.auto_options == AutoOptions()
+    assert (dict(config.layer_options), dict(config.module_options)) == ({}, {})
+    assert config.weight_transfer_for("dit") == "rank-local"
+    assert config.options_for("text_encoder") == LayerOptions()
+    assert config.to_dict() == {"mode": "auto", "components": ["dit", "text_encoder"],
+                                "auto_options": {}, "pin_memory": True}
+    assert OffloadConfig(mode="auto") == config
+    assert OffloadConfig.from_dict({"mode": "auto", "auto_options": None}) == config
+
+
+def test_auto_mode_takes_its_options_components_and_module_options():
+    config = OffloadConfig.from_json(
+        '{"mode": "auto", "components": ["vae", "dit"], "auto_options": {"device_budget": 0.9,'
+        ' "headroom": "2GiB", "phase_order": ["transformer", "vae"], "drift": 0.5},'
+        ' "module_options": {"dit": {"weight_transfer": "allgather"}}}')
+    assert config.components == ("dit", "vae")
+    assert config.auto_options == AutoOptions(device_budget=0.9, headroom="2GiB",
+                                              phase_order=("transformer", "vae"), drift=0.5)
+    assert config.weight_transfer_for("dit") == "allgather"
+    assert config.allgathered() == ("dit",)
+    assert config.to_dict()["auto_options"] == {"device_budget": 0.9, "headroom": "2GiB",
+                                                "phase_order": ["transformer", "vae"],
+                                                "drift": 0.5}
+    given = AutoOptions(device_budget="1GiB")
+    assert OffloadConfig(mode="auto", auto_options=given).auto_options is given
+
+
+def test_other_modes_have_no_auto_options():
+    for mode in ("module", "layer"):
+        config = OffloadConfig.from_dict({"mode": mode, "components": ["dit"],
+                                          "auto_options": None})  # null: as if absent
+        assert config.auto_options is None
+        assert "auto_options" not in config.to_dict()
+
+
+def test_the_constructor_requires_components_outside_auto_mode():
+    with pytest.raises(ConfigError, match=r"^offload config field 'components' is missing; mode "
+                                          r"'module' requires it \(list some of 'dit', "
+                                          r"'text_encoder', 'vae'\), for example"):
+        OffloadConfig(mode="module")
+    with pytest.raises(ConfigError, match=r"^offload config field 'mode' is 'sync'; accepted "
+                                          r"modes are 'module', 'layer', 'auto'$"):
+        OffloadConfig(mode="sync")
 
 
 def test_not_a_mapping():
@@ -408,6 +538,15 @@ def test_legacy_switch_with_a_layer_mode_config_is_refused():
                                           r"config alone decides\), or give a config with "
                                           r"\"mode\": \"module\""):
         resolve_config({"mode": "layer", "components": ["dit"]}, enable_cpu_offload=True)
+
+
+def test_legacy_switch_with_an_auto_config_is_refused():
+    with pytest.raises(ConfigError, match=r"enable_cpu_offload=True asks for module mode, but the "
+                                          r"offload config given with it is \{'mode': 'auto', "
+                                          r".*\(mode 'auto'\); drop enable_cpu_offload \(the "
+                                          r"config alone decides\), or give a config with "
+                                          r"\"mode\": \"module\""):
+        resolve_config('{"mode": "auto"}', enable_cpu_offload=True)
 
 
 def test_json_null_means_offloading_off():

@@ -13,6 +13,10 @@ The documented extensions (docs/surface.md) are the only expected differences, e
 * "module_options": module mode's per-component weight transfer (``{"dit": {"weight_transfer":
   "allgather"}}``); vLLM-Omni refuses the field.  A config with it means what the config without
   it means, with those transfers, when the options are well formed (see `with_module_options`).
+* mode "auto" (`EXTENSION_MODES`) and its "auto_options" (`EXTENSION_FIELDS`): a plan chosen from a
+  device budget.  An auto config means what it means with "mode": "module" (components absent:
+  `LEGACY_COMPONENTS`), with its `AutoOptions`; "auto_options" with another mode is refused (see
+  `with_auto`).
 * JSON text: ``resolve_config`` also takes the ``--diffusion-offload-config`` string itself.
 """
 
@@ -27,8 +31,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from residency.engine.budget import AutoOptions
 from residency.vllm_omni.config import (
     EXTENSION_FIELDS,
+    EXTENSION_MODES,
     LEGACY_COMPONENTS,
     WEIGHT_TRANSFERS,
     resolve_config,
@@ -54,6 +60,8 @@ class Meaning:
     pin_memory: bool
     #: component -> the weight transfer it runs with, for every selected component.
     transfers: tuple
+    #: Mode "auto" only (an extension): the plan's options.
+    auto_options: AutoOptions | None = None
 
 
 def _options(table: Mapping) -> tuple:
@@ -75,7 +83,7 @@ def ours(value, enable_cpu_offload=False):
                for c in config.components}
     transfers = {c: config.weight_transfer_for(c) for c in config.components}
     return Meaning(config.mode, frozenset(config.components), _options(options), config.pin_memory,
-                   _options(transfers))
+                   _options(transfers), config.auto_options)
 
 
 def theirs(value, enable_cpu_offload=False):
@@ -144,7 +152,10 @@ def _rewrite(value, rename: dict, drop: str):
 
 
 def expected(value, enable_cpu_offload=False):
-    """vLLM-Omni's verdict, extended by "module_options" and "vae" (see the module docstring)."""
+    """vLLM-Omni's verdict, extended by "auto", "module_options" and "vae" (see the module
+    docstring)."""
+    if isinstance(value, Mapping) and (_is_auto(value) or "auto_options" in value):
+        return with_auto(value, enable_cpu_offload)
     if isinstance(value, Mapping) and "module_options" in value:
         assert theirs(value, enable_cpu_offload) == REJECT  # vLLM-Omni does refuse the field
         rest = {key: item for key, item in value.items() if key != "module_options"}
@@ -208,6 +219,40 @@ def with_module_options(meaning, options):
     return attrs.evolve(meaning, transfers=_options(transfers))
 
 
+# -- the "auto" extension ------------------------------------------------------------------------
+
+
+def _is_auto(value: Mapping) -> bool:
+    return isinstance(value.get("mode"), str) and value["mode"] in EXTENSION_MODES
+
+
+def with_auto(value: Mapping, enable_cpu_offload=False):
+    """The verdict on a config with mode "auto" or an "auto_options" field (or REJECT).
+
+    The extension's rules, written out: "auto_options" is for mode "auto" only (null counts as
+    absent, as for "pin_memory"); an auto config is judged as the config with "mode": "module"
+    and without "auto_options" (so "layer_options" is refused as in module mode, and
+    "module_options" taken as there), its "components" defaulting to `LEGACY_COMPONENTS`; the
+    legacy switch, which asks for module mode, refuses it; its "auto_options" must parse as
+    `AutoOptions` (whose refusals tests/test_config.py checks one by one).
+    """
+    assert theirs(value, enable_cpu_offload) == REJECT  # vLLM-Omni refuses both
+    given = value.get("auto_options")
+    rest = {key: item for key, item in value.items() if key != "auto_options"}
+    if not _is_auto(value):
+        return REJECT if given is not None else expected(rest, enable_cpu_offload)
+    if enable_cpu_offload:
+        return REJECT
+    meaning = expected({"components": list(LEGACY_COMPONENTS), **rest, "mode": "module"})
+    if meaning == REJECT:
+        return REJECT
+    try:
+        options = AutoOptions() if given is None else AutoOptions.from_dict(given)
+    except ConfigError:
+        return REJECT
+    return attrs.evolve(meaning, mode="auto", auto_options=options)
+
+
 # -- the configs --------------------------------------------------------------------------------
 
 _junk = st.one_of(
@@ -216,7 +261,8 @@ _junk = st.one_of(
     st.dictionaries(st.text(max_size=2), st.integers(0, 1), max_size=1),
 )
 _names = st.sampled_from(["dit", "text_encoder", "vae", "unet", "DIT", ""])
-_modes = st.one_of(st.sampled_from(["module", "layer"]), st.sampled_from(["Module", "sync"]), _junk)
+_modes = st.one_of(st.sampled_from(["module", "layer", "auto"]),
+                   st.sampled_from(["Module", "sync", "Auto"]), _junk)
 _components = st.one_of(
     st.lists(_names, max_size=4),
     st.lists(_names, max_size=3).map(tuple),
@@ -248,10 +294,21 @@ _module_options = st.one_of(
     st.dictionaries(st.one_of(_names, st.integers(0, 1)), _one_module_options, max_size=2),
     _junk,
 )
+_auto_options = st.one_of(
+    st.fixed_dictionaries({}, optional={
+        "device_budget": st.one_of(st.sampled_from(["1GiB", "500 MB", "12 parsecs", 0.5, 1.0, 2.0,
+                                                    0, -1, None]), st.integers(1, 2**40)),
+        "headroom": st.sampled_from(["64MiB", 0, 1024, -1, None]),
+        "phase_order": st.sampled_from([["transformer", "vae"], [], [""], None]),
+        "drift": st.sampled_from([0.25, 1, 0, -0.5]),
+    }),
+    st.fixed_dictionaries({"budget": st.integers(0, 2)}),
+    _junk,
+)
 _pin_memory = st.one_of(st.none(), st.booleans(), _junk)
 configs = st.fixed_dictionaries({}, optional={
     "mode": _modes, "components": _components, "layer_options": _layer_options,
-    "module_options": _module_options, "pin_memory": _pin_memory,
+    "module_options": _module_options, "auto_options": _auto_options, "pin_memory": _pin_memory,
     "resident_layers": st.integers(0, 1),
 })
 values = st.one_of(configs, st.none(), st.integers(), st.lists(_names, max_size=2))
@@ -282,6 +339,13 @@ KNOWN = [
      "module_options": {"dit": {"weight_transfer": "allgather"}}},
     {"mode": "module", "components": ["dit"],
      "module_options": {"dit": {"resident_layers": 1}}},
+    {"mode": "auto", "auto_options": {"device_budget": "1GiB"}},
+    {"mode": "auto", "components": ["vae", "dit"],
+     "module_options": {"dit": {"weight_transfer": "allgather"}}},
+    {"mode": "auto", "components": ["dit"], "layer_options": {"dit": {"resident_layers": 2}}},
+    {"mode": "module", "components": ["dit"], "auto_options": {"device_budget": "1GiB"}},
+    {"mode": "auto", "components": ["dit"], "auto_options": {"device_budget": 2.0}},
+    {"mode": "auto", "components": [], "auto_options": {}},
 ]
 
 
@@ -310,9 +374,31 @@ def test_the_legacy_switch_combines_with_a_config_as_in_vllm_omni(value, enable_
     assert ours(value, enable_cpu_offload) == expected(value, enable_cpu_offload)
 
 
+_auto_configs = st.fixed_dictionaries({"mode": st.just("auto")}, optional={
+    "components": st.lists(st.sampled_from(["dit", "text_encoder", "vae"]), max_size=3),
+    "module_options": st.dictionaries(st.sampled_from(["dit", "text_encoder", "vae"]),
+                                      st.fixed_dictionaries({}, optional={
+                                          "weight_transfer": st.sampled_from(WEIGHT_TRANSFERS)}),
+                                      max_size=2),
+    "layer_options": st.one_of(st.just({}), st.just({"dit": {}})),
+    "auto_options": _auto_options,
+    "pin_memory": st.one_of(st.none(), st.booleans()),
+})
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=_auto_configs, enable_cpu_offload=st.booleans())
+def test_extension_auto_configs_mean_their_module_mode_meaning_with_their_options(
+    value, enable_cpu_offload
+):
+    """Mostly well-formed auto configs (random ones rarely are): each means what `with_auto`
+    says."""
+    assert ours(value, enable_cpu_offload) == expected(value, enable_cpu_offload)
+
+
 def _json_configs():
     plain = st.fixed_dictionaries({}, optional={
-        "mode": st.sampled_from(["module", "layer", "x"]),
+        "mode": st.sampled_from(["module", "layer", "auto", "x"]),
         "components": st.lists(_names, max_size=3),
         "layer_options": st.dictionaries(_names, st.fixed_dictionaries({}, optional={
             "weight_transfer": st.sampled_from(["rank-local", "allgather", "sync"]),
@@ -320,6 +406,9 @@ def _json_configs():
         "module_options": st.dictionaries(_names, st.fixed_dictionaries({}, optional={
             "weight_transfer": st.sampled_from(["rank-local", "allgather", "sync"])}),
             max_size=2),
+        "auto_options": st.fixed_dictionaries({}, optional={
+            "device_budget": st.sampled_from(["1GiB", 0.5, 2.0]),
+            "phase_order": st.sampled_from([["vae"], []])}),
         "pin_memory": st.one_of(st.none(), st.booleans()),
     })
     return st.one_of(plain, st.none())
@@ -347,7 +436,14 @@ def test_the_known_differences_are_settled():
     assert dict(verdicts[13].transfers) == {"dit": "rank-local", "vae": "allgather"}
     assert verdicts[14:16] == [REJECT, REJECT]  # module options need module mode, and no layers
     assert [theirs(value) for value in KNOWN[12:14]] == [REJECT, REJECT]  # the extension
-    assert EXTENSION_FIELDS == ("module_options",)
+    auto, gathered = verdicts[16:18]
+    assert (auto.mode, auto.components) == ("auto", set(LEGACY_COMPONENTS))
+    assert auto.auto_options == AutoOptions(device_budget="1GiB")
+    assert dict(gathered.transfers) == {"dit": "allgather", "vae": "rank-local"}
+    assert gathered.auto_options == AutoOptions()
+    assert verdicts[18:22] == [REJECT] * 4  # layer options; auto options elsewhere; bad; empty
+    assert [theirs(value) for value in KNOWN[16:18]] == [REJECT, REJECT]  # the extension
+    assert (EXTENSION_FIELDS, EXTENSION_MODES) == (("module_options", "auto_options"), ("auto",))
 
 
 def test_the_legacy_switch_alone_offloads_dits_and_encoders_in_vllm_omni():

@@ -17,6 +17,7 @@ from residency.vllm_omni.discovery import (
     register_groups,
     group_components,
 )
+from residency.engine.budget import AutoOptions
 from residency.engine.errors import ConfigError, RegistrationError, UnknownGroupError
 
 from _helpers import on_device, on_host_master
@@ -245,6 +246,102 @@ def test_pin_memory_false_gives_pageable_host_masters(pipe):
     assert scheduler.pin_memory is False
     assert not any(scheduler[n].host_master.pinned for n in scheduler)
     scheduler.close()
+
+
+class RecordingScheduler(Scheduler):
+    """A scheduler that notes the keywords of each ``add`` and each alias (what discovery asked)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: dict[str, dict] = {}
+        self.aliased: dict[str, str] = {}
+
+    def add(self, name, modules, **keywords):
+        self.asked[name] = keywords
+        return super().add(name, modules, **keywords)
+
+    def alias(self, path, name):
+        self.aliased[path] = name
+        super().alias(path, name)
+
+
+def _groups(scheduler) -> dict:
+    return {name: (scheduler[name].policy, scheduler[name].modules, scheduler[name].excluded,
+                   scheduler[name].category) for name in scheduler}
+
+
+def test_auto_mode_registers_module_modes_groups_on_a_scheduler_with_its_options(pipe):
+    auto = RecordingScheduler.from_pipeline(
+        pipe, {"mode": "auto", "auto_options": {"device_budget": "1GiB"}}, device="cpu")
+    assert auto.auto_options == AutoOptions(device_budget="1GiB")
+    asked, aliased, groups = auto.asked, auto.aliased, _groups(auto)
+    auto.close()
+    module = RecordingScheduler.from_pipeline(
+        pipe, {"mode": "module", "components": ["dit", "text_encoder"]}, device="cpu")
+    assert module.auto_options is None
+    assert (asked, aliased, groups) == (module.asked, module.aliased, _groups(module))
+    assert not any("layers" in keywords for keywords in asked.values())  # no streaming asked
+    assert set(groups) == {"transformer", "transformer_2", "text_encoder", "vae", "time_embed"}
+    module.close()
+
+
+def test_auto_mode_components_and_pin_memory_mean_what_they_mean_in_module_mode(pipe):
+    auto = Scheduler.from_pipeline(pipe, OffloadConfig(mode="auto", components=["dit", "vae"],
+                                                       pin_memory=False), device="cpu")
+    assert auto.auto_options == AutoOptions()
+    assert auto.pin_memory is False
+    groups = _groups(auto)
+    auto.close()
+    module = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit", "vae"]},
+                                     device="cpu")
+    assert groups == _groups(module)
+    assert groups["vae"][0].value == "exclusive" and groups["text_encoder"][0].value == "resident"
+    module.close()
+
+
+def test_a_bad_auto_config_is_refused_before_anything_is_registered(pipe):
+    pointers = [t.data_ptr() for t in pipe.state_dict().values()]
+    with pytest.raises(ConfigError, match=r"^offload config field 'auto_options': device_budget="
+                                          r"'12 parsecs'; give a whole number of bytes"):
+        Scheduler.from_pipeline(pipe, '{"mode": "auto", "auto_options": {"device_budget": '
+                                      '"12 parsecs"}}', device="cpu")
+    assert [t.data_ptr() for t in pipe.state_dict().values()] == pointers
+    Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]}).close()  # unowned
+
+
+def test_the_diffusers_adapter_builds_an_auto_scheduler_with_module_modes_groups():
+    pytest.importorskip("diffusers")
+    from _tiny_pipelines import tiny_wan22
+    from residency.adapters.diffusers import disable_offload, enable_offload
+
+    pipe = tiny_wan22()
+    auto = enable_offload(pipe, {"mode": "auto", "auto_options": {"device_budget": 0.5,
+                                                                  "headroom": "1MiB"}},
+                          device="cpu")
+    assert auto.auto_options == AutoOptions(device_budget=0.5, headroom="1MiB")
+    groups = _groups(auto)
+    disable_offload(pipe)
+    module = enable_offload(pipe, {"mode": "module", "components": ["dit", "text_encoder"]},
+                            device="cpu")
+    assert module.auto_options is None
+    assert groups == _groups(module)
+    assert groups["transformer"][0].value == "exclusive"
+    disable_offload(pipe)
+
+
+def test_the_diffusers_adapter_names_module_options_where_an_auto_config_all_gathers():
+    pytest.importorskip("diffusers")
+    from _tiny_pipelines import first_block_cache, tiny_flux
+    from residency.adapters.diffusers import enable_offload, offload_scheduler
+
+    pipe = tiny_flux()
+    first_block_cache(pipe)
+    config = {"mode": "auto", "module_options": {"dit": {"weight_transfer": "allgather"}}}
+    with pytest.raises(ConfigError, match=r"component 'transformer' has diffusers' "
+                                          r"FirstBlockCache, .* all-gathers \['dit'\] "
+                                          r"\(module_options: weight_transfer 'allgather'\)"):
+        enable_offload(pipe, config, device="cpu")
+    assert offload_scheduler(pipe) is None
 
 
 def test_layer_mode_refuses_a_dit_without_repeated_blocks_naming_its_path(pipe):

@@ -22,7 +22,9 @@ __all__ = ["add_offload_arguments", "offload_config_from_args"]
 _CONFIG_HELP = (
     'offload configuration as JSON, for example \'{"mode": "module", "components": '
     '["dit", "text_encoder"]}\'; "mode" (module: whole components swap; layer: their blocks '
-    'stream) and "components" (dit, text_encoder, vae) are required; null means no offloading'
+    'stream; auto: a plan chosen from "auto_options", e.g. {"device_budget": "20GiB"}, decides) '
+    'and "components" (dit, text_encoder, vae; optional under auto) are required; null means no '
+    'offloading'
 )
 _LEGACY_HELP = (
     "compatibility switch: offload every DiT and text encoder in turn (module mode); with "
@@ -62,7 +64,8 @@ def offload_config_from_args(
     """The `OffloadConfig` the parsed flags ask for, or None when offloading is off.
 
     Both flags together need a module-mode config (which then decides, as in vLLM-Omni 0.30);
-    with a layer-mode config ``parser.error`` reports the `ConfigError` message and exits with status 2.
+    with a layer-mode or auto config ``parser.error`` reports the `ConfigError` message and exits
+    with status 2.
     """
     try:
         return resolve_config(

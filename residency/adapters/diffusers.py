@@ -226,7 +226,8 @@ def enable_offload(
     placements = tuple((name, module, _device_of(module)) for name, module in components.items())
     pin_memory = None if parsed.pin_memory else False
     scheduler = build_scheduler(
-        found, lambda: Scheduler(device, pin_memory=pin_memory, process_group=process_group)
+        found, lambda: Scheduler(device, pin_memory=pin_memory, process_group=process_group,
+                                 auto=parsed.auto_options)
     )
     leftovers = _leftovers(owner, found, roles)
     if leftovers is not None:
@@ -374,7 +375,8 @@ class _Gathered:
         gathered = config.allgathered()
         if not gathered:
             return None
-        return cls(gathered, "module_options" if config.mode == "module" else "layer_options")
+        field = "layer_options" if config.mode == "layer" else "module_options"  # module, auto
+        return cls(gathered, field)
 
     def check_no_cache(self, owner: str, components: Mapping[str, nn.Module]) -> None:
         """Refuse a cache on any module component or its submodules (before `enable_offload`)."""

@@ -9,12 +9,14 @@ It runs the pipeline once without offloading and once under the offload config (
 mode, dit and text_encoder), checks that the outputs are bit-identical, and prints each phase
 change: bytes moved, seconds, GB/s, the floor (a plain copy of the same bytes, measured in the same
 run) and the peak device bytes.  ``--diffusion-offload-config null`` means offloading off: the
-pipeline runs once, nothing offloaded, and the report says so.  Every argument is checked before
-any work (the device exists, the trace path is writable, the pipeline folder holds a diffusers
-model, the config validates).  Exit status (`EXIT_STATUSES`): 0 when the outputs are identical, 1
-when they differ, 2 for bad arguments or a refused configuration, 3 when the run crashed (an
-unexpected exception: its traceback, then a one-line summary, go to stderr).  Progress lines go to
-stderr as the run goes, and so do the library's notes (logger ``residency``, INFO and up).
+pipeline runs once, nothing offloaded, and the report says so; an auto config (``{"mode": "auto",
+"auto_options": {"device_budget": "20GiB"}}``) reaches the scheduler as its ``auto=``.  Every
+argument is checked before any work (the device exists, the trace path is writable, the pipeline
+folder holds a diffusers model, the config validates).  Exit status (`EXIT_STATUSES`): 0 when the
+outputs are identical, 1 when they differ, 2 for bad arguments or a refused configuration, 3 when
+the run crashed (an unexpected exception: its traceback, then a one-line summary, go to stderr).
+Progress lines go to stderr as the run goes, and so do the library's notes (logger ``residency``,
+INFO and up).
 """
 
 from __future__ import annotations

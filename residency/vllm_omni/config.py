@@ -9,7 +9,8 @@ The same schema arrives as a dict, a JSON string (``--diffusion-offload-config``
 ``enable_cpu_offload=True`` switch; `resolve_config` turns any of them into one `OffloadConfig` (or
 None: offloading off).  It accepts exactly what vLLM-Omni 0.30's ``parse_diffusion_offload_config``
 accepts, with the same meaning, plus the extensions listed in docs/surface.md ("vae",
-``module_options``); ``tests/test_config_parity.py`` checks that against vLLM-Omni's own parser.
+``module_options``, mode "auto" with ``auto_options``); ``tests/test_config_parity.py`` checks that
+against vLLM-Omni's own parser.
 Every refusal is a `ConfigError` naming the field, the value given and what is accepted.
 """
 
@@ -23,12 +24,14 @@ from typing import Any
 
 import attrs
 
+from residency.engine.budget import AutoOptions
 from residency.engine.errors import ConfigError
 
 __all__ = [
     "COMPONENTS",
     "EXTENSION_COMPONENTS",
     "EXTENSION_FIELDS",
+    "EXTENSION_MODES",
     "LEGACY_COMPONENTS",
     "MODES",
     "WEIGHT_TRANSFERS",
@@ -38,8 +41,11 @@ __all__ = [
     "resolve_config",
 ]
 
-#: Offload modes: "module" swaps whole components, "layer" streams a component's blocks.
-MODES = ("module", "layer")
+#: Offload modes: "module" swaps whole components, "layer" streams a component's blocks, "auto"
+#: lets a plan chosen from a device budget decide, group by group, which of the two (or neither).
+MODES = ("module", "layer", "auto")
+#: Modes accepted here that vLLM-Omni 0.30 refuses (documented extensions).
+EXTENSION_MODES = ("auto",)
 #: Component categories a config may select (in this order in `OffloadConfig.components`).
 COMPONENTS = ("dit", "text_encoder", "vae")
 #: Components accepted here that vLLM-Omni 0.30 refuses (documented extensions).
@@ -52,11 +58,13 @@ LEGACY_COMPONENTS = ("dit", "text_encoder")
 #: copies its own weights ("rank-local", the default) or ranks all-gather shards ("allgather").
 WEIGHT_TRANSFERS = ("rank-local", "allgather")
 #: Config fields accepted here that vLLM-Omni 0.30 refuses (documented extensions).
-EXTENSION_FIELDS = ("module_options",)
+EXTENSION_FIELDS = ("module_options", "auto_options")
 #: The only component whose layer options may keep blocks resident.
 _RESIDENT_LAYERS_COMPONENT = "dit"
 
-_FIELDS = ("mode", "components", "layer_options", "module_options", "pin_memory")
+_FIELDS = ("mode", "components", "layer_options", "module_options", "auto_options", "pin_memory")
+#: The modes whose per-component options are `module_options` (auto swaps whole components too).
+_MODULE_OPTION_MODES = ("module", "auto")
 _LAYER_FIELDS = ("weight_transfer", "resident_layers")
 _MODULE_FIELDS = ("weight_transfer",)
 _EXAMPLE = '{"mode": "module", "components": ["dit", "text_encoder"]}'
@@ -110,6 +118,28 @@ def _to_components(components: object) -> tuple[str, ...]:
             "offload config at all)"
         )
     return tuple(c for c in COMPONENTS if c in components)
+
+
+def _default_components(config: OffloadConfig) -> tuple[str, ...]:
+    """Mode "auto" without ``components``: what module mode offloads by default (the legacy
+    switch's `LEGACY_COMPONENTS`); every other mode requires the field."""
+    _check_mode(config, None, config.mode)  # a bad mode first: it decides what is required
+    if config.mode == "auto":
+        return LEGACY_COMPONENTS
+    raise ConfigError(
+        f"offload config field 'components' is missing; mode {config.mode!r} requires it (list "
+        f"some of {_accepted(COMPONENTS)}), for example {_EXAMPLE}"
+    )
+
+
+def _to_auto_options(options: object) -> AutoOptions | None:
+    """``auto_options`` as `AutoOptions`; None (JSON null) stays None, like an absent field."""
+    if options is None or isinstance(options, AutoOptions):
+        return options
+    try:
+        return AutoOptions.from_dict(options)
+    except ConfigError as error:
+        raise ConfigError(f"offload config field 'auto_options': {error}") from None
 
 
 def _check_bool(field: str, value: object) -> None:
@@ -306,17 +336,30 @@ class OffloadConfig:
     Rules (vLLM-Omni 0.30's): `mode` and `components` are required; `components` is a non-empty
     collection drawn from `COMPONENTS` (repeats count once; "vae" is this library's extension);
     `layer_options` only with ``mode="layer"``, keyed by selected components; `pin_memory` is a
-    bool, or None for the default (true).  This library's extension: `module_options` only with
-    ``mode="module"``, keyed by selected components (``{"dit": {"weight_transfer":
-    "allgather"}}``).  `weight_transfer_for` says how a component's weights reach the device in
-    either mode.  `from_dict` / `to_dict` and `from_json` round-trip.
+    bool, or None for the default (true).  This library's extensions: `module_options` only with
+    ``mode="module"`` or ``"auto"``, keyed by selected components (``{"dit": {"weight_transfer":
+    "allgather"}}``); ``mode="auto"``, where a plan chosen from `auto_options` (a device budget)
+    decides what stays, swaps or streams:
+
+        OffloadConfig.from_dict({"mode": "auto", "auto_options": {"device_budget": "24GiB"}})
+        # components ('dit', 'text_encoder') (absent under auto: LEGACY_COMPONENTS),
+        # auto_options AutoOptions(device_budget='24GiB', ...)
+
+    Under "auto", `components` means what it means in module mode (absent: `LEGACY_COMPONENTS`),
+    `auto_options` is always an `AutoOptions` (absent or None: the defaults) and `layer_options`
+    is refused (the plan chooses what streams); `auto_options` with another mode is refused.
+    `weight_transfer_for` says how a component's weights reach the device in any mode.
+    `from_dict` / `to_dict` and `from_json` round-trip.
     """
 
-    #: "module" swaps whole components; "layer" streams a component's blocks.
+    #: "module" swaps whole components; "layer" streams a component's blocks; "auto": a plan
+    #: chosen from `auto_options` decides.
     mode: str = attrs.field(converter=_to_mode, validator=_check_mode)
     #: Categories whose modules are offloaded, in `COMPONENTS` order; the modules of unselected
     #: categories stay resident.
-    components: tuple[str, ...] = attrs.field(converter=_to_components)
+    components: tuple[str, ...] = attrs.field(
+        default=attrs.Factory(_default_components, takes_self=True), converter=_to_components
+    )
     #: Layer-mode options per component, as given (empty in module mode); see `options_for`.
     layer_options: Mapping[str, LayerOptions] = attrs.field(
         factory=dict, converter=_to_layer_options, hash=False
@@ -326,6 +369,9 @@ class OffloadConfig:
     module_options: Mapping[str, ModuleOptions] = attrs.field(
         factory=dict, converter=_to_module_options, hash=False
     )
+    #: The auto plan's options (device budget, headroom, ...): an `AutoOptions` under mode
+    #: "auto" (the defaults when none are given), else None (an extension of vLLM-Omni's schema).
+    auto_options: AutoOptions | None = attrs.field(default=None, converter=_to_auto_options)
     #: Pin host masters where the device can use pinned memory (faster, page-locked copies).
     pin_memory: bool = attrs.field(
         default=True, converter=_to_pin_memory, validator=_check_pin_memory
@@ -341,10 +387,34 @@ class OffloadConfig:
                         f"components {list(self.components)!r}; add it to 'components' or "
                         "remove its options"
                     )
+        if self.layer_options and self.mode == "auto":
+            raise ConfigError(self._auto_mode_layer_options_message())
         if self.layer_options and self.mode != "layer":
             raise ConfigError(self._module_mode_options_message())
-        if self.module_options and self.mode != "module":
+        if self.module_options and self.mode not in _MODULE_OPTION_MODES:
             raise ConfigError(self._layer_mode_options_message())
+        self._settle_auto_options()
+
+    def _settle_auto_options(self) -> None:
+        """Mode "auto" always has its options (the defaults when none were given); no other mode
+        takes any."""
+        if self.mode == "auto":
+            if self.auto_options is None:
+                object.__setattr__(self, "auto_options", AutoOptions())  # still being made
+        elif self.auto_options is not None:
+            raise ConfigError(
+                f"offload config field 'auto_options' is {self.auto_options.to_dict()!r}, but "
+                f"mode {self.mode!r} takes no auto options (they are the device budget of an auto "
+                "plan); set \"mode\": \"auto\", or drop 'auto_options'"
+            )
+
+    def _auto_mode_layer_options_message(self) -> str:
+        return (
+            f"offload config field 'layer_options' is {self._layer_options_dict()!r}, but mode "
+            "'auto' chooses itself which blocks stream and which stay resident; remove "
+            "'layer_options', or set \"mode\": \"layer\" to fix weight_transfer and "
+            "resident_layers by hand"
+        )
 
     def _module_mode_options_message(self) -> str:
         message = (
@@ -387,8 +457,11 @@ class OffloadConfig:
                     f"offload config has unknown field {key!r}; accepted fields are "
                     f"{_accepted(_FIELDS)}.{_did_you_mean(key, _FIELDS)}"
                 )
-        for key, accepted in (("mode", f"accepted modes are {_accepted(MODES)}"),
-                              ("components", f"list some of {_accepted(COMPONENTS)}")):
+        required = {"mode": f"accepted modes are {_accepted(MODES)}",
+                    "components": f"list some of {_accepted(COMPONENTS)}"}
+        if isinstance(data.get("mode"), str) and data["mode"] == "auto":  # module mode's default
+            del required["components"]
+        for key, accepted in required.items():
             if key not in data:
                 raise ConfigError(
                     f"offload config field {key!r} is missing from {dict(data)!r}; it is "
@@ -408,6 +481,8 @@ class OffloadConfig:
             data["layer_options"] = self._layer_options_dict()
         if self.module_options:
             data["module_options"] = self._module_options_dict()
+        if self.auto_options is not None:
+            data["auto_options"] = self.auto_options.to_dict()
         data["pin_memory"] = self.pin_memory
         return data
 
@@ -432,11 +507,11 @@ class OffloadConfig:
             config.weight_transfer_for("dit")            # 'allgather'
             config.weight_transfer_for("text_encoder")   # 'rank-local' (no options: the default)
 
-        Module mode reads `module_options`, layer mode `layer_options`; a component given no
-        options is "rank-local".  Raises `ConfigError` for a component that is not selected.
+        Module and auto mode read `module_options`, layer mode `layer_options`; a component given
+        no options is "rank-local".  Raises `ConfigError` for a component that is not selected.
         """
         self._check_selected(component)
-        table = self.module_options if self.mode == "module" else self.layer_options
+        table = self.module_options if self.mode in _MODULE_OPTION_MODES else self.layer_options
         options = table.get(component)
         return "rank-local" if options is None else options.weight_transfer
 
@@ -499,8 +574,8 @@ def resolve_config(
 
     As in vLLM-Omni 0.30: ``enable_cpu_offload=True`` alone offloads every DiT and every encoder
     in turn (`LEGACY_COMPONENTS`); with a config it is accepted when the config is of the same
-    strategy (module mode), and then the config alone decides.  With a layer-mode config it is a
-    `ConfigError`.
+    strategy (module mode), and then the config alone decides.  With a layer-mode or auto config
+    it is a `ConfigError`.
     """
     _check_bool("enable_cpu_offload", enable_cpu_offload)
     parsed = _parse_any(config)

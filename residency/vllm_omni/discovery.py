@@ -734,7 +734,9 @@ def scheduler_from_pipeline(
 
     `config` is an `OffloadConfig`, a mapping, a JSON string or None; with None and no
     `enable_cpu_offload`, offloading is off and a `NoOffload` (modules moved to `device` when given)
-    is returned.  See the module docstring for the grouping rules.
+    is returned.  See the module docstring for the grouping rules.  Mode "auto" registers the
+    groups module mode registers (no ``layers=``) on a scheduler made with
+    ``auto=config.auto_options``, whose plan then places them.
     """
     parsed = resolve_config(config, enable_cpu_offload=enable_cpu_offload)
     owner = type(pipeline).__name__
@@ -746,4 +748,6 @@ def scheduler_from_pipeline(
     if parsed is None:
         return build_scheduler(found, lambda: NoOffload(device))
     pin_memory = None if parsed.pin_memory else False
-    return build_scheduler(found, lambda: make_scheduler(device, pin_memory=pin_memory))
+    return build_scheduler(
+        found, lambda: make_scheduler(device, pin_memory=pin_memory, auto=parsed.auto_options)
+    )
