@@ -66,6 +66,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from benchmarks import budget as budget_sweep
 from benchmarks import layers as layer_models
 from benchmarks import simulator, wan_shaped
 from benchmarks.floor import synchronize
@@ -705,9 +706,34 @@ def _covered(span: tuple[float, float], intervals: list[tuple[float, float]]) ->
     return covered
 
 
+def auto_plan(check: _Check) -> dict:
+    """Issue 22: the Wan2.2-shaped pipeline under auto plans of 0.3x, 0.6x and 1.2x its weights:
+    bytes per call measured against predicted, the peak of the scheduler's device bytes against
+    the budget, the fastest call, and the output against the never-offloaded run's."""
+    device, config = check.device, check.sizes.pipeline
+    state = wan_shaped.make_state(config, device)
+    total = sum(t.nbytes for part in state.values() for t in part.values())
+    plain = budget_sweep.plain_output(config, state, device)
+    runs = {}
+    for fraction in (0.3, 0.6, 1.2):
+        try:
+            run = budget_sweep.measure("auto", config, state, device, budget=int(total * fraction),
+                                       calls=check.sizes.pipeline_calls)
+        except Exception as error:  # no plan fits this budget: recorded
+            runs[str(fraction)] = {"error": f"{type(error).__name__}: {error}"}
+            continue
+        run["bit_identical_to_none"] = bool(torch.equal(run.pop("output"), plain))
+        run["within_budget"] = run["peak"] <= run["budget"]
+        run["measured_equals_predicted"] = run["nbytes"] == run["predicted"]
+        runs[str(fraction)] = run
+        _release_memory(device)
+    return {"weight_nbytes": total, "budgets": runs}
+
+
 SECTIONS: dict[str, Callable[[_Check], dict]] = {
     "ceiling": ceiling, "onload": onload, "eviction": eviction, "reentry": reentry,
     "steady_state": steady_state, "edits": edits, "pipeline": pipeline, "layers": layer_mode,
+    "auto": auto_plan,
 }
 
 

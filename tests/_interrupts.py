@@ -28,6 +28,7 @@ from torch import nn
 import residency
 import residency.adapters
 from residency.engine.enums import ResidencyState
+from residency.engine.plan import Where
 from residency.engine.registry import owned_modules, owner_of
 
 OFFLOADED, LOADING, RESIDENT = (
@@ -197,6 +198,10 @@ def _group_problems(group, current, prefetched, registry) -> list[str]:
         expected = RESIDENT
     else:
         expected = LOADING if group is prefetched else OFFLOADED
+    if group.plan.own.where is Where.KEPT and group is not current and group.exclusive:
+        # kept between phases; after an interrupted step possibly on its master until its phase
+        expected = group.state if group.state in (RESIDENT, OFFLOADED) else RESIDENT
+    problems += _apart_problems(group, group is current)
     if group.state is not expected:
         problems.append(f"{group.name!r} is {group.state.value}, expected {expected.value} "
                         f"(current={getattr(current, 'name', None)!r})")
@@ -209,6 +214,23 @@ def _group_problems(group, current, prefetched, registry) -> list[str]:
             break
     if group.plan.streams:
         problems += _stream_problems(group, group is current)
+    return problems
+
+
+def _apart_problems(group, is_current: bool) -> list[str]:
+    """An auto plan's parts apart: a swapped one is on the device exactly while its group is
+    current; a kept one is on the device (or, after an interrupted step, on its master until the
+    group's next phase; never while the group is current); none is mid-load."""
+    problems = []
+    for part in group.apart:
+        where = group.plan.where[part.name]
+        allowed = {RESIDENT} if is_current else {OFFLOADED}
+        if where is Where.KEPT:
+            allowed = {RESIDENT} if is_current else {RESIDENT, OFFLOADED}
+        if part.state not in allowed:
+            problems.append(f"part {part.name!r} of {group.name!r} ({where.value}) is "
+                            f"{part.state.value}; current={is_current}")
+        problems += _where_tensors_are(part)
     return problems
 
 

@@ -266,7 +266,13 @@ class RecordingScheduler(Scheduler):
 
 
 def _groups(scheduler) -> dict:
-    return {name: (scheduler[name].policy, scheduler[name].modules, scheduler[name].excluded,
+    """Each group's policy, modules, excluded modules (outside the blocks an auto plan packs
+    apart: those are the group's own) and category."""
+    def excluded(group):
+        own = {id(m) for part in group.parts for m in part.modules}
+        return tuple(m for m in group.excluded if id(m) not in own)
+
+    return {name: (scheduler[name].policy, scheduler[name].modules, excluded(scheduler[name]),
                    scheduler[name].category) for name in scheduler}
 
 

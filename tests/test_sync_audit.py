@@ -46,6 +46,7 @@ from torch import nn
 from residency import Scheduler
 from residency.engine.digests import ChangeDetector
 from residency.engine.memory import DeviceStorage
+from residency.engine.plan import Where
 from residency.engine.transport import AcceleratorTransport, Completion, Transport
 
 import simdevice
@@ -840,6 +841,63 @@ def test_a_layer_phase_frees_the_module_mode_buffers(device):
     """buffers.py:DeviceBuffers.make_room -> storage.release()."""
     audit(lambda point: released_by(device, point, how="other_mode"),
           lambda patch: remove_call(patch, DeviceStorage, "release", "make_room"))
+
+
+def released_by_an_auto_plan(device, point, *, how: str) -> None:
+    """A storage of an auto plan's part is released by placement (`how`: "part" - a block swapped
+    apart, when its group leaves; "own" - an own part in a storage of its own, when its group
+    leaves; "replan" - a kept block, when a new plan swaps it) and its memory must be free again.
+    The plans are set by hand (`Placement.replan`), so the planner's choice does not matter."""
+    scheduler = Scheduler(device, auto={"device_budget": 2**30, "headroom": 0})
+    scheduler.add("m", mlp(1))
+    tower = scheduler.add("t", Tower(2))
+    blocks = [name for name in tower.plan.where if name != "t"]
+    # The head and the blocks are the same size, and the allocator hands out the block of that
+    # size freed last: only the released storages move (the rest is kept), the last is checked.
+    plans = {"own": {"t": Where.SWAPPED} | dict.fromkeys(blocks, Where.KEPT),
+             "part": {"t": Where.KEPT} | dict.fromkeys(blocks, Where.SWAPPED),
+             "replan": {"t": Where.KEPT} | dict.fromkeys(blocks, Where.KEPT)}
+    try:
+        with scheduler._lock:
+            scheduler._placement.replan(tower, tower.plan.replace(plans[how]))
+        with scheduler.resident("t"):
+            pass
+        part = tower if how == "own" else tower.apart[-1]
+        buffer = part.device_storage.buffer
+        ptr, nbytes = buffer.data_ptr(), buffer.numel()
+        del buffer, part
+        with point():
+            if how == "replan":
+                with scheduler._lock:
+                    scheduler._placement.replan(tower, tower.plan.replace(plans["part"]))
+            else:
+                with scheduler.resident("m"):
+                    pass
+        handed_out_again(ptr, nbytes, device)
+    finally:
+        torch.accelerator.synchronize()
+        scheduler.close()
+
+
+@pytest.mark.gpu
+def test_a_block_swapped_apart_frees_its_storage_when_its_group_leaves(device):
+    """apart.py:PartsApart.evict -> part.device_storage.release()."""
+    audit(lambda point: released_by_an_auto_plan(device, point, how="part"),
+          lambda patch: remove_call(patch, DeviceStorage, "release", "evict"))
+
+
+@pytest.mark.gpu
+def test_an_own_part_in_a_storage_of_its_own_frees_it_when_its_group_leaves(device):
+    """placement.py:Placement._leave -> group.device_storage.release()."""
+    audit(lambda point: released_by_an_auto_plan(device, point, how="own"),
+          lambda patch: remove_call(patch, DeviceStorage, "release", "_leave"))
+
+
+@pytest.mark.gpu
+def test_a_re_plan_frees_the_storage_of_a_block_it_no_longer_keeps(device):
+    """apart.py:PartsApart.drop_unkept -> part.device_storage.release()."""
+    audit(lambda point: released_by_an_auto_plan(device, point, how="replan"),
+          lambda patch: remove_call(patch, DeviceStorage, "release", "drop_unkept"))
 
 
 def fresh_buffer_beside_an_alias(device, point) -> None:

@@ -584,7 +584,11 @@ def _finish(scheduler: Scheduler, *, recorder: PhaseRecorder | None, device: tor
 
 
 def _layer_lines(scheduler: Scheduler) -> list[str]:
-    """A line per layer-mode group: the blocks each model streams, and what they moved."""
+    """A line per layer-mode group: the blocks each model streams, and what they moved; under an
+    auto plan, the plan (`AutoPlan.describe`: what each group keeps, swaps and streams, and the
+    bytes per call predicted beside the measured)."""
+    if scheduler.plan is not None:
+        return scheduler.plan.describe().splitlines()
     lines = []
     log = scheduler.block_records
     for name in scheduler:

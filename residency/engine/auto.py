@@ -88,9 +88,9 @@ class AutoPlan:
             lines.append("  " + _describe_group(w, self.plans[w.name]))
         lines.append(f"  predicted per call: {_size(self.predicted.nbytes)} moved, "
                      f"{self.predicted.seconds:.3f} s")
-        for index, (nbytes, seconds) in enumerate(self.measured[-3:]):
-            lines.append(f"  measured call {len(self.measured) - min(3, len(self.measured)) + index + 1}: "
-                         f"{_size(nbytes)} moved, {seconds:.3f} s")
+        first = len(self.measured) - min(3, len(self.measured)) + 1  # the last three calls
+        for number, (nbytes, seconds) in enumerate(self.measured[-3:], start=first):
+            lines.append(f"  measured call {number}: {_size(nbytes)} moved, {seconds:.3f} s")
         return "\n".join(lines)
 
 
@@ -99,18 +99,26 @@ class AutoPlanner:
     called with the scheduler lock held."""
 
     def __init__(self, options: AutoOptions, *, placement: Placement, transport: Transport,
-                 transitions: TransitionLog, block_log: BlockLog) -> None:
+                 transitions: TransitionLog, block_log: BlockLog, collective: bool = False) -> None:
         self.options = options
+        #: With a process group every rank must choose the same plan at the same call: the
+        #: plan then rests on what every rank sees alike (bytes, entries, passes), never on its
+        #: own clock, and drift (which a rank's timing could tip) does not re-plan.
+        self._collective = collective
         self._placement = placement
         self._overlap = not isinstance(transport, CpuTransport)
         self._transitions, self._block_log = transitions, block_log
         self.budget, self.headroom = options.resolve(free_device_memory(placement.device))
         self.plan: AutoPlan | None = None
         self._first = options.phase_order[0] if options.phase_order else None
+        #: What a declared phase order says each group does per call: (entries, passes, 0).
+        self._declared = _declared(options.phase_order or ())
         self._entries: dict[str, int] = {}
         self._passes: dict[str, int] = {}
         self._compute: dict[str, float] = {}
         self._observed: dict[str, tuple[int, int, float]] | None = None
+        self._learned = False  # whether a plan was made from an observed call
+        self._due: str | None = None  # why a plan is due at the next call's beginning
         self._call_start: tuple[int, float] | None = None
         self._phase_start: tuple[str, float] | None = None
         self._drifted = 0
@@ -122,9 +130,9 @@ class AutoPlanner:
         Raises `DeviceMemoryError` when nothing fits, with nothing changed."""
         groups = list(groups)
         workloads = tuple(self._workload(group) for group in groups)
-        bandwidth = self._bandwidth()
+        bandwidth = _ASSUMED_BANDWIDTH[self._overlap] if self._collective else self._bandwidth()
         plans = choose(workloads, weights_budget=self.budget - self.headroom,
-                       bandwidth=bandwidth, overlap=self._overlap)
+                       bandwidth=bandwidth, overlap=self._overlap and not self._collective)
         predicted = predict(workloads, plans, bandwidth=bandwidth, overlap=self._overlap)
         order = sorted(groups, key=lambda g: _kept_nbytes(plans[g.name], g)
                        - _kept_nbytes(g.plan, g))  # the ones keeping less first
@@ -168,13 +176,14 @@ class AutoPlanner:
             raise
 
     def _workload(self, group: Residency) -> Workload:
-        entries, passes, compute = (self._observed or {}).get(group.name, (1, 1, 0.0))
+        entries, passes, compute = (self._observed or self._declared).get(group.name,
+                                                                         (1, 1, 0.0))
         blocks = tuple((part.name, part.inventory.layout.nbytes,
                         part.inventory.layout.contiguous_nbytes) for part in group.parts)
         layout = group.inventory.layout
         return Workload(group.name, (layout.nbytes, layout.contiguous_nbytes), blocks,
                         exclusive=group.exclusive, entries=entries, passes=passes,
-                        compute_seconds=compute)
+                        compute_seconds=0.0 if self._collective else compute)
 
     def _bandwidth(self) -> float:
         records = [r for r in self._transitions if r.nbytes and r.load_seconds > 0]
@@ -210,37 +219,58 @@ class AutoPlanner:
     def _close_call(self, now: float, groups: Iterable[Residency], no_holders: bool) -> None:
         self._end_phase(now)
         self._phase_start = None
+        groups = list(groups)
         moved = self._transitions.nbytes + self._block_log.nbytes
         if self._call_start is not None and self.plan is not None:
             nbytes, seconds = moved - self._call_start[0], now - self._call_start[1]
             self.plan = attrs.evolve(self.plan, measured=(*self.plan.measured, (nbytes, seconds)))
-            observed = {name: (self._entries[name], self._passes.get(name, 0),
-                               self._compute.get(name, 0.0)) for name in self._entries}
-            first = self._observed is None
-            self._observed = observed
-            reason = self._due(first, nbytes)
-            if reason is not None and no_holders:
-                self.replan(groups, reason)
-                moved = self._transitions.nbytes + self._block_log.nbytes
+            forwards = self._block_forwards(since=self._call_start[1])
+            self._observed = {name: (self._entries[name],
+                                     max(self._passes.get(name, 0), forwards.get(name, 0)),
+                                     self._compute.get(name, 0.0)) for name in self._entries}
+            self._due = self._due or self._why_due(nbytes, groups)
+        if self._due is not None and no_holders:  # else at the next call's beginning
+            reason, self._due = self._due, None
+            self.replan(groups, reason)
+            moved = self._transitions.nbytes + self._block_log.nbytes
         self._entries, self._passes, self._compute = {}, {}, {}
         self._call_start = (moved, time.perf_counter())
 
-    def _due(self, first: bool, nbytes: int) -> str | None:
-        """Why a plan is due now, or None."""
-        if first:
+    def _block_forwards(self, since: float) -> dict[str, int]:
+        """Forwards of each streaming group's first streamed block since `since` (a phase may
+        run its model more than once: the block records count each forward)."""
+        counts: dict[str, int] = {}
+        for record in self._block_log:
+            if record.kind == "compute" and record.index == 0 and record.time >= since:
+                counts[record.group] = counts.get(record.group, 0) + 1
+        return counts
+
+    def _why_due(self, nbytes: int, groups: list[Residency]) -> str | None:
+        """Why a plan is due after a call that moved `nbytes`, or None."""
+        if not self._learned:
+            self._learned = True
             return "first call observed"
         predicted = self.plan.predicted.nbytes
-        if abs(nbytes - predicted) > self.options.drift * max(predicted, 1):
-            self._drifted += 1
-        else:
-            self._drifted = 0
+        off = abs(nbytes - predicted) > self.options.drift * max(predicted, 1)
+        self._drifted = self._drifted + 1 if off and not self._collective else 0
         if self._drifted >= 2:
-            return f"two calls off the prediction ({predicted} bytes) by more than " \
-                   f"{self.options.drift:.0%}"
-        sizes = {w.name: (w.own, w.blocks) for w in self.plan.workloads}
-        if any(sizes.get(name) is None for name in self._observed):
-            return "a call entered groups the plan did not expect"
+            return (f"two calls off the prediction ({predicted} bytes) by more than "
+                    f"{self.options.drift:.0%}")
+        planned = {w.name: (w.own, w.blocks) for w in self.plan.workloads}
+        now = {g.name: (w.own, w.blocks) for g in groups for w in [self._workload(g)]}
+        if planned != now:
+            return "the groups or their parts changed (added, removed or re-packed)"
         return None
+
+
+def _declared(order: tuple[str, ...]) -> dict[str, tuple[int, int, float]]:
+    """Entries (switches to it, the order taken as a cycle) and passes (phases) per call of each
+    group of a declared phase order."""
+    counts: dict[str, tuple[int, int, float]] = {}
+    for index, name in enumerate(order):
+        entries, passes, _ = counts.get(name, (0, 0, 0.0))
+        counts[name] = (entries + (order[index - 1] != name or len(order) == 1), passes + 1, 0.0)
+    return counts
 
 
 def free_device_memory(device: torch.device, held: int = 0) -> int | None:

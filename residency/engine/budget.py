@@ -2,7 +2,7 @@
 
     options = AutoOptions(device_budget="38GiB")           # or 0.9: nine tenths of the free memory
     scheduler = Scheduler("cuda", auto=options)             # or auto={"device_budget": "38GiB"}
-    budget, headroom = options.resolve(free=80 * 2**30)     # bytes, then the bytes kept for activations
+    budget, headroom = options.resolve(free=80 * 2**30)     # bytes; headroom: kept for activations
 
 An auto scheduler (`residency.engine.planner`) chooses, for each group and part, whether it stays on
 the device, is swapped whole or is streamed, so that the weights it holds never exceed

@@ -145,7 +145,7 @@ class Residency:
 
     @property
     def is_resident(self) -> bool:
-        """Whether the weights are on the device now."""
+        """Whether the own part's weights are on the device now (parts apart: `apart`)."""
         return self.state is ResidencyState.RESIDENT
 
     @property

@@ -1,28 +1,35 @@
 """Placement: which groups' bytes are on the device, in which storage, and how a switch happens.
 
 The one answer to "what is on the device?".  It carries out every group's plan
-(`residency.engine.plan`) at every phase change: the swapped own part of the current exclusive
-group is evicted and the next one's loaded into its mode's buffer, the streams of both are stopped
-and started, a kept own part was loaded at registration; then the record is written.  Streamed
-parts move through the block slots by the slots' placement (`residency.engine.slots`), which this
-object owns and lends to every stream.  No branch here asks which mode a group is in: the plan's
-answers (`Plan.mode`, `Plan.prefetchable`, `Plan.own`) and the group's streams (none when nothing
-streams) carry every plan out the same way.
+(`residency.engine.plan`) at every phase change: what the current exclusive group swaps is evicted
+(its swapped own part, its parts swapped apart) and what the next one swaps is loaded (the own part
+into its mode's buffer, or under an auto plan into a storage of its own), the streams of both are
+stopped and started, and what a plan keeps stays; then the record is written.  Streamed parts move
+through the block slots by the slots' placement (`residency.engine.slots`), parts placed whole
+apart from the own part by `residency.engine.apart`; this object owns both and lends the slots to
+every stream.  An auto plan is carried out by `replan`.  No branch here asks which mode a group is
+in: the plan's answers (`Plan.mode`, `Plan.prefetchable`, `Plan.own`, `Plan.reuses_buffers`), the
+group's parts apart and its streams (none when nothing streams) carry every plan out the same way.
 
-Fields (every one guarded by the scheduler lock; `Placement` is their one mutator):
+Fields (every one guarded by the scheduler lock; `Placement` is their one mutator, but for
+``budget``, which the auto owner writes when it plans):
 
 * ``_planned``: every registered group, in registration order (the groups it may place).
-  Invariant: each always-resident (policy RESIDENT) group in it is RESIDENT in a storage of its own.
-* ``current``: the exclusive group on the device, or None.  Invariant: ``current.state`` is
-  RESIDENT, its tensors view ``current.device_storage``, and no other exclusive group is RESIDENT.
+  Invariant: what each group's plan keeps is RESIDENT in storages of their own (after an
+  interrupted step a kept part may be on its master until the group's next phase loads it).
+* ``current``: the exclusive group whose phase holds the device, or None.  Invariant:
+  ``current.state`` is RESIDENT, its tensors view ``current.device_storage``, its parts apart are
+  RESIDENT, and no other exclusive group whose own part is swapped is RESIDENT (under an auto plan
+  other groups' kept parts stay: the budget bounds the device bytes, invariant 11).
 * ``prefetched``: an exclusive group whose copy `prefetch` started, or None.  Invariant: it is
   LOADING into the exclusive buffer that ``current`` does not use.
+* ``budget``: an auto plan's weights budget, which a prefetch may not exceed; None: fixed plans.
 * The reused buffers are `residency.engine.buffers.DeviceBuffers`'s (``_buffers``; set once).  Invariant:
   only the current group's stream has blocks in the block slots.
 
 Calls go down from here: to the groups (their transitions), to their streams, to `Adoption` (a
-changed group is re-packed), to the slots' placement and to the buffers; nothing here calls the
-facade or the holds.
+changed group is re-packed), to the slots' and the parts' placements and to the buffers; nothing
+here calls the facade or the holds.
 
 Which storage a group's tensors view is the group's own fact (`Residency.device_storage`, written
 when a load finishes); placement reads it to choose a buffer.
@@ -87,8 +94,8 @@ class Placement:
         self._planned: list[Residency] = []  # guarded by the lock
         self.current: Residency | None = None  # guarded by the lock
         self.prefetched: Residency | None = None  # guarded by the lock
-        #: An auto plan's weights budget (`residency.engine.auto`): what a prefetch may not
-        #: exceed when no ``device_memory_limit`` is set; None: the fixed plans.
+        #: An auto plan's weights budget, written by `residency.engine.auto` when it plans: what a
+        #: prefetch may not exceed when no ``device_memory_limit`` is set; None: the fixed plans.
         self.budget: int | None = None  # guarded by the lock
 
     # -- queries --------------------------------------------------------------------------------

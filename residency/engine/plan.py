@@ -5,8 +5,9 @@
     plan.streamed               # ("transformer.blocks.0", ...): through the two slots
     print(plan.describe())      # transformer: own part swapped; 8 parts streamed
 
-A group is *parts*: its own part (every tensor outside its streamed blocks, kept blocks included)
-and, in layer mode, one part per streamed block.  The plan says, for each part, one `Where`:
+A group is *parts*: its own part (every tensor outside the blocks planned apart from it: in layer
+mode the kept blocks are inside it) and one part per block planned apart (streamed, or under an
+auto plan kept or swapped by itself).  The plan says, for each part, one `Where`:
 
 * ``KEPT``: on the device between phases and during them (a group of policy 'resident': a VAE);
 * ``SWAPPED``: loaded whole when its group's phase begins, evicted when another group's does;
@@ -14,13 +15,17 @@ and, in layer mode, one part per streamed block.  The plan says, for each part, 
   two reused block slots, one block after another.
 
 Module mode and layer mode are two plans: an own part kept or swapped, nothing streamed; an own
-part swapped, its blocks streamed.  The plan is data, made before the group is packed
-(`Plan.for_group`) and read by the owners that carry it out: the placement
-(`residency.engine.placement`: which buffers a group loads into, whether it may be prefetched,
-what is loaded at registration) and the group's stream (`residency.engine.layers`, which the
-plan's streamed parts become).  A
-plan can be computed: `Plan` validates itself, so whatever computes one (a budget) gets a typed
-error for a plan no owner can carry out, before anything is packed.
+part swapped, its blocks streamed.  An auto plan (`residency.engine.planner`) places each block by
+itself: kept, swapped or streamed apart from the own part, which is kept or swapped (its blocks
+then have host masters of their own, so a new plan moves nothing but bytes); a group whose own
+part is swapped and some of whose blocks are kept is *partly kept*.
+
+The plan is data, made before the group is packed (`Plan.for_group`) and read by the owners that
+carry it out: the placement (`residency.engine.placement`: which buffers a group loads into,
+whether it may be prefetched, what is loaded at registration; `residency.engine.apart` for the
+parts placed whole apart) and the group's stream (`residency.engine.layers`, which the plan's
+streamed parts become). A plan can be computed: `Plan` validates itself, so whatever computes one
+(a budget) gets a typed error for a plan no owner can carry out, before anything is packed.
 
 Nothing here is layer mode's: a group has a stream for its streamed parts in layer mode and none
 in module mode (`Residency.streams`), and the owners carry out every plan by going over them, so
@@ -76,7 +81,7 @@ def _check_parts(plan: Plan, _attribute, parts: tuple[Part, ...]) -> None:
             f"group {plan.group!r}: its own part (everything outside its blocks) is kept or "
             "swapped; only blocks stream through the slots"
         )
-    if not plan.exclusive and (own.where is not Where.KEPT or rest):
+    if not plan.exclusive and any(part.where is not Where.KEPT for part in parts):
         raise RegistrationError(
             f"group {plan.group!r} is kept on the device (policy 'resident'), so nothing of it "
             "streams or swaps; drop its streamed blocks (layers=) or use policy='exclusive'"

@@ -375,7 +375,8 @@ class Scheduler:
 
     @property
     def current(self) -> str | None:
-        """Name of the exclusive group on the device now, or None."""
+        """Name of the exclusive group whose phase holds the device now, or None (under an auto
+        plan other groups may keep parts there too: `resident_groups`)."""
         return getattr(self._placement.current, "name", None)
 
     @property
@@ -424,7 +425,8 @@ class Scheduler:
         return locked(self._lock, getattr, self._placement, "device_nbytes")
 
     def resident_groups(self) -> list[str]:
-        """Names of every group whose weights are on the device now (a consistent snapshot)."""
+        """Names of every group whose weights are on the device now (a consistent snapshot): the
+        current group and those kept whole; a partly kept group (auto) only while current."""
         return locked(self._lock, self._placement.resident_names)
 
     # -- phases --------------------------------------------------------------------------------
@@ -494,7 +496,8 @@ def _auto_planner(options: AutoOptions | None, scheduler: Scheduler) -> AutoPlan
     if options is None:
         return None
     return AutoPlanner(options, placement=scheduler._placement, transport=scheduler._transport,
-                       transitions=scheduler.transitions, block_log=scheduler.block_records)
+                       transitions=scheduler.transitions, block_log=scheduler.block_records,
+                       collective=scheduler._packer.node is not None)
 
 
 def _note_pageable(pinned: bool, device: torch.device, transport: Transport) -> None:

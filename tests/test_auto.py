@@ -1,0 +1,302 @@
+"""Auto plans (issue 22): a Wan2.2-shaped pipeline under device budgets from 0.2x to 1.3x of its
+weights runs bit-identical call by call, moves exactly the bytes its plan predicts, never holds
+more device bytes than the budget (sampled at every phase entry and every block), moves no more
+than module mode, and re-plans when the budget changes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from residency import ConfigError, DeviceMemoryError, PhaseError, Scheduler
+from residency.engine.plan import Where
+
+WIDTH = 32
+
+
+class Probe:
+    """Samples the scheduler's device bytes wherever model code calls it."""
+
+    def __init__(self) -> None:
+        self.scheduler: Scheduler | None = None
+        self.samples: list[int] = []
+
+    def __call__(self) -> None:
+        if self.scheduler is not None:
+            self.samples.append(self.scheduler.device_nbytes)
+
+
+class Block(nn.Module):
+    def __init__(self, probe: Probe) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self._probe = [probe]  # not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._probe[0]()
+        return torch.tanh(self.linear(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, depth: int, probe: Probe) -> None:
+        super().__init__()
+        self.proj_in = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList([Block(probe) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj_in(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _pipeline(probe: Probe) -> dict[str, nn.Module]:
+    """Wan2.2's ratios (text encoder ~11, two experts ~28 each, VAE ~0.5): 3 + 8 + 8 blocks."""
+    torch.manual_seed(0)
+    return {"text_encoder": Stack(3, probe), "high_noise": Stack(8, probe),
+            "low_noise": Stack(8, probe), "vae": Stack(0, probe)}
+
+
+def _call(models, x, scheduler: Scheduler | None = None, probe: Probe | None = None):
+    def phase(name):
+        if scheduler is None:
+            return torch.no_grad()
+        return scheduler.resident(name)
+
+    outputs = []
+    with phase("text_encoder"):
+        probe and probe()
+        h = models["text_encoder"](x)
+    for step in range(4):
+        expert = "high_noise" if step < 2 else "low_noise"
+        with phase(expert):
+            probe and probe()
+            h = models[expert](h)
+        outputs.append(h)
+    with phase("vae"):
+        outputs.append(models["vae"](h))
+    return outputs
+
+
+def _total(models) -> int:
+    return sum(p.numel() * p.element_size() for m in models.values() for p in m.parameters())
+
+
+def _auto(models, budget, probe=None, **options) -> Scheduler:
+    scheduler = Scheduler("cpu", auto={"device_budget": budget, "headroom": 0, **options})
+    for name in ("text_encoder", "high_noise", "low_noise"):
+        scheduler.add(name, models[name])
+    scheduler.add("vae", models["vae"], policy="resident")
+    if probe is not None:
+        probe.scheduler = scheduler
+    return scheduler
+
+
+def _moved(scheduler: Scheduler) -> int:
+    return scheduler.transitions.nbytes + scheduler.block_records.nbytes
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.35, 0.5, 0.7, 0.9, 1.3])
+def test_every_budget_runs_bit_identical_moves_what_it_predicts_and_stays_within(fraction):
+    probe = Probe()
+    models = _pipeline(probe)
+    reference_models = copy.deepcopy(models)
+    x = torch.randn(2, WIDTH)
+    expected = _call(reference_models, x)
+    budget = int(_total(models) * fraction)
+    with torch.no_grad():
+        scheduler = _auto(models, budget, probe)
+        try:
+            for call in range(4):
+                outputs = _call(models, x, scheduler, probe)
+                assert all(torch.equal(a, b) for a, b in zip(outputs, expected)), call
+            plan = scheduler.plan
+            assert plan.reason == "first call observed"
+            assert [nbytes for nbytes, _ in plan.measured[-2:]] == [plan.predicted.nbytes] * 2
+            assert plan.predicted.peak <= budget
+            assert probe.samples and max(probe.samples) <= budget
+        finally:
+            scheduler.close()
+
+
+def test_when_everything_fits_the_second_call_on_moves_nothing():
+    models = _pipeline(Probe())
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        scheduler = _auto(models, int(_total(models) * 1.2))
+        try:
+            _call(models, x, scheduler)
+            _call(models, x, scheduler)  # the plan made after the first call keeps everything
+            before = _moved(scheduler)
+            _call(models, x, scheduler)
+            assert _moved(scheduler) == before
+            assert all(plan.wholly_kept for plan in scheduler.plan.plans.values())
+            assert scheduler.resident_groups() == list(scheduler)
+        finally:
+            scheduler.close()
+
+
+def test_auto_moves_no_more_than_module_mode_at_any_budget_module_mode_runs():
+    models = _pipeline(Probe())
+    x = torch.randn(2, WIDTH)
+    module = Scheduler("cpu")
+    with torch.no_grad():
+        for name in ("text_encoder", "high_noise", "low_noise"):
+            module.add(name, models[name])
+        module.add("vae", models["vae"], policy="resident")
+        _call(models, x, module)
+        start = _moved(module)
+        _call(models, x, module)
+        module_bytes = _moved(module) - start
+        module.close()
+        for fraction in (0.5, 0.7, 0.9):
+            scheduler = _auto(models, int(_total(models) * fraction))
+            for _ in range(3):
+                _call(models, x, scheduler)
+            assert scheduler.plan.measured[-1][0] <= module_bytes, fraction
+            scheduler.close()
+
+
+def test_a_partly_kept_group_keeps_its_kept_blocks_on_the_device_while_another_runs():
+    models = _pipeline(Probe())
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        scheduler = _auto(models, int(_total(models) * 0.7))
+        try:
+            for _ in range(2):
+                _call(models, x, scheduler)
+            partly = [name for name, plan in scheduler.plan.plans.items()
+                      if plan.kept and plan.own.where is Where.SWAPPED]
+            assert partly, scheduler.plan.describe()
+            group = scheduler[partly[0]]
+            kept = [part for part in group.parts if part.name in group.plan.kept]
+            other = next(n for n in ("text_encoder", "low_noise") if n != group.name)
+            with scheduler.resident(other):
+                assert scheduler.current == other and not group.is_resident
+                assert group.name not in scheduler.resident_groups()
+                for part in kept:  # their tensors view a storage of their own, not the master
+                    assert part.is_resident
+                    storage = part.device_storage.buffer
+                    start, end = storage.data_ptr(), storage.data_ptr() + storage.numel()
+                    assert all(start <= t.data_ptr() < end for t in part.tensors)
+                    masters = {c.data_ptr() for c in part.host_master.chunks}
+                    assert not {t.data_ptr() for t in part.tensors} & masters
+        finally:
+            scheduler.close()
+
+
+def test_a_budget_changed_between_calls_re_plans_and_stays_exact():
+    probe = Probe()
+    models = _pipeline(probe)
+    reference_models = copy.deepcopy(models)
+    x = torch.randn(2, WIDTH)
+    expected = _call(reference_models, x)
+    total = _total(models)
+    with torch.no_grad():
+        scheduler = _auto(models, int(total * 1.2), probe)
+        try:
+            for budget in (1.2, 0.3, 0.8, 0.25):
+                scheduler.set_device_budget(int(total * budget))
+                assert scheduler.plan.budget == int(total * budget)
+                probe.samples.clear()
+                for _ in range(2):
+                    assert all(torch.equal(a, b) for a, b in
+                               zip(_call(models, x, scheduler, probe), expected))
+                assert max(probe.samples) <= int(total * budget)
+        finally:
+            scheduler.close()
+
+
+def test_refused_budgets_and_calls_change_nothing_and_say_what_to_do():
+    models = _pipeline(Probe())
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        scheduler = _auto(models, _total(models))
+        try:
+            _call(models, x, scheduler)
+            plan = scheduler.plan
+            with pytest.raises(DeviceMemoryError, match=r"no plan of the groups \['text_encoder', "
+                                                         r"'high_noise', 'low_noise', 'vae'\] fits "
+                                                         r"a weights budget of 100 bytes"):
+                scheduler.set_device_budget(100)
+            assert scheduler.plan is plan and scheduler.auto_options.device_budget == _total(models)
+            with scheduler.resident("text_encoder"):
+                with pytest.raises(PhaseError, match=r"cannot set the device budget while a "
+                                                     r"phase is active"):
+                    scheduler.set_device_budget("1GiB")
+            with pytest.raises(ConfigError, match=r"device_budget=2\.0; a fraction of the free "
+                                                  r"device memory is in \(0, 1\]"):
+                scheduler.set_device_budget(2.0)
+        finally:
+            scheduler.close()
+    fixed = Scheduler("cpu")
+    with pytest.raises(ConfigError, match=r"set_device_budget is for an auto scheduler; create it "
+                                          r"with Scheduler\(auto=\{'device_budget': \.\.\.\}\)"):
+        fixed.set_device_budget("1GiB")
+    assert fixed.plan is None
+    with pytest.raises(ConfigError, match=r"device_memory_limit=1000 with auto=: an auto plan's "
+                                          r"limit is its device budget"):
+        Scheduler("cpu", device_memory_limit=1000, auto=True)
+
+
+def test_a_group_no_plan_fits_is_refused_and_the_others_keep_their_plan():
+    models = _pipeline(Probe())
+    scheduler = Scheduler("cpu", auto={"device_budget": 6000, "headroom": 0})
+    scheduler.add("vae", models["vae"], policy="resident")
+    plan = scheduler.plan
+    with pytest.raises(DeviceMemoryError, match=r"fits a weights budget of 6000 bytes"):
+        scheduler.add("high_noise", models["high_noise"])
+    assert list(scheduler) == ["vae"] and scheduler.plan.plans.keys() == plan.plans.keys()
+    scheduler.close()
+
+
+def test_describe_prints_each_group_and_the_predicted_beside_the_measured():
+    models = _pipeline(Probe())
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        scheduler = _auto(models, int(_total(models) * 0.5))
+        for _ in range(4):  # the first observes; the next two are measured when the next begins
+            _call(models, x, scheduler)
+        text = scheduler.plan.describe()
+        scheduler.close()
+    lines = text.splitlines()
+    assert lines[0].startswith("auto plan (first call observed): budget ")
+    assert [line.split(":")[0].strip() for line in lines[1:5]] == list(
+        ("text_encoder", "high_noise", "low_noise", "vae"))
+    assert "2 entries" not in lines[1] and "1 entries, 1 passes per call" in lines[1]
+    assert "1 entries, 2 passes per call" in lines[2]
+    assert lines[5].startswith("  predicted per call: ")
+    assert lines[-1].startswith("  measured call 2: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fraction", [0.35, 0.7, 1.2])
+def test_an_auto_plan_on_an_accelerator_is_bit_identical_exact_and_within_budget(fraction):
+    """On a device with real asynchrony (the objective there is time, then bytes): outputs equal
+    the never-offloaded models' on the device, each call moves the predicted bytes, the device
+    holds no more than the budget at any phase entry or block."""
+    device = torch.accelerator.current_accelerator()
+    probe = Probe()
+    models = _pipeline(probe)
+    plain = {name: copy.deepcopy(m).to(device) for name, m in models.items()}
+    x = torch.randn(2, WIDTH, device=device)
+    expected = _call(plain, x)
+    budget = int(_total(models) * fraction)
+    scheduler = Scheduler(device, auto={"device_budget": budget, "headroom": 0})
+    try:
+        with torch.no_grad():
+            for name in ("text_encoder", "high_noise", "low_noise"):
+                scheduler.add(name, models[name].to(device))
+            scheduler.add("vae", models["vae"].to(device), policy="resident")
+            probe.scheduler = scheduler
+            for call in range(4):
+                outputs = _call(models, x, scheduler, probe)
+                assert all(torch.equal(a, b) for a, b in zip(outputs, expected)), call
+        plan = scheduler.plan
+        assert [nbytes for nbytes, _ in plan.measured[-2:]] == [plan.predicted.nbytes] * 2
+        assert max(probe.samples) <= budget
+    finally:
+        scheduler.close()

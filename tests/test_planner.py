@@ -1,0 +1,100 @@
+"""The auto planner (residency/engine/planner.py): its choice equals a brute force over every
+placement of every part, under the same cost model, and never exceeds the budget."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from residency.engine.errors import DeviceMemoryError
+from residency.engine.plan import Part, Plan, Where
+from residency.engine.planner import Workload, choose, predict
+
+
+def _workloads(rng: random.Random, groups: int) -> list[Workload]:
+    made = []
+    for g in range(groups):
+        name = f"g{g}"
+        block = rng.choice([3, 5, 8])
+        depth = rng.randint(0, 3)
+        own = rng.choice([1, 2, 4])
+        made.append(Workload(
+            name, (own, own), tuple((f"{name}.b{i}", block, block) for i in range(depth)),
+            exclusive=rng.random() > 0.15, entries=rng.randint(1, 2), passes=rng.randint(1, 4),
+            compute_seconds=rng.random()))
+    return made
+
+
+def _every_plan(w: Workload):
+    owns = (Where.SWAPPED, Where.KEPT) if w.exclusive else (Where.KEPT,)
+    blocks = (Where.KEPT, Where.SWAPPED, Where.STREAMED) if w.exclusive else (Where.KEPT,)
+    for own in owns:
+        for wheres in itertools.product(blocks, repeat=len(w.blocks)):
+            parts = [Part(w.name, own)] + [Part(b[0], where) for b, where in zip(w.blocks, wheres)]
+            yield Plan(w.name, parts, exclusive=w.exclusive, reuses_buffers=False)
+
+
+def _brute_force(groups, budget, overlap):
+    best = None
+    for combination in itertools.product(*(list(_every_plan(w)) for w in groups)):
+        plans = {plan.group: plan for plan in combination}
+        cost = predict(groups, plans, bandwidth=10.0, overlap=overlap)
+        if cost.peak > budget:
+            continue
+        key = (cost.seconds, cost.nbytes) if overlap else (cost.nbytes, cost.seconds)
+        if best is None or key < best:
+            best = key
+    return best
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["cpu", "accelerator"])
+@pytest.mark.parametrize("seed", range(12))
+def test_the_chosen_plan_costs_what_the_brute_force_optimum_costs(seed, overlap):
+    rng = random.Random(seed)
+    groups = _workloads(rng, rng.randint(2, 3))
+    total = sum(w.own[1] + sum(b[2] for b in w.blocks) for w in groups)
+    budget = rng.randint(max(1, total // 5), total + 4)
+    optimum = _brute_force(groups, budget, overlap)
+    if optimum is None:
+        with pytest.raises(DeviceMemoryError, match=r"no plan of the groups .* fits a weights "
+                                                     r"budget of \d+ bytes"):
+            choose(groups, weights_budget=budget, bandwidth=10.0, overlap=overlap)
+        return
+    plans = choose(groups, weights_budget=budget, bandwidth=10.0, overlap=overlap)
+    cost = predict(groups, plans, bandwidth=10.0, overlap=overlap)
+    assert cost.peak <= budget
+    key = (cost.seconds, cost.nbytes) if overlap else (cost.nbytes, cost.seconds)
+    assert key == pytest.approx(optimum)
+
+
+def test_everything_is_kept_when_it_fits_and_nothing_moves():
+    groups = [Workload("enc", (2, 2), (("enc.b0", 4, 4),)),
+              Workload("dit", (2, 2), tuple((f"dit.b{i}", 8, 8) for i in range(3)), passes=10)]
+    plans = choose(groups, weights_budget=40, bandwidth=1.0, overlap=False)
+    assert all(plan.wholly_kept for plan in plans.values())
+    assert predict(groups, plans, bandwidth=1.0, overlap=False).nbytes == 0
+
+
+def test_a_tight_budget_keeps_what_saves_most_and_streams_only_where_it_must():
+    # the DiT runs 10 passes per call: streaming its blocks costs 10x swapping them
+    groups = [Workload("enc", (1, 1), (("enc.b0", 8, 8),)),
+              Workload("dit", (1, 1), tuple((f"dit.b{i}", 8, 8) for i in range(4)), passes=10)]
+    plans = choose(groups, weights_budget=34, bandwidth=1.0, overlap=False)
+    assert plans["dit"].streamed == ()  # swapping fits, so nothing streams
+    cost = predict(groups, plans, bandwidth=1.0, overlap=False)
+    assert cost.peak <= 34
+    # a budget that cannot hold the DiT's blocks together makes them stream
+    plans = choose(groups, weights_budget=20, bandwidth=1.0, overlap=False)
+    assert plans["dit"].streamed
+
+
+def test_no_plan_fits_a_budget_below_the_least_any_plan_needs():
+    groups = [Workload("dit", (4, 4), (("dit.b0", 8, 8), ("dit.b1", 8, 8)))]
+    with pytest.raises(DeviceMemoryError, match=r"no plan of the groups \['dit'\] fits a weights "
+                                                 r"budget of 10 bytes: the least any plan needs "
+                                                 r"is about 20 bytes \(streaming every block it "
+                                                 r"can\)\. Raise device_budget, lower headroom, "
+                                                 r"or split the largest block"):
+        choose(groups, weights_budget=10, bandwidth=1.0, overlap=False)
