@@ -157,7 +157,7 @@ def sweep(scale: str, device: torch.device) -> dict:
             "simulated": simulator.LABEL if simulator.is_simulated(device) else None,
             "timing": SIM_TIMING if simulator.is_simulated(device) else None,
             "scale": scale, "total_nbytes": total, "module_and_layer_bit_identical": exact,
-            "peers": _peers(device), "rows": rows}
+            "peers": _peers(c, state, device, plain), "rows": rows}
 
 
 def plain_output(c, state, device) -> torch.Tensor:
@@ -170,11 +170,51 @@ def plain_output(c, state, device) -> torch.Tensor:
     return wan_shaped.run(parts, offload, c, ids, latents).float().cpu()
 
 
-def _peers(device: torch.device) -> dict:
-    from benchmarks.peers import PEERS, unavailable
+def _peers(c, state, device: torch.device, plain: torch.Tensor) -> dict:
+    """diffusers' offloaders where they run (an accelerator): seconds per call (the fastest of
+    three after a warm-up), the allocator's peak, and the bytes per call their documented
+    behaviour moves (computed, not recorded: their hooks keep no records) - model offload loads
+    every component once per call; block-level group offload loads every block, and each
+    module's leftovers, at each forward."""
+    from benchmarks.peers import PEERS, install, unavailable
 
-    return {peer: unavailable(peer, device) or "runs: not measured by this sweep yet"
-            for peer in PEERS}
+    found = {}
+    for peer in PEERS:
+        why = unavailable(peer, device)
+        if why is not None:
+            found[peer] = {"skipped": why}
+            continue
+        parts = wan_shaped.build(c, state)
+        ids, latents = wan_shaped.inputs(c, device)
+        offload = install(peer, parts, device)
+        try:
+            wan_shaped.run(parts, offload, c, ids, latents)
+            torch.accelerator.reset_peak_memory_stats()
+            seconds = []
+            for _ in range(3):
+                _synchronize(device)
+                start = time.perf_counter()
+                output = wan_shaped.run(parts, offload, c, ids, latents)
+                _synchronize(device)
+                seconds.append(time.perf_counter() - start)
+            peak = _allocator_peak()
+        finally:
+            offload.close()
+        weights = {name: sum(t.nbytes for t in part.values()) for name, part in state.items()}
+        forwards = {"text_encoder": 1, "transformer": c.boundary,
+                    "transformer_2": c.steps - c.boundary, "vae": 1}
+        per_call = sum(weights.values()) if peer == "diffusers_model_cpu_offload" else \
+            sum(weights[name] * forwards[name] for name in weights)
+        found[peer] = {"seconds": min(seconds), "peak": peak, "nbytes_computed": per_call,
+                       "bit_identical": bool(torch.equal(output.float().cpu(), plain))}
+    return found
+
+
+def _allocator_peak() -> int | None:
+    try:
+        return torch.accelerator.max_memory_allocated()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
 
 
 def _synchronize(device: torch.device) -> None:
@@ -199,6 +239,11 @@ def write_plot(results: list[dict], path: Path) -> str | None:
         xs = [r["fraction"] for r in first["rows"] if "nbytes" in r.get(kind, {})]
         ys = [r[kind]["nbytes"] / 2**20 for r in first["rows"] if "nbytes" in r.get(kind, {})]
         axes[0].plot(xs, ys, style, label=label)
+    for result in results:
+        for peer, run in result["peers"].items():
+            if run.get("peak") and "nbytes_computed" in run:
+                axes[0].plot([run["peak"] / result["total_nbytes"]], [run["nbytes_computed"] / 2**20],
+                             "x", markersize=9, label=f"{peer} (bytes computed, at its peak)")
     axes[0].set(xlabel="device budget / weights", ylabel="MiB moved per call (steady state)",
                 title=f"bytes per call ({first['scale']}, {_size(first['total_nbytes'])} of weights)")
     axes[0].legend()
@@ -207,13 +252,19 @@ def write_plot(results: list[dict], path: Path) -> str | None:
             rows = [r for r in result["rows"] if "seconds" in r.get(kind, {})]
             axis.plot([r["fraction"] for r in rows], [r[kind]["seconds"] for r in rows], style,
                       label=label)
+        for peer, run in result["peers"].items():
+            if run.get("peak") and "seconds" in run:
+                axis.plot([run["peak"] / result["total_nbytes"]], [run["seconds"]], "x",
+                          markersize=9, label=f"{peer} (at its peak)")
         where = "SIMULATED accelerator (timing mode)" if result["simulated"] else \
             result["machine"].get("cpu_model", "CPU")
         axis.set(xlabel="device budget / weights", ylabel="seconds per call",
                  title=f"time per call: {where}")
         axis.legend()
-    figure.suptitle(f"residency auto plan, {first['machine']['date']}; diffusers' offloading: "
-                    f"{'; '.join(f'{k}: {v}' for k, v in first['peers'].items())}", fontsize=8)
+    skipped = {f"{peer} on {r['machine']['device']}: {run['skipped']}" for r in results
+               for peer, run in r["peers"].items() if "skipped" in run}
+    figure.suptitle(f"residency auto plan, {first['machine']['date']}"
+                    + (f"; not run: {'; '.join(sorted(skipped))}" if skipped else ""), fontsize=8)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)

@@ -157,7 +157,7 @@ class AutoPlanner:
             return group
         except BaseException:  # refused: nothing changed (see [Note: interrupts])
             locked(lock, remove, group, "add")
-            if self.plan is not None and group.name in self.plan.plans:
+            if self.plan is None or any(g.plan != self.plan.plans.get(g.name) for g in groups):
                 locked(lock, self.replan, groups, f"group {group.name!r} refused")
             raise
 
