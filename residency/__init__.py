@@ -36,6 +36,7 @@ from residency.engine.errors import (
     ResidencyError,
     SchedulerClosedError,
     UnknownGroupError,
+    WeightFileError,
 )
 from residency.engine.no_offload import NoOffload
 from residency.vllm_omni.protocol import OmniOffloadMixin
@@ -92,4 +93,5 @@ __all__ = [
     "RegistrationError",
     "SchedulerClosedError",
     "UnknownGroupError",
+    "WeightFileError",
 ]

@@ -180,9 +180,12 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("discovery", {"residency.vllm_omni.discovery"}),
     # The facade.
     ("facade", {"residency.engine.scheduler"}),
-    # What an adapter knows about a third-party library (diffusers components' roles), kept
-    # apart from the adapter that acts on it.
-    ("adapter knowledge", {"residency.adapters.diffusers_roles"}),
+    # What an adapter knows about a third-party library (diffusers components' roles; a diffusers
+    # folder's weight files and their check), kept apart from the adapter that acts on it.
+    (
+        "adapter knowledge",
+        {"residency.adapters.diffusers_roles", "residency.adapters.weight_files"},
+    ),
     # What is built on the facade: protocols, adapters, tools, the synthetic pipeline.
     (
         "front ends",

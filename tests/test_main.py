@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -28,6 +29,7 @@ from residency.app.timeline import (
     write_trace,
 )
 
+from _damaged_weights import DAMAGES, save_tiny_sdxl
 from _forkserver import DIFFUSERS, run_python
 
 #: One intra-op thread in the subprocesses: on a shared 2-core machine OpenMP waits dominate.
@@ -348,6 +350,34 @@ def test_a_folder_that_is_not_a_diffusers_model_is_refused(tmp_path: Path, capsy
     assert "model_index.json names no pipeline class" in err
     (tmp_path / "model_index.json").write_text("{")
     assert "model_index.json cannot be read as JSON" in refused(capsys, "--pipeline", str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def saved_sdxl(tmp_path_factory) -> Path:
+    """A tiny SDXL saved once for this module, its unet sharded (copy it before damaging it)."""
+    pytest.importorskip("diffusers")
+    return save_tiny_sdxl(tmp_path_factory.mktemp("saved") / "sdxl")
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_weight_file_is_refused_in_one_line_before_any_work(
+        saved_sdxl: Path, tmp_path: Path, capsys, damage: str):
+    folder = Path(shutil.copytree(saved_sdxl, tmp_path / "sdxl", symlinks=True))
+    message = DAMAGES[damage](folder)
+    err = refused(capsys, "--pipeline", str(folder), "--steps", "1")
+    assert err == f"python -m residency: error: --pipeline {folder}: {message}\n"
+
+
+def test_a_truncated_weight_file_exits_2_with_one_line_and_runs_nothing(
+        saved_sdxl: Path, tmp_path: Path):
+    folder = Path(shutil.copytree(saved_sdxl, tmp_path / "sdxl", symlinks=True))
+    message = DAMAGES["truncated"](folder)
+    for offloading in ([], ["--diffusion-offload-config", "null"]):
+        done = run_main("--pipeline", str(folder), "--steps", "1", *offloading)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr == f"python -m residency: error: --pipeline {folder}: {message}\n"
+        assert "run without offloading" not in done.stdout + done.stderr
+        assert done.stdout == ""
 
 
 def test_a_crash_exits_3_with_the_traceback_and_a_summary(tmp_path: Path):

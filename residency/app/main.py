@@ -12,11 +12,12 @@ run) and the peak device bytes.  ``--diffusion-offload-config null`` means offlo
 pipeline runs once, nothing offloaded, and the report says so; an auto config (``{"mode": "auto",
 "auto_options": {"device_budget": "20GiB"}}``) reaches the scheduler as its ``auto=``.  Every
 argument is checked before any work (the device exists, the trace path is writable, the pipeline
-folder holds a diffusers model, the config validates).  Exit status (`EXIT_STATUSES`): 0 when the
-outputs are identical, 1 when they differ, 2 for bad arguments or a refused configuration, 3 when
-the run crashed (an unexpected exception: its traceback, then a one-line summary, go to stderr).
-Progress lines go to stderr as the run goes, and so do the library's notes (logger ``residency``,
-INFO and up).
+folder holds a diffusers model whose weight files are whole - every safetensors header and sharded
+index checked, no tensor read - the config validates).  Exit status (`EXIT_STATUSES`): 0 when
+the outputs are identical, 1 when they differ, 2 for bad arguments or a refused configuration, 3
+when the run crashed (an unexpected exception: its traceback, then a one-line summary, go to
+stderr).  Progress lines go to stderr as the run goes, and so do the library's notes (logger
+``residency``, INFO and up).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from residency.adapters.cli import add_offload_arguments, offload_config_from_args
+from residency.adapters.weight_files import check_weight_files
 from residency.adapters.diffusers import (
     ENTRY_POINTS,
     PhaseEntry,
@@ -49,7 +51,7 @@ from residency.adapters.diffusers import (
     enable_offload,
 )
 from residency.vllm_omni.config import OffloadConfig
-from residency.engine.errors import ResidencyError
+from residency.engine.errors import ResidencyError, WeightFileError
 from residency.engine.scheduler import Scheduler
 from residency.app.synthetic import SIZES, SyntheticWan22
 from residency.app.timeline import (
@@ -359,6 +361,10 @@ def _check_pipeline_folder(parser: argparse.ArgumentParser, path: Path) -> None:
     if not isinstance(declared, dict) or "_class_name" not in declared:
         parser.error(f"--pipeline {path}: model_index.json names no pipeline class "
                      "(\"_class_name\"); it is not a diffusers model folder")
+    try:  # every safetensors header and sharded index; no tensor is read
+        check_weight_files(path)
+    except WeightFileError as error:  # one line: the file, what is wrong, what to do
+        parser.exit(EXIT_USAGE, f"{parser.prog}: error: --pipeline {path}: {error}\n")
     try:
         import diffusers  # noqa: F401
     except ImportError:

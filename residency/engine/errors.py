@@ -18,6 +18,7 @@ __all__ = [
     "SchedulerClosedError",
     "ConfigError",
     "CollectiveError",
+    "WeightFileError",
 ]
 
 
@@ -76,3 +77,12 @@ class CollectiveError(ResidencyError, RuntimeError):
     """The ranks of a process group could not agree: they asked for different steps (phases,
     write-backs), changed a shared master differently, or a rank died or did not arrive within the
     group's timeout.  Raised on every rank that could be reached, with the same message."""
+
+
+class WeightFileError(ResidencyError, ValueError):
+    """A model folder's weight file is damaged: a safetensors header that does not parse or does
+    not describe the file (truncated, padded, tensors that overlap or leave gaps), or a sharded
+    index naming a shard that is missing or does not hold a tensor it maps (or the folder is not
+    there).  Raised by
+    `residency.adapters.weight_files.check_weight_files` (``python -m residency --pipeline``
+    checks the folder with it before any work); the message names the file and what to do."""
