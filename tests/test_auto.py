@@ -300,3 +300,48 @@ def test_an_auto_plan_on_an_accelerator_is_bit_identical_exact_and_within_budget
         assert max(probe.samples) <= budget
     finally:
         scheduler.close()
+
+
+def test_a_group_is_added_between_phases_and_a_removal_during_one_re_plans_at_the_next_call():
+    models = _pipeline(Probe())
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        scheduler = _auto(models, int(_total(models) * 0.6))
+        try:
+            _call(models, x, scheduler)
+            extra = Stack(2, Probe())
+            with scheduler.resident("text_encoder"):
+                with pytest.raises(PhaseError, match=r"cannot add group 'extra' to an auto "
+                                                     r"scheduler \(it plans every group again\) "
+                                                     r"while a phase is active"):
+                    scheduler.add("extra", extra)
+                assert "extra" not in scheduler
+            scheduler.add("extra", extra)
+            assert scheduler.plan.reason == "group 'extra' added"
+            with scheduler.resident("text_encoder"):
+                scheduler.remove("extra")  # the encoder keeps its bytes while its phase runs
+                assert scheduler["text_encoder"].is_resident
+                assert scheduler.current == "text_encoder"
+            assert scheduler.plan.reason == "group 'extra' added"  # deferred
+            _call(models, x, scheduler)  # it begins with the encoder current: no switch to it
+            _call(models, x, scheduler)  # a call's beginning: the deferred plan is made
+            assert scheduler.plan.reason == "group 'extra' removed"
+            assert "extra" not in scheduler.plan.plans
+        finally:
+            scheduler.close()
+
+
+def test_a_budget_resolves_to_bytes_and_a_fraction_needs_the_free_memory():
+    from residency.engine.budget import AutoOptions
+
+    assert AutoOptions(device_budget=1) != AutoOptions(device_budget=1.0)  # 1 byte, all of it
+    assert AutoOptions(device_budget=1.0).resolve(free=1000) == (1000, 50)  # 5% headroom
+    assert AutoOptions(device_budget="2KiB", headroom="1KiB").resolve(free=None) == (2048, 1024)
+    with pytest.raises(ConfigError, match=r"device_budget=0\.5 is a share of the free device "
+                                          r"memory, and this device does not report it; give "
+                                          r"bytes, e\.g\. device_budget='20GiB'"):
+        AutoOptions(device_budget=0.5).resolve(free=None)
+    with pytest.raises(ConfigError, match=r"headroom='2KiB' \(2048 bytes\) leaves nothing of "
+                                          r"device_budget \(2048 bytes\) for weights; give a "
+                                          r"smaller headroom or a larger budget"):
+        AutoOptions(device_budget=2048, headroom="2KiB").resolve(free=None)

@@ -88,7 +88,7 @@ AUTO_REFUSALS = [
     ('{"mode": "auto", "auto_options": {"budget": 1}}',
      r"offload config field 'auto_options': auto_options has unknown keys \['budget'\]"),
     ('{"mode": "auto", "auto_options": {"phase_order": []}}',
-     r"offload config field 'auto_options': phase_order=\(\); give the group names"),
+     r"offload config field 'auto_options': phase_order=\[\]; give the group names"),
     ('{"mode": "module", "components": ["dit"], "auto_options": {"device_budget": "1GiB"}}',
      r"offload config field 'auto_options' is \{'device_budget': '1GiB'\}, but mode 'module' "
      r"takes no auto options .*; set \"mode\": \"auto\", or drop 'auto_options'"),

@@ -384,15 +384,15 @@ BAD_AUTO_OPTIONS = [
     ({"headroom": -1}, r"headroom=-1; give a whole number of bytes \(>= 0\) or a size"),
     ({"headroom": "lots"}, r"headroom='lots'; give a whole number of bytes"),
     ({"phase_order": []},
-     r"phase_order=\(\); give the group names one call enters, in order \(e\.g\. "
+     r"phase_order=\[\]; give the group names one call enters, in order \(e\.g\. "
      r"\['text_encoder', 'transformer', 'vae'\]\), or leave it out to observe the first call"),
-    ({"phase_order": ["transformer", 3]}, r"phase_order=\('transformer', 3\); give the group"),
+    ({"phase_order": ["transformer", 3]}, r"phase_order=\['transformer', 3\]; give the group"),
     ({"phase_order": "transformer"}, r"phase_order='transformer'; give the group names"),
     ({"drift": 0}, r"drift=0; give a positive fraction, e\.g\. 0\.25"),
     ({"drift": "0.1"}, r"drift='0\.1'; give a positive fraction"),
     ({"budget": "1GiB", "headroom": "1GiB"},
      r"auto_options has unknown keys \['budget'\]; the keys are device_budget, headroom, "
-     r"phase_order, drift"),
+     r"phase_order, drift\. Did you mean 'device_budget'\?"),
     ("1GiB",
      r"auto_options='1GiB'; give an object with any of the keys device_budget, headroom, "
      r"phase_order, drift"),

@@ -161,6 +161,14 @@ class AutoPlanner:
                 locked(lock, self.replan, groups, f"group {group.name!r} refused")
             raise
 
+    def plan_again(self, groups: Iterable[Residency], reason: str, no_holders: bool) -> None:
+        """Plan again now when no phase is active, else at the next call's beginning (a group
+        was removed or refreshed while another group's phase ran: what it held is freed)."""
+        if no_holders:
+            self.replan(groups, reason)
+        else:
+            self._due = reason
+
     def set_budget(self, groups: Iterable[Residency], device_budget: object) -> None:
         """Take a new device budget (as `AutoOptions.device_budget` accepts) and re-plan; a
         budget nothing fits is refused with nothing changed."""

@@ -17,6 +17,7 @@ order.  Every refusal is a `ConfigError` that names the field, the value and wha
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping
 
@@ -86,8 +87,9 @@ def _check_order(_instance, _attribute, value: object) -> None:
         return
     if (not isinstance(value, tuple) or not value
             or not all(isinstance(name, str) and name for name in value)):
+        shown = list(value) if isinstance(value, tuple) else value  # as the user gave it
         raise ConfigError(
-            f"phase_order={value!r}; give the group names one call enters, in order (e.g. "
+            f"phase_order={shown!r}; give the group names one call enters, in order (e.g. "
             "['text_encoder', 'transformer', 'vae']), or leave it out to observe the first call"
         )
 
@@ -128,8 +130,10 @@ class AutoOptions:
             )
         unknown = sorted(str(key) for key in options if key not in _FIELDS)
         if unknown:
+            close = difflib.get_close_matches(unknown[0], _FIELDS, n=1)
+            hint = f". Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"auto_options has unknown keys {unknown}; the keys are {', '.join(_FIELDS)}"
+                f"auto_options has unknown keys {unknown}; the keys are {', '.join(_FIELDS)}{hint}"
             )
         return cls(**options)
 

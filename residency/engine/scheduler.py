@@ -277,12 +277,21 @@ class Scheduler:
         check_flag("detect_edits", detect_edits)
         sharded = sharded_load(self._packer.node, self._ledger, name, weight_transfer)
         roots = as_modules(name, modules)
-        given = (as_model_blocks if self._auto is None else auto_blocks)(name, roots, layers, policy)
+        given = self._blocks_for(name, roots, layers, policy)
         excluded = as_excluded(name, exclude, roots) + streamed_modules(given)
         group = self._admission.register(name, roots, policy, excluded, category, detect_edits,
                                          given, sharded)
         return self._auto.added(group, self._registry, self._lock, self._admission.remove) \
             if self._auto is not None else group
+
+    def _blocks_for(self, name: str, roots, layers, policy: Policy) -> tuple[ModelBlocks, ...]:
+        """The blocks of `roots` that `add` packs apart: ``layers=``'s, or an auto scheduler's
+        (which plans every group again at `add`, so it refuses one during a phase)."""
+        if self._auto is None:
+            return as_model_blocks(name, roots, layers, policy)
+        locked(self._lock, self._admission.check_no_holders,
+               f"add group {name!r} to an auto scheduler (it plans every group again)")
+        return auto_blocks(name, roots, layers, policy)
 
     def alias(self, path: str, name: str) -> None:
         """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline).
@@ -315,9 +324,11 @@ class Scheduler:
         return group
 
     def _plan_again(self, reason: str) -> None:
-        """An auto scheduler plans its groups again (a group left, or was packed again)."""
+        """An auto scheduler plans its groups again (a group left, or was packed again): now,
+        or while another group's phase is active at the next call's beginning."""
         if self._auto is not None:
-            locked(self._lock, self._auto.replan, self._registry, reason)
+            locked(self._lock, self._auto.plan_again, self._registry, reason,
+                   not self._holds.has_holders())
 
     def close(self) -> None:
         """Return every group's weights to host memory and release device storage.
