@@ -277,21 +277,12 @@ class Scheduler:
         check_flag("detect_edits", detect_edits)
         sharded = sharded_load(self._packer.node, self._ledger, name, weight_transfer)
         roots = as_modules(name, modules)
-        given = self._blocks_for(name, roots, layers, policy)
+        given = _blocks_for(self, name, roots, layers, policy)
         excluded = as_excluded(name, exclude, roots) + streamed_modules(given)
         group = self._admission.register(name, roots, policy, excluded, category, detect_edits,
                                          given, sharded)
         return self._auto.added(group, self._registry, self._lock, self._admission.remove) \
             if self._auto is not None else group
-
-    def _blocks_for(self, name: str, roots, layers, policy: Policy) -> tuple[ModelBlocks, ...]:
-        """The blocks of `roots` that `add` packs apart: ``layers=``'s, or an auto scheduler's
-        (which plans every group again at `add`, so it refuses one during a phase)."""
-        if self._auto is None:
-            return as_model_blocks(name, roots, layers, policy)
-        locked(self._lock, self._admission.check_no_holders,
-               f"add group {name!r} to an auto scheduler (it plans every group again)")
-        return auto_blocks(name, roots, layers, policy)
 
     def alias(self, path: str, name: str) -> None:
         """Let ``resident(path)`` enter group `name` (dotted module paths of a pipeline).
@@ -501,6 +492,16 @@ class Scheduler:
         self._holds.leave(phase)
 
     # -- helpers -------------------------------------------------------------------------------
+
+def _blocks_for(scheduler: Scheduler, name: str, roots, layers, policy: Policy):
+    """The blocks of `roots` that `add` packs apart: ``layers=``'s, or an auto scheduler's
+    (which plans every group again at `add`, so it refuses one during a phase)."""
+    if scheduler._auto is None:
+        return as_model_blocks(name, roots, layers, policy)
+    locked(scheduler._lock, scheduler._admission.check_no_holders,
+           f"add group {name!r} to an auto scheduler (it plans every group again)")
+    return auto_blocks(name, roots, layers, policy)
+
 
 def _auto_planner(options: AutoOptions | None, scheduler: Scheduler) -> AutoPlanner | None:
     """The owner of `scheduler`'s auto plan (`residency.engine.auto`), or None."""
