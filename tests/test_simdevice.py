@@ -212,7 +212,8 @@ def test_events_query_synchronize_and_time():
             return start.elapsed_time(end)
         with simdevice.controls(copy_bandwidth=2**20 / 0.1, device_copy_bandwidth=2**20 / 0.01):
             over_the_link = timed(lambda: on_device.copy_(host, non_blocking=True))   # 100 ms
-            within_the_device = timed(lambda: on_device.clone())                      # 10 ms
+            # A busy host only adds to a measured time: the least of several is the rate's own.
+            within_the_device = min(timed(lambda: on_device.clone()) for _ in range(5))  # 10 ms
         assert over_the_link >= 90.0, over_the_link
         assert 9.0 <= within_the_device < 60.0, within_the_device
     """)
