@@ -34,12 +34,10 @@ headroom``.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Mapping
 
 import attrs
-import torch
 
 from residency.engine.budget import AutoOptions
 from residency.engine.component import Residency
@@ -48,9 +46,9 @@ from residency.engine.placement import Placement
 from residency.engine.plan import Plan, Where
 from residency.engine.planner import Cost, Workload, choose, predict
 from residency.engine.records import BlockLog, TransitionLog
-from residency.engine.transport import CpuTransport, Transport
+from residency.engine.transport import CpuTransport, Transport, free_device_memory
 
-__all__ = ["AutoPlan", "AutoPlanner", "free_device_memory"]
+__all__ = ["AutoPlan", "AutoPlanner"]
 
 #: Copy bandwidth assumed before any copy was measured (bytes per second).
 _ASSUMED_BANDWIDTH = {True: 10e9, False: 5e9}
@@ -279,27 +277,6 @@ def _declared(order: tuple[str, ...]) -> dict[str, tuple[int, int, float]]:
         entries, passes, _ = counts.get(name, (0, 0, 0.0))
         counts[name] = (entries + (order[index - 1] != name or len(order) == 1), passes + 1, 0.0)
     return counts
-
-
-def free_device_memory(device: torch.device, held: int = 0) -> int | None:
-    """Bytes free for this scheduler on `device` (with `held`, what it holds now, counted as
-    free): the accelerator's free memory, or the host's available memory on the CPU; None where
-    the backend cannot tell."""
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as meminfo:
-                for line in meminfo:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024 + held
-        except OSError:
-            pass
-        pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else None
-        return None if pages is None else pages * os.sysconf("SC_PAGE_SIZE") + held
-    try:
-        free, _ = torch.accelerator.get_memory_info(device.index)
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return None
-    return free + held
 
 
 def _kept_nbytes(plan: Plan, group: Residency) -> int:

@@ -56,7 +56,7 @@ from residency.engine.layers import take_plan
 from residency.engine.plan import Plan, Where
 from residency.engine.records import BlockLog, TransitionLog, TransitionRecord
 from residency.engine.slots import SlotPlacement
-from residency.engine.transport import Transport
+from residency.engine.transport import Transport, free_device_memory
 
 __all__ = ["Placement"]
 
@@ -421,23 +421,12 @@ def _moves_own(group: Residency) -> bool:
 def _room_beside(storage: DeviceStorage, group: Residency, held: int, limit: int | None,
                  device: torch.device) -> bool:
     """Whether `group` fits into `storage` beside the `held` device bytes: within `limit` when
-    there is one, else within the device's free memory; where the backend cannot tell it, the
-    answer is yes, and `prefetch` takes the allocator's out-of-memory as no."""
+    there is one, else within an accelerator's free memory; on the CPU, and where the backend
+    cannot tell it, the answer is yes, and `prefetch` takes the allocator's out-of-memory as no."""
     needed = max(group.inventory.layout.contiguous_nbytes, storage.size_hint)
     growth = 0 if storage.nbytes >= needed and not storage.is_aliased() else needed
     if limit is not None:
         return held - (storage.nbytes if growth else 0) + growth <= limit
-    free = _free_device_memory(device)
+    free = None if device.type == "cpu" else free_device_memory(device)
     return free is None or growth <= free
 
-
-def _free_device_memory(device: torch.device) -> int | None:
-    """Free bytes on `device` by the device-generic API; None on the CPU or where the backend
-    has no memory information (a PrivateUse1 allocator may not implement it)."""
-    if device.type == "cpu":
-        return None
-    try:
-        free, _ = torch.accelerator.get_memory_info(device.index)
-    except (RuntimeError, NotImplementedError):
-        return None
-    return free

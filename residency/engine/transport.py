@@ -9,6 +9,9 @@ stream themselves.  Two implementations exist:
   stream API (`torch.Stream`, `torch.Event`, `torch.accelerator`), so one code path serves CUDA,
   ROCm, XPU and other accelerators.
 
+`free_device_memory` says how many bytes a device has free (the host's available memory for the
+CPU): what an auto plan's budget is a fraction of, and what placement's prefetch fits within.
+
 [Note: completions instead of synchronisation]
 A load returns a `Completion`.  ``completion.wait()`` makes the *compute stream* wait for the copy
 (an event wait queued on the device), it does not block the host.  On the CPU the copy has already
@@ -25,6 +28,7 @@ for that point on the copy stream.  Storage is therefore never overwritten under
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Sequence
 
 import torch
@@ -233,3 +237,34 @@ def default_device() -> torch.device:
     if accelerator is None:
         return torch.device("cpu")
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def free_device_memory(device: torch.device, held: int = 0) -> int | None:
+    """Bytes free on `device` (with `held`, what the caller holds there now, counted as free):
+    the accelerator's free memory by the device-generic API, or the host's available memory on
+    the CPU; None where the backend cannot tell (a PrivateUse1 allocator may not implement it).
+
+        free_device_memory(torch.device("cuda", 0))                  # free bytes, or None
+        free_device_memory(device, held=placement.device_nbytes)      # as if ours were freed
+    """
+    if device.type == "cpu":
+        available = _host_available()
+        return None if available is None else available + held
+    try:
+        free, _ = torch.accelerator.get_memory_info(device.index)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+    return free + held
+
+
+def _host_available() -> int | None:
+    """The host's available memory (MemAvailable of /proc/meminfo, else the free pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else None
+    return None if pages is None else pages * os.sysconf("SC_PAGE_SIZE")
