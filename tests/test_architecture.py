@@ -119,7 +119,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),
     # What a tensor subclass holds (quantized and wrapper weights): known to the inventory.
     ("tensor kinds", {"residency.engine.subclasses"}),
-    # The options of an auto plan (device budget, headroom): read by the config and the facade.
+    # The options of an auto plan (device budget, headroom) and byte counts as text both ways
+    # (parsed, formatted): read by the config, the facade and what describes bytes.
     ("auto options", {"residency.engine.budget"}),
     # One job each: a tensor's place (tensors), moving bytes (transport), transition records,
     # configs, digests; the node-local view of a process group and node-shared segments; which

@@ -345,3 +345,12 @@ def test_a_budget_resolves_to_bytes_and_a_fraction_needs_the_free_memory():
                                           r"device_budget \(2048 bytes\) for weights; give a "
                                           r"smaller headroom or a larger budget"):
         AutoOptions(device_budget=2048, headroom="2KiB").resolve(free=None)
+
+
+def test_byte_counts_print_in_the_largest_binary_unit_they_reach():
+    from residency.engine.budget import format_nbytes, parse_nbytes
+
+    assert [format_nbytes(n) for n in (0, 1023, 1024, 151_552, 3 * 2**20, 2**40)] == [
+        "0 B", "1023 B", "1.0 KiB", "148.0 KiB", "3.0 MiB", "1024.0 GiB"]
+    assert format_nbytes(parse_nbytes("device_budget", "38GiB"), digits=2) == "38.00 GiB"
+    assert format_nbytes(-3 * 2**20) == "-3.0 MiB"  # a difference of two counts

@@ -51,13 +51,13 @@ from residency.adapters.diffusers import (
     enable_offload,
 )
 from residency.vllm_omni.config import OffloadConfig
+from residency.engine.budget import format_nbytes
 from residency.engine.errors import ResidencyError, WeightFileError
 from residency.engine.scheduler import Scheduler
 from residency.app.synthetic import SIZES, SyntheticWan22
 from residency.app.timeline import (
     PhaseRecorder,
     PhaseSpan,
-    format_bytes,
     format_timeline,
     measure_floor,
     timeline_rows,
@@ -602,7 +602,7 @@ def _layer_lines(scheduler: Scheduler) -> list[str]:
                   for blocks in stream.model_blocks for line in blocks.describe().splitlines()]
     if lines:
         lines.insert(0, "layer mode:")
-        lines.append(f"  block copies: {log.copies} ({format_bytes(log.nbytes)}), through 2 "
+        lines.append(f"  block copies: {log.copies} ({format_nbytes(log.nbytes)}), through 2 "
                      f"slots; per-block records in scheduler.block_records (and --trace)")
     return lines
 
@@ -633,7 +633,7 @@ def _report(run: Run, config: OffloadConfig, device: torch.device) -> str:
         "groups:",
     ]
     for name, policy, nbytes in run.groups:
-        lines.append(f"  {name:<16} {policy:<10} {format_bytes(nbytes):>10}")
+        lines.append(f"  {name:<16} {policy:<10} {format_nbytes(nbytes):>10}")
     lines += run.layer_lines
     if run.plain_seconds is not None:
         lines.append(

@@ -38,6 +38,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from residency.engine.budget import format_nbytes
 from residency.engine.records import BlockRecord, TransitionRecord, chrome_trace
 
 __all__ = [
@@ -242,14 +243,6 @@ def timeline_rows(
     return rows
 
 
-def format_bytes(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
-
-
 def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -272,8 +265,8 @@ def format_timeline(rows: Sequence[Row], *, peak_device_bytes: int, device: torc
     for row in rows:
         change = f"{row.from_group or '-'} -> {row.to_group or '-'}"
         lines.append(
-            f"{row.index:>3} {row.at * 1e3:>9.2f}  {change:<34} {format_bytes(row.nbytes):>10} "
-            f"{format_bytes(row.written_back):>10} {row.seconds * 1e3:>9.3f} "
+            f"{row.index:>3} {row.at * 1e3:>9.2f}  {change:<34} {format_nbytes(row.nbytes):>10} "
+            f"{format_nbytes(row.written_back):>10} {row.seconds * 1e3:>9.3f} "
             f"{_number(row.gbps, '.2f'):>7} {_number(row.floor_gbps, '.2f'):>10} "
             f"{_times_floor(row):>8}"
         )
@@ -282,13 +275,13 @@ def format_timeline(rows: Sequence[Row], *, peak_device_bytes: int, device: torc
     seconds = sum(row.seconds for row in rows)
     ratio = (sum(r.seconds for r in loads) / sum(r.floor_seconds for r in loads)) if loads else None
     lines.append(
-        f"total: {format_bytes(moved)} moved in {seconds * 1e3:.2f} ms "
+        f"total: {format_nbytes(moved)} moved in {seconds * 1e3:.2f} ms "
         f"(x{NOT_MEANINGFUL if ratio is None else format(ratio, '.2f')} the floor), "
-        f"{format_bytes(sum(row.written_back for row in rows))} written back"
+        f"{format_nbytes(sum(row.written_back for row in rows))} written back"
     )
-    peak = f"peak device bytes: {format_bytes(peak_device_bytes)} in the scheduler's storages"
+    peak = f"peak device bytes: {format_nbytes(peak_device_bytes)} in the scheduler's storages"
     if allocator_peak is not None:
-        peak += f"; allocator peak {format_bytes(allocator_peak)} (weights and activations)"
+        peak += f"; allocator peak {format_nbytes(allocator_peak)} (weights and activations)"
     lines.append(peak)
     if any(row.times_floor is not None and not row.floor_comparable for row in rows):
         lines.append(

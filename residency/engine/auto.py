@@ -34,12 +34,13 @@ headroom``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Mapping
 
 import attrs
 
-from residency.engine.budget import AutoOptions
+from residency.engine.budget import AutoOptions, format_nbytes
 from residency.engine.component import Residency
 from residency.engine.locks import locked
 from residency.engine.placement import Placement
@@ -52,6 +53,9 @@ __all__ = ["AutoPlan", "AutoPlanner"]
 
 #: Copy bandwidth assumed before any copy was measured (bytes per second).
 _ASSUMED_BANDWIDTH = {True: 10e9, False: 5e9}
+#: Bytes as a plan's description prints them: two decimals (a budget and its peak may differ
+#: only in the second).
+_size = functools.partial(format_nbytes, digits=2)
 
 
 @attrs.frozen
@@ -296,10 +300,3 @@ def _describe_group(w: Workload, plan: Plan) -> str:
         if names:
             text += f"; {len(names)} blocks {where.value} ({_size(sums[where])})"
     return text + f"; {w.entries} entries, {w.passes} passes per call"
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"

@@ -79,6 +79,7 @@ from types import MappingProxyType
 import attrs
 from torch import nn
 
+from residency.engine.budget import format_nbytes
 from residency.engine.errors import ConfigError
 from residency.engine.subclasses import Extent, first_shared, leaf_extents, overlapping_runs
 
@@ -110,14 +111,6 @@ OLD_CLASS_DECLARATION = "_layerwise_offload_blocks_attr"
 DIFFUSERS_DECLARATION = "_repeated_blocks"
 _LISTS = (nn.ModuleList, nn.Sequential)
 _OUTSIDE = -1
-
-
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
 
 
 @attrs.frozen(kw_only=True)
@@ -227,14 +220,14 @@ class ModelBlocks:
             # transformer (FluxTransformer2DModel): 5 blocks in transformer_blocks, ...
         """
         largest = self.largest_streamed
-        slot = f"{_size(largest.nbytes)} ({largest.path})" if largest else "none (all kept)"
+        slot = f"{format_nbytes(largest.nbytes)} ({largest.path})" if largest else "none (all kept)"
         lines = [
             f"{self.model_path}{self._class_suffix()}: {len(self.blocks)} blocks in "
             f"{', '.join(self.lists)} ({self.source}); kept {self.kept_count}, streamed "
             f"{len(self.streamed)}",
-            f"  outside the blocks {_size(self.outside_nbytes)}, kept "
-            f"{_size(sum(b.nbytes for b in self.kept))}, slot {slot}, on the device "
-            f"{_size(self.device_nbytes())} of {_size(self.nbytes)}",
+            f"  outside the blocks {format_nbytes(self.outside_nbytes)}, kept "
+            f"{format_nbytes(sum(b.nbytes for b in self.kept))}, slot {slot}, on the device "
+            f"{format_nbytes(self.device_nbytes())} of {format_nbytes(self.nbytes)}",
         ]
         if self.note:
             lines.append(f"  note: {self.note}")

@@ -13,6 +13,9 @@ activations and the allocator: bytes or text; by default a twentieth of the budg
 (`DEFAULT_HEADROOM_FRACTION`).  A phase order may be declared (the group names of one call, in
 order); else the first call observes it, planned as if every group took turns in registration
 order.  Every refusal is a `ConfigError` that names the field, the value and what is accepted.
+
+`parse_nbytes` reads a size given as text; `format_nbytes` writes a byte count back as text
+(what the auto plan's, the blocks' and the timeline's descriptions print).
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ import attrs
 
 from residency.engine.errors import ConfigError
 
-__all__ = ["AutoOptions", "DEFAULT_DRIFT", "DEFAULT_HEADROOM_FRACTION", "parse_nbytes"]
+__all__ = [
+    "AutoOptions",
+    "DEFAULT_DRIFT",
+    "DEFAULT_HEADROOM_FRACTION",
+    "format_nbytes",
+    "parse_nbytes",
+]
 
 #: Headroom when none is given: this fraction of the resolved budget.
 DEFAULT_HEADROOM_FRACTION = 0.05
@@ -55,6 +64,19 @@ def parse_nbytes(field: str, value: object) -> int:
         f"{field}={value!r}; give a whole number of bytes (>= 0) or a size such as '38GiB', "
         "'500MB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
     )
+
+
+def format_nbytes(nbytes: float, digits: int = 1) -> str:
+    """A byte count as text in the largest binary unit it reaches (B, KiB, MiB, GiB), with
+    `digits` decimals (whole bytes below a KiB): what describes and tables print.
+
+        format_nbytes(151_552)           # '148.0 KiB'
+        format_nbytes(2**30, digits=2)   # '1.00 GiB'
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.{digits}f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def _check_budget(_instance, _attribute, value: object) -> None:
