@@ -389,6 +389,19 @@ def test_transition_records_name_groups_bytes_and_seconds(scheduler):
     assert scheduler.transitions.count == len(scheduler.transitions)
 
 
+def test_the_timed_load_totals_count_every_transition_past_the_limit_and_a_clear():
+    """What an auto plan's copy bandwidth is taken from: the loads that moved bytes in a
+    measured time, all of them (the kept records are only the newest)."""
+    from residency.engine.records import TransitionLog, TransitionRecord
+
+    log = TransitionLog(limit=1)
+    for nbytes, load_seconds in ((100, 0.5), (0, 0.25), (50, 0.0), (300, 1.5)):
+        log.append(TransitionRecord("a", "b", nbytes, 0, 0.0, 0.0, load_seconds, "main"))
+    log.clear()
+    assert (len(log), log.count, log.nbytes) == (0, 4, 450)
+    assert (log.timed_nbytes, log.timed_seconds) == (400, 2.0)
+
+
 def test_offload_all_returns_every_exclusive_group_to_the_host(scheduler):
     three_groups(scheduler)
     with scheduler.resident("dit"):

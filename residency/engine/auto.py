@@ -22,14 +22,16 @@ after another group was: Wan2.2's encoder, two experts and VAE make a call of th
 Each group's entries (switches to it) and passes (its phase entries: one per forward of its
 model) are counted per call; the bytes a call moved are the records' running totals
 (`TransitionLog.nbytes` + `BlockLog.nbytes`) between two beginnings, read after any re-plan at
-the boundary (its loads belong to no call).
+the boundary (its loads belong to no call).  The copy bandwidth a plan assumes is the timed
+loads' running totals (`TransitionLog.timed_nbytes` / ``timed_seconds``).
 
 Fields (guarded by the scheduler lock; this object is their one mutator): ``options``, the
 resolved ``budget`` and ``headroom``, the per-call counters (``_entries``, ``_passes``,
 ``_compute``), what the last complete call did (``_observed``), and ``plan`` (the `AutoPlan` in
-force, with its measured calls).  Invariant: every registered group carries the plan in
-``plan.plans`` (the planner's choice for it), and the planned peak is within ``budget -
-headroom``.
+force, with its measured calls) with the sizes each group was planned for (``_planned_sizes``,
+stored on the same line; a call's beginning compares them with the groups' to see a re-pack).
+Invariant: every registered group carries the plan in ``plan.plans`` (the planner's choice for
+it), and the planned peak is within ``budget - headroom``.
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ class AutoPlanner:
         self._transitions, self._block_log = transitions, block_log
         self.budget, self.headroom = options.resolve(free_device_memory(placement.device))
         self.plan: AutoPlan | None = None
+        #: The sizes each group was planned for, by name (`_sizes`; written with ``plan``).
+        self._planned_sizes: dict[str, _Sizes] = {}
         self._first = options.phase_order[0] if options.phase_order else None
         #: What a declared phase order says each group does per call: (entries, passes, 0).
         self._declared = _declared(options.phase_order or ())
@@ -146,7 +150,9 @@ class AutoPlanner:
                 self._placement.replan(group, plans[group.name])
             raise
         self._placement.budget = self.budget - self.headroom
-        self.plan = AutoPlan(self.budget, self.headroom, plans, predicted, workloads, reason)
+        plan = AutoPlan(self.budget, self.headroom, plans, predicted, workloads, reason)
+        sizes = {w.name: (w.own, w.blocks) for w in workloads}
+        self.plan, self._planned_sizes = plan, sizes  # one line: see [Note: interrupts]
         self._call_start = None  # the loads above belong to no call
         self._drifted = 0
 
@@ -188,18 +194,17 @@ class AutoPlanner:
     def _workload(self, group: Residency) -> Workload:
         entries, passes, compute = (self._observed or self._declared).get(group.name,
                                                                          (1, 1, 0.0))
-        blocks = tuple((part.name, part.inventory.layout.nbytes,
-                        part.inventory.layout.contiguous_nbytes) for part in group.parts)
-        layout = group.inventory.layout
-        return Workload(group.name, (layout.nbytes, layout.contiguous_nbytes), blocks,
-                        exclusive=group.exclusive, entries=entries, passes=passes,
-                        compute_seconds=0.0 if self._collective else compute)
+        own, blocks = _sizes(group)
+        return Workload(group.name, own, blocks, exclusive=group.exclusive, entries=entries,
+                        passes=passes, compute_seconds=0.0 if self._collective else compute)
 
     def _bandwidth(self) -> float:
-        records = [r for r in self._transitions if r.nbytes and r.load_seconds > 0]
-        if not records:
+        """The measured copy bandwidth: the timed loads' bytes over their seconds (the log's
+        running totals), else the assumed one."""
+        log = self._transitions
+        if log.timed_seconds <= 0:
             return _ASSUMED_BANDWIDTH[self._overlap]
-        return sum(r.nbytes for r in records) / sum(r.load_seconds for r in records)
+        return log.timed_nbytes / log.timed_seconds
 
     # -- observing calls --------------------------------------------------------------------------
 
@@ -266,9 +271,8 @@ class AutoPlanner:
         if self._drifted >= 2:
             return (f"two calls off the prediction ({predicted} bytes) by more than "
                     f"{self.options.drift:.0%}")
-        planned = {w.name: (w.own, w.blocks) for w in self.plan.workloads}
-        now = {g.name: (w.own, w.blocks) for g in groups for w in [self._workload(g)]}
-        if planned != now:
+        planned = self._planned_sizes
+        if len(groups) != len(planned) or any(planned.get(g.name) != _sizes(g) for g in groups):
             return "the groups or their parts changed (added, removed or re-packed)"
         return None
 
@@ -281,6 +285,19 @@ def _declared(order: tuple[str, ...]) -> dict[str, tuple[int, int, float]]:
         entries, passes, _ = counts.get(name, (0, 0, 0.0))
         counts[name] = (entries + (order[index - 1] != name or len(order) == 1), passes + 1, 0.0)
     return counts
+
+
+#: A group's sizes as a plan sees them: its own part's (bytes, bytes laid end to end), then each
+#: other part's (name, bytes, bytes laid end to end).
+_Sizes = tuple[tuple[int, int], tuple[tuple[str, int, int], ...]]
+
+
+def _sizes(group: Residency) -> _Sizes:
+    """What `group`'s plan depends on of its parts (`Workload.own` and `Workload.blocks`)."""
+    layout = group.inventory.layout
+    return ((layout.nbytes, layout.contiguous_nbytes),
+            tuple((part.name, part.inventory.layout.nbytes, part.inventory.layout.contiguous_nbytes)
+                  for part in group.parts))
 
 
 def _kept_nbytes(plan: Plan, group: Residency) -> int:

@@ -96,13 +96,21 @@ class TransitionLog(_KeptLog):
         self.count = 0
         #: Bytes loaded over all transitions.
         self.nbytes = 0
+        #: Bytes and load seconds of the transitions whose load moved bytes in a measured time
+        #: (``load_seconds > 0``), over all of them: what an auto plan takes the copy bandwidth
+        #: from (`residency.engine.auto`).
+        self.timed_nbytes, self.timed_seconds = 0, 0.0
 
     def append(self, record: TransitionRecord) -> None:
         locked(self._lock, self._append, record)
 
     def _append(self, record: TransitionRecord) -> None:
+        timed = record.nbytes > 0 and record.load_seconds > 0
+        timed_nbytes, timed_seconds = (record.nbytes, record.load_seconds) if timed else (0, 0.0)
         self._records.append(record)
-        self.count, self.nbytes = self.count + 1, self.nbytes + record.nbytes
+        self.count, self.nbytes, self.timed_nbytes, self.timed_seconds = (
+            self.count + 1, self.nbytes + record.nbytes, self.timed_nbytes + timed_nbytes,
+            self.timed_seconds + timed_seconds)  # one store: [Note: interrupts] in engine.scheduler
 
     def __iter__(self) -> Iterator[TransitionRecord]:
         return iter(self._snapshot())
