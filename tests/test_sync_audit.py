@@ -791,32 +791,48 @@ def handed_out_again(buffer_ptr: int, nbytes: int, device) -> None:
         raise WrongBits(f"the released buffer at {buffer_ptr:#x} is still allocated")
 
 
+def released_at(point, owner, device, release: Callable[[], object]) -> None:
+    """Note where `owner`'s device buffer is, let `release()` free it at the audited `point`, and
+    raise WrongBits unless the allocator hands that memory out again (`handed_out_again`): after
+    the point, or - where `release()` returns a context not entered yet (a phase that frees the
+    buffer as it begins) - inside that context."""
+    buffer = owner.device_storage.buffer
+    ptr, nbytes = buffer.data_ptr(), buffer.numel()
+    del buffer, owner
+    with point():
+        during = release()
+        if during is not None:
+            with during:
+                handed_out_again(ptr, nbytes, device)
+            return
+    handed_out_again(ptr, nbytes, device)
+
+
 def released_by(device, point, *, how: str) -> None:
     """A buffer is released by placement (`how`) and its memory must be free again."""
     models = {"m": mlp(1), "t": Tower(2)}
     scheduler = Scheduler(device)
     if how == "withdraw":
-        group = scheduler.add("m", models["m"], policy="resident")
+        scheduler.add("m", models["m"], policy="resident")
     else:
-        group = scheduler.add("m", models["m"])
+        scheduler.add("m", models["m"])
         scheduler.add("t", models["t"], layers=True)
         with scheduler.resident("m"):
             pass
+    removed = []  # kept past the check: the caller may keep what remove returns
+
+    def release():
+        if how == "withdraw":
+            removed.append(scheduler.remove("m"))
+            assert removed[0].device_storage is not None
+        elif how == "release_shared":
+            scheduler.offload_all()
+        else:
+            return scheduler.resident("t")  # as it begins, it releases the other mode's buffers
+        return None
+
     try:
-        buffer = group.device_storage.buffer
-        ptr, nbytes = buffer.data_ptr(), buffer.numel()
-        del buffer, group
-        with point():
-            if how == "withdraw":
-                removed = scheduler.remove("m")  # the caller may keep what remove returns
-                assert removed.device_storage is not None
-            elif how == "release_shared":
-                scheduler.offload_all()
-            else:
-                with scheduler.resident("t"):  # the other mode's buffers are released first
-                    handed_out_again(ptr, nbytes, device)
-                return
-        handed_out_again(ptr, nbytes, device)
+        released_at(point, scheduler["m"], device, release)
     finally:
         torch.accelerator.synchronize()
         scheduler.close()
@@ -857,23 +873,21 @@ def released_by_an_auto_plan(device, point, *, how: str) -> None:
     plans = {"own": {"t": Where.SWAPPED} | dict.fromkeys(blocks, Where.KEPT),
              "part": {"t": Where.KEPT} | dict.fromkeys(blocks, Where.SWAPPED),
              "replan": {"t": Where.KEPT} | dict.fromkeys(blocks, Where.KEPT)}
+
+    def release():
+        if how == "replan":
+            with scheduler._lock:
+                scheduler._placement.replan(tower, tower.plan.replace(plans["part"]))
+        else:
+            with scheduler.resident("m"):
+                pass
+
     try:
         with scheduler._lock:
             scheduler._placement.replan(tower, tower.plan.replace(plans[how]))
         with scheduler.resident("t"):
             pass
-        part = tower if how == "own" else tower.apart[-1]
-        buffer = part.device_storage.buffer
-        ptr, nbytes = buffer.data_ptr(), buffer.numel()
-        del buffer, part
-        with point():
-            if how == "replan":
-                with scheduler._lock:
-                    scheduler._placement.replan(tower, tower.plan.replace(plans["part"]))
-            else:
-                with scheduler.resident("m"):
-                    pass
-        handed_out_again(ptr, nbytes, device)
+        released_at(point, tower if how == "own" else tower.apart[-1], device, release)
     finally:
         torch.accelerator.synchronize()
         scheduler.close()
