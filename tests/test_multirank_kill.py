@@ -80,6 +80,10 @@ def _kill_worker(rank: int, world_size: int, args) -> dict:
     from residency import ResidencyError, Scheduler
 
     scheduler = Scheduler("cpu", process_group=dist.group.WORLD)
+    # Every rank has finished setting up the node group (gloo connects it pairwise) before any
+    # rank registers: a victim that dies at "comparing" must die there, not under another
+    # rank's connect.
+    dist.barrier()
     model = _model()
     watch = _Watch(args["stage"] if rank == args["victim"] else None)
     started = time.monotonic()
