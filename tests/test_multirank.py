@@ -41,7 +41,8 @@ def _phases_worker(rank: int, world_size: int, args) -> dict:
     seed = args["seed"] + (rank if args.get("differ") else 0)
     models = {"a": _model(seed), "b": _model(seed + 100)}
     plain = {name: copy.deepcopy(model) for name, model in models.items()}
-    scheduler = Scheduler("cpu", process_group=dist.group.WORLD)
+    scheduler = Scheduler("cpu", process_group=dist.group.WORLD,
+                          chunk_nbytes=args.get("chunk_nbytes", 2**28))
     for name, model in models.items():
         scheduler.add(name, model)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
@@ -54,8 +55,11 @@ def _phases_worker(rank: int, world_size: int, args) -> dict:
     return {"same": same, "shared": shared}
 
 
-def test_ranks_on_one_host_share_masters_and_stay_bit_identical(tmp_path):
-    results = run_world(_phases_worker, 2, tmp_path, timeout=60, args={"seed": 1})
+@pytest.mark.parametrize("chunk_nbytes", [2**28, 2**16], ids=["one-chunk", "many-chunks"])
+def test_ranks_on_one_host_share_masters_and_stay_bit_identical(tmp_path, chunk_nbytes):
+    # Many chunks: each chunk is a slice of the segment, and its views start at its own offset.
+    results = run_world(_phases_worker, 2, tmp_path, timeout=60,
+                        args={"seed": 1, "chunk_nbytes": chunk_nbytes})
     for rank, result in enumerate(results):
         assert result is not None and "raised" not in result, (rank, result)
         assert all(result["same"]), result

@@ -307,10 +307,12 @@ def _repoint_chunk(inventory: Inventory, regions, chunk: torch.Tensor, views: li
 def _views_into_chunk(
     inventory: Inventory, members: Sequence[int], chunk: torch.Tensor
 ) -> list[torch.Tensor]:
+    """Views of `chunk` for the tensors `members`.  A chunk may be a slice of a larger buffer (a
+    node-shared segment holds every chunk end to end), so the offsets start at its own."""
     places = [inventory.places[i] for i in members]
-    return make_views(
-        places, chunk.untyped_storage(), inventory.layout.region_offset, chunk.device
-    )
+    first = chunk.storage_offset()
+    region_base = [first + offset for offset in inventory.layout.region_offset]
+    return make_views(places, chunk.untyped_storage(), region_base, chunk.device)
 
 
 def _views_into_buffer(inventory: Inventory, buffer: torch.Tensor) -> list[torch.Tensor]:
