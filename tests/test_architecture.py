@@ -122,6 +122,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     # The options of an auto plan (device budget, headroom) and byte counts as text both ways
     # (parsed, formatted): read by the config, the facade and what describes bytes.
     ("auto options", {"residency.engine.budget"}),
+    # Where host masters live beyond private memory (the warm-restart cache, the host memory
+    # limit): options the facade takes and the packer reads.
+    ("host options", {"residency.engine.host_options"}),
     # One job each: a tensor's place (tensors), moving bytes (transport), transition records,
     # configs, digests; the node-local view of a process group and node-shared segments; which
     # blocks a model streams in layer mode (blocks).

@@ -36,6 +36,7 @@ from torch import nn
 
 from residency.multirank.agreement import compare_weights, describe_tensors
 from residency.engine.errors import HostMemoryError, RegistrationError
+from residency.engine.host_options import HostOptions
 from residency.engine.memory import HostMaster
 from residency.multirank.node import NodeView
 from residency.multirank.shared_memory import share_segment
@@ -58,8 +59,11 @@ class Packer:
         chunk_nbytes: int,
         pin_memory: bool,
         node: NodeView | None = None,
+        host: HostOptions | None = None,
     ) -> None:
         self._transport = transport
+        #: Where masters live beyond private memory: the cache and the host memory limit.
+        self.host = host if host is not None else HostOptions()
         #: The ranks of this host, when several share host masters (see [Note: one host copy per
         #: node]); None for a single process.
         self._node = node if node is not None and node.local_world_size > 1 else None

@@ -66,6 +66,7 @@ from residency.vllm_omni.discovery import scheduler_from_pipeline
 from residency.engine.enums import PhaseStatus, Policy
 from residency.engine.errors import ConfigError, PhaseError
 from residency.engine.holds import Holds
+from residency.engine.host_options import HostOptions, as_host_options
 from residency.engine.layers import as_model_blocks, auto_blocks, streamed_modules
 from residency.engine.locks import locked, new_lock
 from residency.engine.no_offload import NoOffload
@@ -159,21 +160,19 @@ class Scheduler:
     host copy per node] in `residency.engine.packing`): constructing the scheduler, ``add``, and every
     eviction of a shared group (phase changes, ``close``) are then collective - call them in the
     same order on every rank.  Writes to a shared master are agreed (`residency.multirank.agreement`); ranks
-    that changed it differently raise `CollectiveError` and keep their device copies.
+    that changed it differently raise `CollectiveError` and keep their device copies.  With
+    ``host`` (`HostOptions`), masters are cached for a warm restart or file-backed beyond a limit.
     """
 
     def __init__(
         self,
         device: torch.device | str | None = None,
         *,
-        pin_memory: bool | None = None,
-        chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+        pin_memory: bool | None = None, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
         device_memory_limit: int | None = None,
-        wait_timeout: float | None = None,
-        record_limit: int = 10_000,
-        transport: Transport | None = None,
-        process_group: object = None,
-        auto: AutoOptions | Mapping | bool | None = None,
+        wait_timeout: float | None = None, record_limit: int = 10_000,
+        transport: Transport | None = None, process_group: object = None,
+        auto: AutoOptions | Mapping | bool | None = None, host: HostOptions | Mapping | None = None,
     ) -> None:
         auto_options = check_options(chunk_nbytes, device_memory_limit, wait_timeout,
                                      record_limit, pin_memory, auto)
@@ -183,7 +182,7 @@ class Scheduler:
         pin = self._transport.can_pin() if pin_memory is None else pin_memory
         node = None if process_group is None else node_view(process_group)
         self._packer = Packer(self._transport, device=self.device, chunk_nbytes=chunk_nbytes,
-                              pin_memory=pin, node=node)
+                              pin_memory=pin, node=node, host=as_host_options(host))
         #: Records of phase changes and (layer mode) of block moves: the newest `record_limit`.
         self.transitions, self.block_records = TransitionLog(record_limit), BlockLog(record_limit)
         self._lock = new_lock()
@@ -383,14 +382,17 @@ class Scheduler:
 
     @property
     def transport(self) -> Transport:
-        """How this scheduler moves bytes (read-only): the transport given, else the one for its
-        device (`CpuTransport` on the CPU, `AcceleratorTransport` on an accelerator)."""
+        """How bytes move (read-only): the transport given, else its device's (`transport_for`)."""
         return self._transport
 
     @property
+    def host_options(self) -> HostOptions:
+        """Where host masters live (`residency.engine.host_options`), as given to ``host=``."""
+        return self._packer.host
+
+    @property
     def auto_options(self) -> AutoOptions | None:
-        """The options of this scheduler's auto plan (`residency.engine.budget`), or None: the
-        fixed module and layer plans."""
+        """The options of an auto plan (`residency.engine.budget`); None: the fixed plans."""
         return None if self._auto is None else self._auto.options
 
     @property

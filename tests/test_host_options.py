@@ -1,0 +1,56 @@
+"""`HostOptions` (``Scheduler(host=...)``): the host tiers' options check themselves, and each
+refusal says what was wrong and what to give."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from residency import ConfigError, Scheduler
+from residency.engine.host_options import HostOptions, as_host_options
+
+
+def test_the_default_is_every_master_in_memory_without_a_cache():
+    options = as_host_options(None)
+    assert options == HostOptions()
+    assert options.cache_directory is None and options.memory_limit is None
+
+
+def test_paths_and_sizes_are_normalised(tmp_path):
+    options = HostOptions.from_dict({"cache_directory": str(tmp_path), "memory_limit": "2GiB",
+                                     "spill_directory": "~/spill"})
+    assert options.cache_directory == tmp_path
+    assert options.memory_limit == 2 * 2**30
+    assert options.spill_directory == Path.home() / "spill"
+    assert HostOptions.from_dict(options) is options
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"memory_limt": 1}, "host has unknown keys ['memory_limt']; the keys are "
+                             "cache_directory, memory_limit, spill_directory. Did you mean "
+                             "'memory_limit'?"),
+        ({"memory_limit": "lots"}, "memory_limit='lots'; give a whole number of bytes (>= 0) or "
+                                   "a size such as '38GiB'"),
+        ({"memory_limit": -1}, "memory_limit=-1; give a whole number of bytes"),
+        ({"cache_directory": 3}, "cache_directory=3; give a directory path (a str or "
+                                 "os.PathLike), or None"),
+        ({"spill_directory": ""}, "spill_directory=''; give a directory path"),
+        ("16GiB", "host='16GiB'; give HostOptions or an object with any of the keys "
+                  "cache_directory, memory_limit, spill_directory"),
+    ],
+)
+def test_bad_options_are_refused_with_what_to_give(given, message):
+    with pytest.raises(ConfigError) as raised:
+        as_host_options(given)
+    assert message in str(raised.value)
+
+
+def test_the_scheduler_keeps_its_options_and_refuses_bad_ones(tmp_path):
+    scheduler = Scheduler("cpu", host={"cache_directory": tmp_path})
+    assert scheduler.host_options == HostOptions(cache_directory=tmp_path)
+    scheduler.close()
+    with pytest.raises(ConfigError, match="memory_limit='x'"):
+        Scheduler("cpu", host={"memory_limit": "x"})
