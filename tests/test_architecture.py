@@ -134,6 +134,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "residency.engine.blocks",
             "residency.engine.instance_wrappers",  # per-instance wrappers of a module's methods
             "residency.engine.tensors",
+            "residency.engine.file_reads",  # which regions are still a weight file's bytes
             "residency.engine.transport",
             "residency.engine.records",
             "residency.vllm_omni.config",
