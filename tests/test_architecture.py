@@ -144,10 +144,12 @@ LAYERS: list[tuple[str, set[str]]] = [
         },
     ),
     # Host masters and device storage; checks of user input (arguments); whether ranks hold the
-    # same weights, enter the same phases and made the same edits (agreement: uses digests).
+    # same weights, enter the same phases and made the same edits (agreement: uses digests); the
+    # warm-restart cache's files (master_cache: keys the inventory's layout).
     (
         "bytes and input",
-        {"residency.engine.memory", "residency.engine.arguments", "residency.multirank.agreement"},
+        {"residency.engine.memory", "residency.engine.arguments", "residency.multirank.agreement",
+         "residency.engine.master_cache"},
     ),
     # How a group shared by a node's ranks loads: a sharded copy and an all-gather.
     ("transfers", {"residency.multirank.sharded"}),

@@ -139,6 +139,19 @@ class HostMaster:
                     pairs.append((chunk[first - base : last - base], device_buffer[first:last]))
         return pairs
 
+    @classmethod
+    def over_chunks(cls, inventory: Inventory, chunks: list[torch.Tensor], *, pinned: bool):
+        """A master over `chunks` that already hold the inventory's bytes in its layout (a
+        warm-restart cache file, mapped: `residency.engine.master_cache`); re-points the
+        tensors to them, as `attach` does."""
+        views: list[torch.Tensor | None] = [None] * inventory.tensor_count
+        for chunk_index, chunk in enumerate(chunks):
+            _repoint_chunk(inventory, inventory.regions_in_chunk(chunk_index), chunk, views)
+        inventory.source_regions = None
+        if inventory.wrappers is not None:
+            inventory.wrappers.follow(chunks[0].device)
+        return cls(chunks, views, pinned=pinned)  # type: ignore[arg-type]
+
 
 class DeviceStorage:
     """A reusable device buffer and the views each group has into it (see the notes above).

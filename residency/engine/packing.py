@@ -23,12 +23,29 @@ same weights, the node's leader packs them into one node-shared segment
 tensors to views of the same pages, dropping its own copy: host memory per node is the weights
 once.  Weights that differ (tensor-parallel shards) are never shared: each rank keeps its own
 master, and the log says why.
+
+[Note: the warm-restart cache in packing]
+With ``host.cache_directory`` set, a group whose tensors are (nearly all) untouched views of weight
+files (`residency.engine.file_reads`) has a cache key (`residency.engine.master_cache.group_key`).
+A cache file of that key is mapped copy-on-write instead of packing, and the tensors are
+re-pointed into the mapping (`HostMaster.over_chunks`); on CUDA, with pinning on, the mapping is
+page-locked for DMA.  On a miss the group is packed as usual and the master written to the cache
+for the next start.  The directory is created at its first use, not checked at construction: a
+cache is an optimisation, so a directory that cannot be created or written warns once and the
+scheduler goes on without a cache (a typed error at construction would stop a run that can go on
+perfectly well).  A node-shared master (several ranks of one host) is not cached yet: the ranks
+would have to agree on the hit or the miss, collectively; it is left for later.  Regions read
+from the cache directory itself (a group re-packed while mapped from a cache file) do not count
+as weight files: a cache is never keyed by another cache.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,7 +53,16 @@ from torch import nn
 
 from residency.multirank.agreement import compare_weights, describe_tensors
 from residency.engine.errors import HostMemoryError, RegistrationError
+from residency.engine.file_reads import find_file_sources
 from residency.engine.host_options import HostOptions
+from residency.engine.master_cache import (
+    MappedMaster,
+    cache_path,
+    group_key,
+    map_master,
+    prepare_directory,
+    write_master,
+)
 from residency.engine.memory import HostMaster
 from residency.multirank.node import NodeView
 from residency.multirank.shared_memory import share_segment
@@ -71,6 +97,9 @@ class Packer:
         self.chunk_nbytes = chunk_nbytes
         #: Pin host masters; see [Note: the pin fallback].
         self.pin_memory = pin_memory
+        #: Whether the cache directory is usable: None until its first use, then True or False
+        #: (see [Note: the warm-restart cache in packing]).
+        self._cache_usable: bool | None = None
 
     def inventory(
         self,
@@ -100,6 +129,20 @@ class Packer:
             shared = self._pack_shared(name, inventory, require_shared)
             if shared is not None:
                 return shared
+        cached = self._cache_entry(name, inventory)
+        if cached is not None:
+            mapped = self._map_cached(name, inventory, *cached)
+            if mapped is not None:
+                return mapped
+        master = self._pack_private(name, inventory)
+        if cached is not None and write_master(cached[0], cached[1], inventory.layout,
+                                               master.chunks):
+            _log.info("group %r: host master written to the warm-restart cache %s", name,
+                      cached[0])
+        return master
+
+    def _pack_private(self, name: str, inventory: Inventory) -> HostMaster:
+        """A master of this process's own memory, pinned when it can be."""
         try:
             master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory)
         except MemoryError as error:
@@ -113,6 +156,59 @@ class Packer:
             self.pin_memory = False
             _log.warning("pinning failed; later host masters of this scheduler are pageable")
         return master
+
+    def _cache_entry(self, name: str, inventory: Inventory) -> tuple[Path, str] | None:
+        """(cache file, key) of group `name`, or None when it is not cached (see [Note: the
+        warm-restart cache in packing])."""
+        directory = self.host.cache_directory
+        if directory is None or self._node is not None or not self._cache_ready(directory):
+            return None
+        sources = find_file_sources(inventory.source_regions, inventory.layout.region_nbytes)
+        inside = os.path.realpath(directory) + os.sep
+        sources = [None if s is not None and os.path.realpath(s.path).startswith(inside) else s
+                   for s in sources]
+        key, why = group_key(inventory, self._alignment, sources)
+        if key is None:
+            _log.info("group %r is not cached for a warm restart: %s", name, why)
+            return None
+        return cache_path(directory, name, key), key
+
+    def _cache_ready(self, directory: Path) -> bool:
+        """Whether the cache directory is usable (created at the first use; warns once if not)."""
+        if self._cache_usable is None:
+            problem = prepare_directory(directory)
+            if problem is not None:
+                warnings.warn(
+                    f"cache_directory {str(directory)!r} cannot be used: {problem}. This "
+                    "scheduler goes on without a warm-restart cache; give a writable directory "
+                    "to use one",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+            self._cache_usable = problem is None
+        return self._cache_usable
+
+    def _map_cached(self, name: str, inventory: Inventory, path: Path, key: str
+                    ) -> HostMaster | None:
+        """The master of group `name` over its cache file mapped, or None on a miss."""
+        mapped = map_master(path, key, inventory.layout)
+        if mapped is None:
+            return None
+        pinned = self._page_lock(mapped)
+        master = HostMaster.over_chunks(inventory, mapped.chunks, pinned=pinned)
+        _log.info("group %r: host master mapped from the warm-restart cache %s", name, path)
+        return master
+
+    def _page_lock(self, mapped: MappedMaster) -> bool:
+        """Page-lock a mapped master on CUDA when pinning is on; False where it stays pageable."""
+        if not (self.pin_memory and self._transport.device.type == "cuda"):
+            return False
+        try:
+            mapped.page_lock()
+        except RuntimeError as error:
+            _log.warning("the mapped host master %s stays pageable: %s", mapped.path, error)
+            return False
+        return True
 
     def _pack_shared(
         self, name: str, inventory: Inventory, require: str | None
