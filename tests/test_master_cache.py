@@ -424,29 +424,47 @@ def weights_of(module) -> dict[str, torch.Tensor]:
 
 
 def test_an_interrupt_anywhere_in_mapping_keeps_every_weight(wan, tmp_path):
+    """Every line of the map path (`map_master`, `HostMaster.over_chunks`), then every 500th of
+    a whole ``add`` that maps: the weights keep their values, the file never changes."""
     cache = tmp_path / "cache"
     start(wan, cache)[1].close()
     before = {path: digest(path) for path in cache_files(cache)}
     expected = weights_of(load(wan).text_encoder)
-    encoder_folder = wan / "text_encoder"
-    encoder_class = type(load(wan).text_encoder)
+    encoder_class, encoder_folder = type(load(wan).text_encoder), wan / "text_encoder"
+
+    def build_inventory():
+        module = encoder_class.from_pretrained(encoder_folder)
+        inventory = take_inventory([module])
+        sources = find_file_sources(inventory.source_regions, inventory.layout.region_nbytes)
+        key = group_key(inventory, CPU_ALIGNMENT, sources)[0]
+        return module, inventory, cache_path(cache, "text_encoder", key), key
+
+    def map_path(world):
+        _, inventory, path, key = world
+        mapped = map_master(path, key, inventory.layout)
+        assert mapped is not None
+        master = HostMaster.over_chunks(inventory, mapped.chunks, pinned=False)
+        assert mapped_file(master.views[0]) == str(path)
+
+    def check_module(world):
+        assert_same(weights_of(world[0]), expected)
+        assert {path: digest(path) for path in cache_files(cache)} == before
+
+    assert sweep(build_inventory, map_path, check_module) > 20
 
     def build():
         module = encoder_class.from_pretrained(encoder_folder)
         return module, Scheduler("cpu", host={"cache_directory": cache})
 
-    def operation(world):
-        module, scheduler = world
-        group = scheduler.add("text_encoder", module)
-        assert is_mapped_from(group, cache)
+    def add(world):
+        assert is_mapped_from(world[1].add("text_encoder", world[0]), cache)
 
     def check(world):
         module, scheduler = world
         assert consistent(scheduler) == []
-        assert_same(weights_of(module), expected)
+        check_module(world)
         if "text_encoder" in scheduler:
             with scheduler.resident("text_encoder"):
                 assert_same(weights_of(module), expected)
-        assert {path: digest(path) for path in cache_files(cache)} == before
 
-    sweep(build, operation, check, stride=7)
+    sweep(build, add, check, stride=500)

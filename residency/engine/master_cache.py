@@ -319,12 +319,12 @@ def _alive(pid: int) -> bool:
 def _remove_other_keys(path: Path) -> None:
     """Remove the cache files of the same group under other keys (its files changed)."""
     stem = path.name[: -len(SUFFIX)].rsplit("-", 1)[0]
-    for other in path.parent.glob(f"{glob_escape(stem)}-*{SUFFIX}"):
+    for other in path.parent.glob(f"{_glob_escape(stem)}-*{SUFFIX}"):
         if other.name != path.name and other.name[len(stem) + 1 : -len(SUFFIX)].isalnum():
             _discard(other)
 
 
-def glob_escape(text: str) -> str:
+def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", text)
 
 
