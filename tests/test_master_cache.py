@@ -288,7 +288,7 @@ def test_a_file_for_another_layout_is_not_used_and_is_replaced(wan, tmp_path):
     assert map_master(cache_path(cache, "transformer", key), key, inventory.layout) is None
 
 
-@pytest.mark.parametrize("damage", ["truncated", "magic", "header", "empty"])
+@pytest.mark.parametrize("damage", ["truncated", "magic", "header", "length", "empty"])
 def test_a_truncated_or_damaged_file_is_rebuilt(wan, tmp_path, caplog, damage):
     cache = tmp_path / "cache"
     start(wan, cache)[1].close()
@@ -300,6 +300,8 @@ def test_a_truncated_or_damaged_file_is_rebuilt(wan, tmp_path, caplog, damage):
         data[:4] = b"junk"
     elif damage == "header":
         data[30:40] = b"}}}}}}}}}}"
+    elif damage == "length":  # the header's length field: 4 GiB
+        data[20:24] = b"\xff\xff\xff\xff"
     else:
         data = bytearray()
     path.write_bytes(bytes(data))

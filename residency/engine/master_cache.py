@@ -109,6 +109,8 @@ UNFILED_FRACTION = 1 / 8
 SUFFIX = ".master"
 _PARTIAL = ".partial"
 _PREFIX = struct.Struct("<16sII")  # magic, format version, header length
+#: A header is read whole; a longer length field is damage, not a header to allocate for.
+_HEADER_LIMIT = 64 << 20
 #: os.write moves at most about 2 GiB per call on Linux; write in pieces of this many bytes.
 _WRITE_PIECE = 1 << 30
 
@@ -426,6 +428,8 @@ def _check_header(descriptor: int, key: str, layout: PackLayout) -> str | None:
         return "is not a residency master cache file"
     if version != FORMAT_VERSION:
         return f"has format version {version}, not {FORMAT_VERSION}"
+    if length > min(size, _HEADER_LIMIT):
+        return "has a damaged header"
     try:
         description = json.loads(os.pread(descriptor, length, _PREFIX.size))
         stored_key, stored_sizes = description["key"], description["chunk_nbytes"]

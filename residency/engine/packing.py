@@ -161,7 +161,9 @@ class Packer:
         """(cache file, key) of group `name`, or None when it is not cached (see [Note: the
         warm-restart cache in packing])."""
         directory = self.host.cache_directory
-        if directory is None or self._node is not None or not self._cache_ready(directory):
+        if directory is None or self._node is not None or inventory.layout.nbytes == 0:
+            return None
+        if not self._cache_ready(directory):
             return None
         sources = find_file_sources(inventory.source_regions, inventory.layout.region_nbytes)
         inside = os.path.realpath(directory) + os.sep
