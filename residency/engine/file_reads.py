@@ -239,8 +239,9 @@ class _Piece:
 
 
 class FileReader:
-    """Reads file ranges into host chunks on `READ_THREADS` threads, one chunk at a time (see
-    [Note: the reader's threads and the chunk's lifetime]).
+    """Reads file ranges into host chunks on `threads` threads, in pieces of at most
+    `piece_nbytes`, one chunk at a time (see [Note: the reader's threads and the chunk's
+    lifetime]).
 
         with FileReader() as reader:
             reader.start(chunk, [(source, offset_in_chunk, nbytes)])
@@ -250,8 +251,9 @@ class FileReader:
     `WeightFileError` naming the file; never are other bytes read in its place.
     """
 
-    def __init__(self, threads: int = READ_THREADS) -> None:
+    def __init__(self, threads: int = READ_THREADS, piece_nbytes: int = PIECE_NBYTES) -> None:
         self._thread_count = threads
+        self._piece_nbytes = piece_nbytes
         self._batch: _Batch | None = None
 
     def start(self, chunk: torch.Tensor, reads: Iterable[tuple[FileSource, int, int]]) -> None:
@@ -263,7 +265,7 @@ class FileReader:
         if not reads:
             return
         files = _open_files({source for source, _, _ in reads})
-        batch = _Batch(chunk, files, _pieces(reads))
+        batch = _Batch(chunk, files, _pieces(reads, self._piece_nbytes))
         self._batch = batch
         batch.spawn(self._thread_count)
 
@@ -357,12 +359,12 @@ class _Batch:
             done += count
 
 
-def _pieces(reads: list[tuple[FileSource, int, int]]) -> list[_Piece]:
-    """The reads cut into pieces of at most `PIECE_NBYTES`, in file order (sequential on disk)."""
+def _pieces(reads: list[tuple[FileSource, int, int]], most: int) -> list[_Piece]:
+    """The reads cut into pieces of at most `most` bytes, in file order (sequential on disk)."""
     pieces = []
     for source, chunk_offset, nbytes in reads:
-        for start in range(0, nbytes, PIECE_NBYTES):
-            length = min(PIECE_NBYTES, nbytes - start)
+        for start in range(0, nbytes, most):
+            length = min(most, nbytes - start)
             pieces.append(_Piece(source, source.offset + start, chunk_offset + start, length))
     pieces.sort(key=lambda piece: (piece.source.path, piece.file_offset))
     return pieces

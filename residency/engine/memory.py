@@ -84,6 +84,7 @@ class HostMaster:
         *,
         pin: bool,
         into: torch.Tensor | None = None,
+        files: Sequence[FileSource | None] | None = None,
     ) -> HostMaster:
         """Copy the inventory's tensors into a new master, chunk by chunk, re-pointing as it goes.
 
@@ -92,11 +93,14 @@ class HostMaster:
 
         `into` (a uint8 host buffer of ``layout.contiguous_nbytes``: a node-shared segment) holds
         the chunks, laid out as in device storage, instead of memory allocated per chunk.
+        `files`: each region's `FileSource` or None, when the caller has found them already
+        (`find_file_sources` of the inventory's sources: found here when not given).
         """
         layout = inventory.layout
         sources = inventory.source_regions
         assert sources is not None, "an inventory is packed once"
-        files = find_file_sources(sources, layout.region_nbytes)
+        if files is None:
+            files = find_file_sources(sources, layout.region_nbytes)
         chunks: list[torch.Tensor] = []
         views: list[torch.Tensor | None] = [None] * inventory.tensor_count
         progress = _Progress(layout.nbytes, pinned=pin, reading=any(files))
