@@ -125,3 +125,240 @@ def test_memory_that_is_no_file_is_not_a_source():
     module = torch.nn.Linear(64, 64)
     _, found = sources_of(module)
     assert found == [None, None]
+
+
+# -- from_pretrained under residency: the same pipeline as the plain one -------------------------
+
+ALL = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
+
+
+def offloaded(folder: Path, config=ALL, **kwargs):
+    from diffusers import DiffusionPipeline
+
+    from residency.adapters.diffusers import from_pretrained
+
+    pipe = from_pretrained(DiffusionPipeline, folder, config, device="cpu", **kwargs)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def every_tensor(module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers (non-persistent included), tied ones under each name."""
+    return dict(module.named_parameters(remove_duplicate=False)) | dict(
+        module.named_buffers(remove_duplicate=False))
+
+
+def assert_same_tensors(module, reference, what: str) -> None:
+    ours, theirs = every_tensor(module), every_tensor(reference)
+    assert ours.keys() == theirs.keys(), what
+    for name, tensor in ours.items():
+        expected = theirs[name]
+        assert (tensor.dtype, tensor.device, tensor.shape) == (
+            expected.dtype, expected.device, expected.shape), f"{what}: {name}"
+        assert torch.equal(tensor.detach().view(torch.uint8), expected.detach().view(torch.uint8)
+                           ) if tensor.numel() else True, f"{what}: {name} differs"
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["as-saved", "bfloat16"])
+def test_from_pretrained_gives_the_plain_pipelines_tensors(saved: Path, dtype):
+    kwargs = {} if dtype is None else {"torch_dtype": dtype}
+    plain = load(saved, **kwargs)
+    pipe = offloaded(saved, **kwargs)
+    for name in COMPONENTS:
+        assert_same_tensors(getattr(pipe, name), getattr(plain, name), name)
+    if dtype is not None:  # Wan's _keep_in_fp32_modules stayed float32, the rest converted
+        assert pipe.transformer.scale_shift_table.dtype == torch.float32
+        assert pipe.transformer.proj_out.weight.dtype == dtype
+    encoder = pipe.text_encoder
+    assert encoder.shared.weight is encoder.encoder.embed_tokens.weight  # tied stays tied
+
+
+def test_a_call_is_bit_identical_to_the_plain_pipelines(saved: Path):
+    from _tiny_pipelines import wan22_call
+
+    from residency.adapters.diffusers import offload_scheduler
+
+    expected = load(saved)(**wan22_call(seed=0)).frames
+    pipe = offloaded(saved)
+    scheduler = offload_scheduler(pipe)
+    assert sorted(scheduler) == ["text_encoder", "transformer", "transformer_2", "vae"]
+    assert torch.equal(pipe(**wan22_call(seed=0)).frames, expected)
+    assert scheduler.transitions.count > 0
+
+
+def test_an_edit_before_offloading_is_kept(saved: Path):
+    from residency.adapters.diffusers import enable_offload
+
+    reference, pipe = load(saved), load(saved)
+    for model in (reference, pipe):
+        with torch.no_grad():
+            model.transformer.proj_out.weight.data.mul_(2)
+            model.vae.decoder.conv_out.bias.add_(1)
+    enable_offload(pipe, ALL, device="cpu")
+    for name in COMPONENTS:
+        assert_same_tensors(getattr(pipe, name), getattr(reference, name), name)
+
+
+def rchar() -> int:
+    """Bytes this process read through read(2)-family calls (page faults on a mapping are not
+    counted)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_the_masters_are_read_from_the_files(saved: Path):
+    weights = sum(path.stat().st_size for path in saved.rglob("*.safetensors"))
+    before = rchar()
+    plain = load(saved)
+    plain_read = rchar() - before
+    before = rchar()
+    pipe = offloaded(saved)
+    ours_read = rchar() - before
+    assert ours_read - plain_read >= 0.9 * weights, (plain_read, ours_read, weights)
+    assert_same_tensors(pipe.transformer, plain.transformer, "transformer")
+
+
+def test_from_pretrained_checks_before_it_loads(saved: Path, tmp_path: Path):
+    from diffusers import DiffusionPipeline
+
+    from residency import ConfigError, WeightFileError
+    from residency.adapters.diffusers import from_pretrained
+
+    with pytest.raises(ConfigError) as error:
+        from_pretrained(DiffusionPipeline, saved, {"mode": "module", "components": ["unet"]})
+    assert "unet" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        from_pretrained("wan", saved)
+    assert str(error.value) == (
+        "from_pretrained(pipeline_class='wan', ...): give a diffusers pipeline class, such as "
+        "diffusers.DiffusionPipeline or the folder's own class (WanPipeline, FluxPipeline, ...)")
+    with pytest.raises(WeightFileError) as error:
+        from_pretrained(DiffusionPipeline, tmp_path / "missing")
+    assert str(error.value).startswith(f"{tmp_path / 'missing'}: there is no such folder")
+
+
+# -- FileReader: the file is checked, failures are typed -----------------------------------------
+
+
+def read_threads() -> list:
+    import threading
+
+    return [thread for thread in threading.enumerate() if thread.name == "residency-read"]
+
+
+def source_for(path: Path, offset: int = 0) -> FileSource:
+    info = path.stat()
+    return FileSource(path=str(path), offset=offset, device=info.st_dev, inode=info.st_ino,
+                      size=info.st_size, mtime_ns=info.st_mtime_ns)
+
+
+def test_the_reader_reads_ranges_in_pieces_on_its_threads(tmp_path: Path):
+    from residency.engine.file_reads import FileReader
+
+    data = bytes(range(256)) * 4096  # 1 MiB
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data)
+    chunk = torch.zeros(2**20 + 100, dtype=torch.uint8)
+    with FileReader(piece_nbytes=3 * 4096 + 5) as reader:  # many pieces, none page-aligned
+        reader.start(chunk, [(source_for(path, 1000), 50, 700_000), (source_for(path), 700_050,
+                                                                     300_000)])
+        reader.finish()
+    assert chunk[50:700_050].numpy().tobytes() == data[1000:701_000]
+    assert chunk[700_050:1_000_050].numpy().tobytes() == data[:300_000]
+    assert not chunk[:50].any() and not chunk[1_000_050:].any()
+    assert not read_threads()
+
+
+def test_a_file_replaced_or_truncated_since_it_was_found_is_refused(tmp_path: Path):
+    from residency import WeightFileError
+    from residency.engine.file_reads import FileReader
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"x" * 10_000)
+    found = source_for(path)
+    os.truncate(path, 5000)
+    chunk = torch.zeros(100, dtype=torch.uint8)
+    with pytest.raises(WeightFileError) as error, FileReader() as reader:
+        reader.start(chunk, [(found, 0, 100)])
+    assert str(error.value) == (
+        f"{path}: the weight file was truncated (5000 bytes, was 10000 bytes) since the pipeline "
+        "was loaded from it, so it no longer holds the tensors' bytes. Keep weight files "
+        "unchanged until offloading is enabled, or load the pipeline again from the folder; the "
+        "weights keep their values")
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"y" * 10_000)
+    found = source_for(path)
+    os.replace(other, path)
+    with pytest.raises(WeightFileError) as error, FileReader() as reader:
+        reader.start(chunk, [(found, 0, 100)])
+    assert str(error.value).startswith(
+        f"{path}: the weight file was replaced (another file is at its path now) since the "
+        "pipeline was loaded from it")
+    os.unlink(path)
+    with pytest.raises(WeightFileError) as error, FileReader() as reader:
+        reader.start(chunk, [(found, 0, 100)])
+    assert str(error.value).startswith(
+        f"{path}: cannot open the weight file the tensors were loaded from ([Errno 2] No such "
+        f"file or directory: '{path}'); it was moved or deleted since the pipeline was loaded")
+    assert not chunk.any() and not read_threads()
+
+
+def test_a_short_read_says_the_file_was_truncated(tmp_path: Path):
+    from residency import WeightFileError
+    from residency.engine.file_reads import FileReader
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"z" * 1000)
+    chunk = torch.zeros(500, dtype=torch.uint8)
+    with FileReader() as reader:
+        reader.start(chunk, [(source_for(path, 800), 0, 500)])  # past the end: 200 bytes there
+        with pytest.raises(WeightFileError) as error:
+            reader.finish()
+    assert str(error.value) == (
+        f"{path}: the weight file ends at byte 1000, inside the tensor bytes [800, 1300) being "
+        "read: it was truncated while offloading was enabled (it had 1000 bytes). Restore the "
+        "file (download it again) and load the pipeline again; the weights keep their values")
+    assert not read_threads()
+
+
+# -- interrupts: the weights survive a KeyboardInterrupt anywhere in a pack with file reads ------
+
+#: Interrupt every n-th point of the sweep (FILE_READS_SWEEP_STRIDE=1: every point).
+SWEEP_STRIDE = int(os.environ.get("FILE_READS_SWEEP_STRIDE", 3))
+
+
+def test_an_interrupt_anywhere_in_a_pack_with_file_reads_keeps_the_weights(saved: Path):
+    from transformers import UMT5EncoderModel
+
+    from residency.engine.memory import HostMaster
+    from residency.engine.transport import CpuTransport
+
+    from _interrupts import sweep
+
+    folder = saved / "text_encoder"
+    reference = {name: tensor.detach().clone()
+                 for name, tensor in every_tensor(UMT5EncoderModel.from_pretrained(folder)).items()}
+
+    def build():
+        model = UMT5EncoderModel.from_pretrained(folder)
+        inventory = take_inventory([model], chunk_nbytes=4096)  # a few chunks
+        found = find_file_sources(inventory.source_regions, inventory.layout.region_nbytes)
+        assert all(found)
+        return model, inventory, found
+
+    def operation(world):  # the files found beforehand: the points are the pack's own
+        HostMaster.pack(world[1], CpuTransport(), pin=False, files=world[2])
+
+    def no_reader_left(world):
+        assert not read_threads(), "a residency-read thread outlived the pack"
+
+    def intact(world):
+        tensors = every_tensor(world[0])
+        assert tensors.keys() == reference.keys()
+        for name, tensor in tensors.items():
+            assert torch.equal(tensor.detach(), reference[name]), name
+
+    points = sweep(build, operation, intact, stride=SWEEP_STRIDE, after=no_reader_left)
+    assert points > 50

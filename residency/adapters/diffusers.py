@@ -129,6 +129,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
@@ -139,6 +140,7 @@ from torch import nn
 
 from residency.vllm_omni.config import OffloadConfig, resolve_config
 from residency.adapters.diffusers_roles import KINDS, Role, roles_of
+from residency.adapters.weight_files import check_weight_files
 from residency.vllm_omni.discovery import (
     ENCODER_GROUP,
     ComponentGroups,
@@ -152,10 +154,18 @@ from residency.engine.errors import (
     PhaseError,
     RegistrationError,
 )
+from residency.engine.host_options import HostOptions
 from residency.engine.instance_wrappers import InstanceWrapper, chain
 from residency.engine.scheduler import Phase, Scheduler
 
-__all__ = ["PhaseEntry", "describe", "disable_offload", "enable_offload", "offload_scheduler"]
+__all__ = [
+    "PhaseEntry",
+    "describe",
+    "disable_offload",
+    "enable_offload",
+    "from_pretrained",
+    "offload_scheduler",
+]
 
 _log = logging.getLogger("residency")
 #: The entry points wrapped on every module of an exclusive group (those the module has).
@@ -189,6 +199,7 @@ def enable_offload(
     *,
     device: torch.device | str | None = None,
     process_group: object = None,
+    host: HostOptions | Mapping | None = None,
 ) -> Scheduler:
     """Offload `pipe`'s components by phase: one exclusive group on `device` at a time.
 
@@ -199,7 +210,9 @@ def enable_offload(
     `config` is an `OffloadConfig`, a mapping, a JSON string, or None for the default
     (``{"mode": "module", "components": ["dit", "text_encoder"]}``).  `device` defaults to the
     current accelerator, else the CPU.  `process_group`: as for `Scheduler` (the ranks of a node
-    share host masters; enabling is then collective).  Returns the pipeline's `Scheduler`.
+    share host masters; enabling is then collective).  `host`: the host tiers' options
+    (`HostOptions`: cache directory, memory limit), as for `Scheduler`.  Returns the pipeline's
+    `Scheduler`.
 
     Raises `RegistrationError` when the pipeline is already offloaded (by this function or another
     offloader's hooks) and `ConfigError` for an object that is not a diffusers pipeline, a config
@@ -227,7 +240,7 @@ def enable_offload(
     pin_memory = None if parsed.pin_memory else False
     scheduler = build_scheduler(
         found, lambda: Scheduler(device, pin_memory=pin_memory, process_group=process_group,
-                                 auto=parsed.auto_options)
+                                 auto=parsed.auto_options, host=host)
     )
     leftovers = _leftovers(owner, found, roles)
     if leftovers is not None:
@@ -235,6 +248,46 @@ def enable_offload(
     _wrap_groups(_Offload(scheduler, weakref.ref(pipe), placements, gathered), found)
     _place_execution_device(scheduler, found)
     return scheduler
+
+
+def from_pretrained(
+    pipeline_class: type,
+    path: str | os.PathLike,
+    config: OffloadConfig | Mapping | str | None = None,
+    *,
+    device: torch.device | str | None = None,
+    process_group: object = None,
+    host: HostOptions | Mapping | None = None,
+    **kwargs,
+) -> object:
+    """Load a diffusers pipeline from the folder `path` and offload it: its host masters are
+    read straight from the weight files (see [Note: reading regions from their files] in
+    residency/engine/memory.py), so the weights pass through host memory once.
+
+        from diffusers import DiffusionPipeline
+
+        pipe = from_pretrained(DiffusionPipeline, "./Wan2.2-T2V-A14B", torch_dtype=torch.bfloat16)
+        with offload_scheduler(pipe):           # closed at the end, the weights left on the host
+            frames = pipe("a cat on the moon").frames
+
+    ``pipeline_class.from_pretrained(path, **kwargs)`` loads it (any keyword diffusers takes),
+    then ``enable_offload(pipe, config, device=..., process_group=..., host=...)`` offloads it;
+    the scheduler is ``offload_scheduler(pipe)``.  Checked before anything loads: `config`
+    (`ConfigError`), `pipeline_class` (`ConfigError` unless it has ``from_pretrained``), the
+    folder's weight files (`WeightFileError`, `check_weight_files`).  Returns the pipeline.
+    """
+    resolve_config(config)
+    if not (isinstance(pipeline_class, type) and callable(getattr(pipeline_class,
+                                                                   "from_pretrained", None))):
+        raise ConfigError(
+            f"from_pretrained(pipeline_class={pipeline_class!r}, ...): give a diffusers pipeline "
+            "class, such as diffusers.DiffusionPipeline or the folder's own class (WanPipeline, "
+            "FluxPipeline, ...)"
+        )
+    check_weight_files(path)
+    pipe = pipeline_class.from_pretrained(path, **kwargs)
+    enable_offload(pipe, config, device=device, process_group=process_group, host=host)
+    return pipe
 
 
 def disable_offload(pipe: object) -> None:

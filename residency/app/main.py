@@ -48,7 +48,8 @@ from residency.adapters.diffusers import (
     PhaseEntry,
     describe,
     disable_offload,
-    enable_offload,
+    from_pretrained,
+    offload_scheduler,
 )
 from residency.vllm_omni.config import OffloadConfig
 from residency.engine.budget import format_nbytes
@@ -424,9 +425,9 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
         del plain
         _release_device_memory(device)
     report("loading, then the run with offloading")
-    pipe = _load_pipeline(args.pipeline)
+    pipe = _load_offloaded(args.pipeline, config, device)
     print(describe(pipe, config), flush=True)  # how each component is grouped, and why
-    scheduler = enable_offload(pipe, config, device=device)
+    scheduler = offload_scheduler(pipe)
     _reset_allocator_peak(device)
     start = time.perf_counter()
     with _recording_phases(pipe) as spans:
@@ -503,6 +504,15 @@ def _load_pipeline(path: Path):
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(path, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _load_offloaded(path: Path, config: OffloadConfig, device: torch.device):
+    """The pipeline at `path`, offloaded as it loads: its masters read from the weight files."""
+    from diffusers import DiffusionPipeline
+
+    pipe = from_pretrained(DiffusionPipeline, path, config, device=device, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

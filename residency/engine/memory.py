@@ -14,6 +14,16 @@ The master is allocated and filled one chunk at a time, and the tensors of each 
 to it as soon as it is full, which drops the last reference to their original storages.  At any
 moment the process holds the weights once plus at most one chunk.
 
+[Note: reading regions from their files]
+A region still untouched in a private mapping of its safetensors file (``from_pretrained``'s
+parameters) is read from the file into its chunk by `FileReader`'s threads, while this thread
+copies the chunk's other regions; copying from the mapping instead would fault in every page on
+one thread, and hold each page twice (the mapping's and the chunk's) until the re-point.  The
+chunk's tensors are re-pointed only after its reads finished (`FileReader.finish`), so the rule
+above holds: a failed or interrupted read leaves them views of the file, with their values.  An
+edited region is never read (see [Note: which mapped bytes are still the file's] in
+residency/engine/file_reads.py).
+
 [Note: the alias check before reuse]
 A weight view kept by user code (``w = linear.weight.detach()``) shares the device buffer's storage.
 Overwriting the buffer with another group would silently change ``w``.  The storage's reference count
@@ -31,6 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
+from residency.engine.file_reads import FileReader, FileSource, find_file_sources
 from residency.engine.locks import in_context
 from residency.engine.tensors import Inventory, data_ptrs, make_views, repoint
 from residency.engine.transport import Transport
@@ -73,32 +84,38 @@ class HostMaster:
         *,
         pin: bool,
         into: torch.Tensor | None = None,
+        files: Sequence[FileSource | None] | None = None,
     ) -> HostMaster:
         """Copy the inventory's tensors into a new master, chunk by chunk, re-pointing as it goes.
 
+        A region whose bytes are still a weight file's (`find_file_sources`) is read from the
+        file (see [Note: reading regions from their files]); the others are copied from memory.
+
         `into` (a uint8 host buffer of ``layout.contiguous_nbytes``: a node-shared segment) holds
         the chunks, laid out as in device storage, instead of memory allocated per chunk.
+        `files`: each region's `FileSource` or None, when the caller has found them already
+        (`find_file_sources` of the inventory's sources: found here when not given).
         """
         layout = inventory.layout
         sources = inventory.source_regions
         assert sources is not None, "an inventory is packed once"
+        if files is None:
+            files = find_file_sources(sources, layout.region_nbytes)
         chunks: list[torch.Tensor] = []
         views: list[torch.Tensor | None] = [None] * inventory.tensor_count
-        progress = _Progress(layout.nbytes, pinned=pin)
-        for chunk_index, nbytes in enumerate(layout.chunk_nbytes):
-            if into is None:
-                chunk, pin = _allocate_host(transport, nbytes, pin)
-            else:
-                base = layout.chunk_base[chunk_index]
-                chunk = into[base : base + nbytes]
-            chunks.append(chunk)
-            regions = inventory.regions_in_chunk(chunk_index)
-            for region in regions:
-                _copy_region_into(chunk, layout.region_offset[region], sources[region],
-                                  layout.region_nbytes[region])
-                sources[region] = None  # type: ignore[call-overload]
-            _repoint_chunk(inventory, regions, chunk, views)
-            progress.advance(nbytes)
+        progress = _Progress(layout.nbytes, pinned=pin, reading=any(files))
+        with FileReader() as reader:
+            for chunk_index, nbytes in enumerate(layout.chunk_nbytes):
+                if into is None:
+                    chunk, pin = _allocate_host(transport, nbytes, pin)
+                else:
+                    base = layout.chunk_base[chunk_index]
+                    chunk = into[base : base + nbytes]
+                chunks.append(chunk)
+                regions = inventory.regions_in_chunk(chunk_index)
+                _fill_chunk(chunk, regions, layout, sources, files, reader)
+                _repoint_chunk(inventory, regions, chunk, views)
+                progress.advance(nbytes)
         progress.close()
         inventory.source_regions = None
         if inventory.wrappers is not None:  # a wrapper registered on an accelerator gets a host twin
@@ -247,10 +264,10 @@ class _Progress:
     Smaller masters build silently.
     """
 
-    def __init__(self, total: int, *, pinned: bool) -> None:
+    def __init__(self, total: int, *, pinned: bool, reading: bool = False) -> None:
         self.total, self.done, self.logged_tenth = total, 0, 0
         self.enabled = total > PROGRESS_THRESHOLD
-        self.verb = "pinning" if pinned else "packing"
+        self.verb = "reading" if reading else "pinning" if pinned else "packing"
         self.bar = self.enabled and sys.stderr.isatty()
         self.started = time.perf_counter()
 
@@ -297,6 +314,26 @@ def _allocate_host(transport: Transport, nbytes: int, pin: bool) -> tuple[torch.
             stacklevel=4,
         )
         return transport.allocate_host(nbytes, pin=False), False
+
+
+def _fill_chunk(
+    chunk: torch.Tensor,
+    regions: Sequence[int],
+    layout,
+    sources: list,
+    files: list[FileSource | None],
+    reader: FileReader,
+) -> None:
+    """Fill `chunk` with `regions`: those with a file source read from it on the reader's threads
+    while the others are copied here; returns once every byte is in (drops the sources)."""
+    offsets, sizes = layout.region_offset, layout.region_nbytes
+    reader.start(chunk, [(files[r], offsets[r], sizes[r]) for r in regions if files[r] is not None])
+    for region in regions:
+        if files[region] is None:
+            _copy_region_into(chunk, offsets[region], sources[region], sizes[region])
+    reader.finish()
+    for region in regions:
+        sources[region] = None
 
 
 def _copy_region_into(chunk: torch.Tensor, offset: int, source, nbytes: int) -> None:
