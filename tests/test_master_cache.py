@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from residency import Scheduler
+from residency.adapters.diffusers import disable_offload, enable_offload
 from residency.engine.file_reads import find_file_sources
 from residency.engine.memory import HostMaster
 from residency.engine.master_cache import (
@@ -49,7 +50,7 @@ pytest.importorskip("diffusers")
 
 from diffusers import DiffusionPipeline  # noqa: E402
 
-from _tiny_pipelines import tiny_wan22  # noqa: E402
+from _tiny_pipelines import tiny_wan22, wan22_call  # noqa: E402
 
 NAMES = ["text_encoder", "transformer", "transformer_2", "vae"]
 TESTS = Path(__file__).resolve().parent
@@ -173,6 +174,20 @@ def test_a_second_start_maps_the_cache_and_matches_the_plain_pipeline(wan, tmp_p
     assert_same(outputs(second, scheduler), expected)
     assert_same(outputs(second, scheduler), outputs(plain))  # the n-th call with the n-th call
     assert len(cache_files(cache)) == len(NAMES)
+
+
+def test_a_warm_restart_through_enable_offload_runs_the_pipeline_bit_identically(wan, tmp_path):
+    """The users' call: ``enable_offload(pipe, host=...)``; the second start's groups are all
+    mapped from the cache, and a whole pipeline call equals the plain pipeline's bits."""
+    cache = tmp_path / "cache"
+    expected = load(wan)(**wan22_call()).frames
+    for run in range(2):
+        pipe = load(wan)
+        scheduler = enable_offload(pipe, device="cpu", host={"cache_directory": cache})
+        assert [is_mapped_from(scheduler[name], cache) for name in scheduler] == (
+            [run == 1] * len(scheduler))
+        assert torch.equal(pipe(**wan22_call()).frames, expected)
+        disable_offload(pipe)
 
 
 def test_an_edit_while_resident_is_kept_and_the_cache_file_never_changes(wan, tmp_path):
@@ -426,7 +441,7 @@ def weights_of(module) -> dict[str, torch.Tensor]:
 
 
 def test_an_interrupt_anywhere_in_mapping_keeps_every_weight(wan, tmp_path):
-    """Every line of the map path (`map_master`, `HostMaster.over_chunks`), then every 500th of
+    """Every line of the map path (`map_master`, `HostMaster.over_chunks`), then every 1000th of
     a whole ``add`` that maps: the weights keep their values, the file never changes."""
     cache = tmp_path / "cache"
     start(wan, cache)[1].close()
@@ -469,4 +484,4 @@ def test_an_interrupt_anywhere_in_mapping_keeps_every_weight(wan, tmp_path):
             with scheduler.resident("text_encoder"):
                 assert_same(weights_of(module), expected)
 
-    sweep(build, add, check, stride=500)
+    sweep(build, add, check, stride=1000)

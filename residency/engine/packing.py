@@ -129,22 +129,26 @@ class Packer:
             shared = self._pack_shared(name, inventory, require_shared)
             if shared is not None:
                 return shared
-        cached = self._cache_entry(name, inventory)
+        files = cached = None
+        if self._caching(inventory):
+            files = self._file_sources(inventory)
+            cached = self._cache_entry(name, inventory, files)
         if cached is not None:
             mapped = self._map_cached(name, inventory, *cached)
             if mapped is not None:
                 return mapped
-        master = self._pack_private(name, inventory)
+        master = self._pack_private(name, inventory, files)
         if cached is not None and write_master(cached[0], cached[1], inventory.layout,
                                                master.chunks):
             _log.info("group %r: host master written to the warm-restart cache %s", name,
                       cached[0])
         return master
 
-    def _pack_private(self, name: str, inventory: Inventory) -> HostMaster:
-        """A master of this process's own memory, pinned when it can be."""
+    def _pack_private(self, name: str, inventory: Inventory, files) -> HostMaster:
+        """A master of this process's own memory, pinned when it can be; `files`: the regions'
+        file sources when found already (else `HostMaster.pack` finds them)."""
         try:
-            master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory)
+            master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory, files=files)
         except MemoryError as error:
             nbytes = inventory.layout.nbytes
             raise HostMemoryError(
@@ -157,23 +161,30 @@ class Packer:
             _log.warning("pinning failed; later host masters of this scheduler are pageable")
         return master
 
-    def _cache_entry(self, name: str, inventory: Inventory) -> tuple[Path, str] | None:
-        """(cache file, key) of group `name`, or None when it is not cached (see [Note: the
-        warm-restart cache in packing])."""
+    def _caching(self, inventory: Inventory) -> bool:
+        """Whether this group may use the cache (see [Note: the warm-restart cache in
+        packing]): a directory is set and usable, one process, some bytes."""
         directory = self.host.cache_directory
         if directory is None or self._node is not None or inventory.layout.nbytes == 0:
-            return None
-        if not self._cache_ready(directory):
-            return None
+            return False
+        return self._cache_ready(directory)
+
+    def _file_sources(self, inventory: Inventory) -> list:
+        """Each region's weight file (`find_file_sources`); regions read from the cache
+        directory itself count as none (a cache is never keyed by another cache)."""
         sources = find_file_sources(inventory.source_regions, inventory.layout.region_nbytes)
-        inside = os.path.realpath(directory) + os.sep
-        sources = [None if s is not None and os.path.realpath(s.path).startswith(inside) else s
-                   for s in sources]
-        key, why = group_key(inventory, self._alignment, sources)
+        inside = os.path.realpath(self.host.cache_directory) + os.sep
+        return [None if s is not None and os.path.realpath(s.path).startswith(inside) else s
+                for s in sources]
+
+    def _cache_entry(self, name: str, inventory: Inventory, files: list
+                     ) -> tuple[Path, str] | None:
+        """(cache file, key) of group `name`, or None when it is not cached (logged why)."""
+        key, why = group_key(inventory, self._alignment, files)
         if key is None:
             _log.info("group %r is not cached for a warm restart: %s", name, why)
             return None
-        return cache_path(directory, name, key), key
+        return cache_path(self.host.cache_directory, name, key), key
 
     def _cache_ready(self, directory: Path) -> bool:
         """Whether the cache directory is usable (created at the first use; warns once if not)."""
