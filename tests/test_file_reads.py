@@ -362,3 +362,16 @@ def test_an_interrupt_anywhere_in_a_pack_with_file_reads_keeps_the_weights(saved
 
     points = sweep(build, operation, intact, stride=SWEEP_STRIDE, after=no_reader_left)
     assert points > 50
+
+
+def test_the_progress_of_a_master_read_from_files_says_reading(caplog):
+    import logging
+
+    from residency.engine.memory import _Progress
+
+    progress = _Progress(3 * 2**30, pinned=True, reading=True)
+    with caplog.at_level(logging.INFO, logger="residency"):
+        progress.advance(3 * 2**30)
+        progress.close()
+    assert [record.getMessage() for record in caplog.records] == [
+        "reading host master: 100% of 3.0 GiB"]
