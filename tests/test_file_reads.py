@@ -375,3 +375,19 @@ def test_the_progress_of_a_master_read_from_files_says_reading(caplog):
         progress.close()
     assert [record.getMessage() for record in caplog.records] == [
         "reading host master: 100% of 3.0 GiB"]
+
+
+def test_a_file_replaced_before_offloading_leaves_the_loaded_weights(saved: Path, tmp_path: Path):
+    import shutil
+
+    from residency.adapters.diffusers import enable_offload
+
+    folder = Path(shutil.copytree(saved, tmp_path / "wan"))
+    reference, pipe = load(saved), load(folder)
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    replacement = bytearray(weights.read_bytes())
+    replacement[-4096:] = bytes(4096)  # other bytes at the same offsets, under a new inode
+    (tmp_path / "new").write_bytes(replacement)
+    os.replace(tmp_path / "new", weights)
+    enable_offload(pipe, ALL, device="cpu")
+    assert_same_tensors(pipe.transformer, reference.transformer, "transformer")
