@@ -161,7 +161,7 @@ def assert_same_tensors(module, reference, what: str) -> None:
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["as-saved", "bfloat16"])
 def test_from_pretrained_gives_the_plain_pipelines_tensors(saved: Path, dtype):
-    kwargs = {} if dtype is None else {"torch_dtype": dtype}
+    kwargs = {} if dtype is None else {"dtype": dtype}
     plain = load(saved, **kwargs)
     pipe = offloaded(saved, **kwargs)
     for name in COMPONENTS:
