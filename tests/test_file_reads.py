@@ -161,7 +161,7 @@ def assert_same_tensors(module, reference, what: str) -> None:
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["as-saved", "bfloat16"])
 def test_from_pretrained_gives_the_plain_pipelines_tensors(saved: Path, dtype):
-    kwargs = {} if dtype is None else {"torch_dtype": dtype}
+    kwargs = {} if dtype is None else {"dtype": dtype}
     plain = load(saved, **kwargs)
     pipe = offloaded(saved, **kwargs)
     for name in COMPONENTS:
@@ -362,3 +362,32 @@ def test_an_interrupt_anywhere_in_a_pack_with_file_reads_keeps_the_weights(saved
 
     points = sweep(build, operation, intact, stride=SWEEP_STRIDE, after=no_reader_left)
     assert points > 50
+
+
+def test_the_progress_of_a_master_read_from_files_says_reading(caplog):
+    import logging
+
+    from residency.engine.memory import _Progress
+
+    progress = _Progress(3 * 2**30, pinned=True, reading=True)
+    with caplog.at_level(logging.INFO, logger="residency"):
+        progress.advance(3 * 2**30)
+        progress.close()
+    assert [record.getMessage() for record in caplog.records] == [
+        "reading host master: 100% of 3.0 GiB"]
+
+
+def test_a_file_replaced_before_offloading_leaves_the_loaded_weights(saved: Path, tmp_path: Path):
+    import shutil
+
+    from residency.adapters.diffusers import enable_offload
+
+    folder = Path(shutil.copytree(saved, tmp_path / "wan"))
+    reference, pipe = load(saved), load(folder)
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    replacement = bytearray(weights.read_bytes())
+    replacement[-4096:] = bytes(4096)  # other bytes at the same offsets, under a new inode
+    (tmp_path / "new").write_bytes(replacement)
+    os.replace(tmp_path / "new", weights)
+    enable_offload(pipe, ALL, device="cpu")
+    assert_same_tensors(pipe.transformer, reference.transformer, "transformer")

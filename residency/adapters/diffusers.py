@@ -266,7 +266,7 @@ def from_pretrained(
 
         from diffusers import DiffusionPipeline
 
-        pipe = from_pretrained(DiffusionPipeline, "./Wan2.2-T2V-A14B", torch_dtype=torch.bfloat16)
+        pipe = from_pretrained(DiffusionPipeline, "./Wan2.2-T2V-A14B", dtype=torch.bfloat16)
         with offload_scheduler(pipe):           # closed at the end, the weights left on the host
             frames = pipe("a cat on the moon").frames
 

@@ -85,4 +85,7 @@ class WeightFileError(ResidencyError, ValueError):
     index naming a shard that is missing or does not hold a tensor it maps (or the folder is not
     there).  Raised by
     `residency.adapters.weight_files.check_weight_files` (``python -m residency --pipeline``
-    checks the folder with it before any work); the message names the file and what to do."""
+    checks the folder with it before any work); the message names the file and what to do.
+    Also raised when a host master is read from the weight files a pipeline was loaded from
+    (`residency.engine.file_reads.FileReader`) and a file was replaced, truncated or could not be
+    read since; the tensors then keep their values."""

@@ -52,7 +52,9 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import os
+import re
 import stat
 import threading
 from collections.abc import Iterable, Sequence
@@ -92,7 +94,7 @@ class FileSource:
 
 @attrs.frozen
 class _Mapping:
-    """One file mapping of /proc/self/maps (adjacent lines of one file joined)."""
+    """A file mapping of /proc/self/maps (adjacent lines of one file joined)."""
 
     start: int
     end: int
@@ -100,6 +102,14 @@ class _Mapping:
     device: tuple[int, int]  # (major, minor)
     inode: int
     path: str
+
+
+#: A readable file mapping's line of /proc/self/maps: start, end, offset, major, minor, inode
+#: (non-zero), path.
+_MAPS_LINE = re.compile(
+    r"^([0-9a-f]+)-([0-9a-f]+) r\S* ([0-9a-f]+) ([0-9a-f]+):([0-9a-f]+) ([1-9][0-9]*) +(/.*)$",
+    re.MULTILINE,
+)
 
 
 def find_file_sources(
@@ -111,23 +121,28 @@ def find_file_sources(
         sources = find_file_sources(inventory.source_regions, inventory.layout.region_nbytes)
     """
     try:
-        mappings = _file_mappings()
-        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
-            found = _Finder(mappings, pagemap.fileno())
+        with open("/proc/self/maps") as maps:
+            found = _Finder(_MAPS_LINE.findall(maps.read()))
+        try:
             return [found.source(storage, first, length)
                     for (storage, first), length in zip(sources, nbytes)]
+        finally:
+            found.close()
     except OSError:
         return [None] * len(nbytes)
 
 
 class _Finder:
-    """One call's look-ups: the file mappings (sorted by address), the pagemap, each file's
-    stat identity once."""
+    """One call's look-ups: the file mappings (columns parsed in C: a pack of a model in plain
+    memory pays per region, not per line of the maps), the pagemap (opened when first needed),
+    each file's stat identity once."""
 
-    def __init__(self, mappings: list[_Mapping], pagemap: int) -> None:
-        self._mappings = mappings
-        self._starts = [mapping.start for mapping in mappings]
-        self._pagemap = pagemap
+    def __init__(self, rows: list[tuple[str, ...]]) -> None:
+        columns = list(zip(*rows)) or [()] * 7
+        self._starts = list(map(int, columns[0], itertools.repeat(16)))
+        self._ends = list(map(int, columns[1], itertools.repeat(16)))
+        self._rows = rows
+        self._pagemap: int | None = None
         self._identities: dict[tuple, dict | None] = {}
 
     def source(self, storage: torch.UntypedStorage, first: int, nbytes: int) -> FileSource | None:
@@ -144,15 +159,32 @@ class _Finder:
         identity = self._identities[key]
         if identity is None or identity["size"] < offset + nbytes:
             return None
-        if _written(self._pagemap, address, nbytes):
+        if _written(self._pagemap_descriptor(), address, nbytes):
             return None
         return FileSource(path=mapping.path, offset=offset, **identity)
 
+    def close(self) -> None:
+        if self._pagemap is not None:
+            os.close(self._pagemap)
+
+    def _pagemap_descriptor(self) -> int:
+        if self._pagemap is None:
+            self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+        return self._pagemap
+
     def _mapping_of(self, address: int, nbytes: int) -> _Mapping | None:
+        """The file mapping holding ``[address, address + nbytes)``, lines that continue it
+        (the same file, contiguous addresses and offsets) joined; or None."""
         index = bisect.bisect_right(self._starts, address) - 1
-        if index < 0:
+        if index < 0 or address >= self._ends[index]:
             return None
-        mapping = self._mappings[index]
+        mapping = _mapping(self._rows[index])
+        while address + nbytes > mapping.end and index + 1 < len(self._rows):
+            index += 1
+            following = _mapping(self._rows[index])
+            if not _continues(mapping, following):
+                return None
+            mapping = attrs.evolve(mapping, end=following.end)
         return mapping if address + nbytes <= mapping.end else None
 
 
@@ -185,33 +217,10 @@ def _written(pagemap: int, address: int, nbytes: int) -> bool:
     return bool(((present & ~file_page) | swapped).any())
 
 
-def _file_mappings() -> list[_Mapping]:
-    """The file mappings of /proc/self/maps, adjacent lines of one file (contiguous addresses
-    and offsets) joined into one."""
-    mappings: list[_Mapping] = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            mapping = _parse_maps_line(line)
-            if mapping is None:
-                continue
-            last = mappings[-1] if mappings else None
-            if last is not None and _continues(last, mapping):
-                mappings[-1] = attrs.evolve(last, end=mapping.end)
-            else:
-                mappings.append(mapping)
-    return mappings
-
-
-def _parse_maps_line(line: str) -> _Mapping | None:
-    fields = line.rstrip("\n").split(maxsplit=5)
-    if len(fields) < 6 or not fields[5].startswith("/"):
-        return None
-    span, perms, offset, device, inode, path = fields
-    if perms[0] != "r" or int(inode) == 0 or path.endswith(" (deleted)"):
-        return None
-    start, end = (int(part, 16) for part in span.split("-"))
-    major, minor = (int(part, 16) for part in device.split(":"))
-    return _Mapping(start, end, int(offset, 16), (major, minor), int(inode), path)
+def _mapping(row: tuple[str, ...]) -> _Mapping:
+    start, end, offset, major, minor, inode, path = row
+    return _Mapping(int(start, 16), int(end, 16), int(offset, 16), (int(major, 16),
+                    int(minor, 16)), int(inode), path)
 
 
 def _continues(last: _Mapping, mapping: _Mapping) -> bool:

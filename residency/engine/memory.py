@@ -18,7 +18,7 @@ moment the process holds the weights once plus at most one chunk.
 A region still untouched in a private mapping of its safetensors file (``from_pretrained``'s
 parameters) is read from the file into its chunk by `FileReader`'s threads, while this thread
 copies the chunk's other regions; copying from the mapping instead would fault in every page on
-one thread, and hold each page twice (the mapping's and the chunk's) until the re-point.  The
+one thread, each mapped into the process (and counted in its memory) until the re-point.  The
 chunk's tensors are re-pointed only after its reads finished (`FileReader.finish`), so the rule
 above holds: a failed or interrupted read leaves them views of the file, with their values.  An
 edited region is never read (see [Note: which mapped bytes are still the file's] in
