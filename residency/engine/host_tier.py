@@ -295,14 +295,16 @@ class HostTier:
 
     def _make_room(self, incoming: SpillFile, keep: tuple[SpillFile, ...]) -> bool:
         """Drop the pages of files other than `incoming` and `keep`, least recently used first,
-        until `incoming`'s pages fit the paging room; returns whether they fit."""
+        until all of `incoming`'s and `keep`'s pages (counted whole: a copy is about to read
+        them) fit the paging room with the others'; returns whether they fit."""
         room = self.paging_room
         files = self.files()
         if sum(spill.nbytes for spill in files) <= room:
             return True  # everything fits: nothing to ask the kernel
-        resident = {spill: spill.resident_nbytes() for spill in files}
-        total = sum(resident.values()) + incoming.nbytes - resident.get(incoming, 0)
         spared = {id(incoming), *map(id, keep)}
+        resident = {spill: spill.nbytes if id(spill) in spared else spill.resident_nbytes()
+                    for spill in files}
+        total = sum(resident.values()) + (0 if incoming in resident else incoming.nbytes)
         order = sorted((spill for spill in files if id(spill) not in spared and resident[spill]),
                        key=lambda spill: self._files.get(spill, 0))
         for spill in order:
@@ -344,13 +346,16 @@ def _check_directory(directory: Path, source: str) -> None:
     what = f"the host tier's directory {str(directory)!r} (from {source})"
     if not directory.exists():
         raise ConfigError(f"{what} does not exist; create it, or give host={{'spill_directory': "
-                          "...}} a directory on a disk with room for the masters beyond "
+                          "...} a directory on a disk with room for the masters beyond "
                           "memory_limit")
     if not directory.is_dir():
         raise ConfigError(f"{what} is not a directory; give spill_directory a directory")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what} is not writable by this process; fix its permissions, or "
-                          "give spill_directory a directory this user may write")
+    try:  # a real probe: permissions, a read-only or immutable directory, a full disk
+        os.close(_open_unnamed(directory))
+    except OSError as error:
+        raise ConfigError(f"{what} is not writable by this process ({error.strerror}); fix "
+                          "its permissions, or give spill_directory a directory this user may "
+                          "write") from None
 
 
 def _file_system_type(directory: Path) -> str | None:
