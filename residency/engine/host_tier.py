@@ -22,10 +22,13 @@ memory too, one group's bytes):
   paged in under the limit: `add` refuses it (`HostMemoryError`, nothing changed).  So a limit
   smaller than the largest group is refused, not silently exceeded.
 * **Paged in, dropped.**  Before a copy reads a file-backed master (`entering`: a load, a
-  prefetch, a streamed block), pages of other files are dropped, least recently entered first,
-  until its pages fit the paging room.  A group on the device needs its master's pages no more
-  (only an eviction's write-back touches it again, and only the windows that changed), so the
-  file entered before it goes first once the next one is read ahead.
+  prefetch, a streamed block), pages of other files are dropped until its pages fit the paging
+  room: the most recently entered first.  Phase orders repeat (a pipeline's components call after
+  call, layer mode's blocks step after step), so the file that entered just before (the group that
+  just left, or is on the device: its bytes are in device storage, and only an eviction's
+  write-back touches its master again, only the windows that changed) is needed again last, and
+  the one that entered longest ago is needed next: for a repeating order this is the best drop
+  order there is (it drops what is needed farthest ahead).
 * **Read ahead.**  The file entered after it last time (the phase order repeats: module mode's
   groups step after step, layer mode's blocks) is read ahead at the same moment, when both fit
   the paging room: its pages come in while this group loads and its phase computes.  A group
@@ -87,6 +90,7 @@ import torch
 
 from residency.engine.errors import ConfigError, HostMemoryError
 from residency.engine.host_options import HostOptions
+from residency.engine.locks import locked
 from residency.engine.memory import HostMaster
 from residency.engine.tensors import Inventory
 from residency.engine.transport import Transport
@@ -242,17 +246,19 @@ class HostTier:
         """Whether `inventory`'s master is file-backed (see the rules); when it is not, it is
         counted as a private master from now on.  A master the limit cannot page in is refused
         (`HostMemoryError`): nothing changes."""
+        return locked(self._lock, self._choose, name, inventory)
+
+    def _choose(self, name: str, inventory: Inventory) -> bool:
         nbytes = inventory.layout.contiguous_nbytes
-        with self._lock:
-            private = self.private_nbytes
-            largest = max((spill.nbytes for spill in self._files), default=0)
-            if nbytes == 0 or (private + nbytes <= self.limit * PRIVATE_SHARE
-                               and private + nbytes + largest <= self.limit):
-                self._private[inventory] = nbytes
-                return False
-            if nbytes > self.limit - private:
-                raise _too_large(name, nbytes, self.limit, private)
-            return True
+        private = self.private_nbytes
+        largest = max((spill.nbytes for spill in self._files), default=0)
+        if nbytes == 0 or (private + nbytes <= self.limit * PRIVATE_SHARE
+                           and private + nbytes + largest <= self.limit):
+            self._private[inventory] = nbytes
+            return False
+        if nbytes > self.limit - private:
+            raise _too_large(name, nbytes, self.limit, private)
+        return True
 
     def pack(self, name: str, inventory: Inventory, transport: Transport) -> HostMaster:
         """A file-backed master for `inventory` (its tensors are re-pointed to it as it fills),
@@ -278,23 +284,25 @@ class HostTier:
         """A copy is about to read `spill` (a load, a prefetch, a streamed block): drop other
         files' pages until its own fit, then read ahead the file that followed it last time,
         when both fit the paging room (see [Note: read-ahead maps nothing])."""
-        with self._lock:
-            last = self._last_entered() if self._last_entered is not None else None
-            if last is not None and last is not spill:
-                self._followed[last] = weakref.ref(spill)
-            self._last_entered = weakref.ref(spill)
-            self._files[spill] = next(self._clock)
-            self._make_room(spill, keep=())
-            follower = self._followed.get(spill)
-            successor = follower() if follower is not None else None
-            if successor is None or successor is spill:
-                return
-            self._files[successor] = next(self._clock)
-            if self._make_room(successor, keep=(spill,)):
-                _advise(successor.read_ahead_pages, "read ahead", successor)
+        locked(self._lock, self._enter, spill)  # one line: see [Note: a context on one line]
+
+    def _enter(self, spill: SpillFile) -> None:
+        last = self._last_entered() if self._last_entered is not None else None
+        if last is not None and last is not spill:
+            self._followed[last] = weakref.ref(spill)
+        self._last_entered = weakref.ref(spill)
+        self._files[spill] = next(self._clock)
+        self._make_room(spill, keep=())
+        follower = self._followed.get(spill)
+        successor = follower() if follower is not None else None
+        if successor is None or successor is spill:
+            return
+        self._files[successor] = next(self._clock)
+        if self._make_room(successor, keep=(spill,)):
+            _advise(successor.read_ahead_pages, "read ahead", successor)
 
     def _make_room(self, incoming: SpillFile, keep: tuple[SpillFile, ...]) -> bool:
-        """Drop the pages of files other than `incoming` and `keep`, least recently used first,
+        """Drop the pages of files other than `incoming` and `keep`, most recently entered first,
         until all of `incoming`'s and `keep`'s pages (counted whole: a copy is about to read
         them) fit the paging room with the others'; returns whether they fit."""
         room = self.paging_room
@@ -306,7 +314,7 @@ class HostTier:
                     for spill in files}
         total = sum(resident.values()) + (0 if incoming in resident else incoming.nbytes)
         order = sorted((spill for spill in files if id(spill) not in spared and resident[spill]),
-                       key=lambda spill: self._files.get(spill, 0))
+                       key=lambda spill: self._files.get(spill, 0), reverse=True)
         for spill in order:
             if total <= room:
                 break
