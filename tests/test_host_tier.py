@@ -11,6 +11,7 @@ under the limit plus ``SLACK``, and the outputs equal a never-offloaded child's 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import shutil
@@ -28,7 +29,9 @@ import residency
 from residency import ConfigError, HostMemoryError
 from residency.engine.host_tier import SpillFile
 
+from _accelerator import device as accelerator_device
 from _interrupts import consistent, sweep
+from conftest import twin
 
 HERE = Path(__file__).resolve().parent
 MiB = 2**20
@@ -67,7 +70,7 @@ def test_weights_twice_the_limit_run_bit_identical_within_the_limit(tmp_path):
     assert list(spill.iterdir()) == []  # nothing of ours has a name there
 
 
-# -- a small world in this process ------------------------------------------------------------------
+# -- a small world in this process -----------------------------------------------------------
 
 WIDTH = 128  # one Linear(128, 128): 64 KiB + 512 B per group
 
@@ -188,6 +191,34 @@ def test_edits_survive_dropping_the_pages(tmp_path):
         with scheduler.resident("g2"):
             assert torch.equal(edited.bias, expected_bias)
             assert not torch.equal(edited(x), expected)
+    scheduler.close()
+
+
+@pytest.mark.gpu
+def test_on_an_accelerator_a_file_backed_master_is_pageable_and_exact(tmp_path, caplog):
+    device = accelerator_device()
+    groups = _groups(3)
+    twins = [twin(group).to(device) for group in groups]
+    scheduler = residency.Scheduler(device, host={"memory_limit": int(2.5 * _group_nbytes()),
+                                                  "spill_directory": tmp_path})
+    with caplog.at_level(logging.INFO, logger="residency"):
+        for index, group in enumerate(groups):
+            scheduler.add(f"g{index}", group)
+    private, spilled = scheduler["g0"].host_master, scheduler["g1"].host_master
+    assert private.spill is None and private.pinned
+    assert spilled.spill is not None and not spilled.pinned
+    assert not any(chunk.is_pinned() for chunk in spilled.chunks)
+    assert "host master file-backed" in caplog.text
+    assert "pageable: page-locking would keep the pages the tier drops" in caplog.text
+    x = torch.randn(4, WIDTH, device=device)
+    with torch.no_grad():
+        for _ in range(2):
+            for index, (group, reference) in enumerate(zip(groups, twins)):
+                with scheduler.resident(f"g{index}"):
+                    assert torch.equal(group(x), reference(x))
+            for spill in scheduler._packer.tier.files():
+                spill.drop_pages()
+    torch.accelerator.synchronize()
     scheduler.close()
 
 

@@ -278,7 +278,7 @@ class HostTier:
                   if self._accelerator else "")
         return master
 
-    # -- phase changes ------------------------------------------------------------------------------
+    # -- phase changes -----------------------------------------------------------------------
 
     def entering(self, spill: SpillFile) -> None:
         """A copy is about to read `spill` (a load, a prefetch, a streamed block): drop other
