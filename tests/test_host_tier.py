@@ -194,6 +194,43 @@ def test_edits_survive_dropping_the_pages(tmp_path):
     scheduler.close()
 
 
+class _BlockModel(nn.Module):
+    """An embedding, six streamed blocks (declared the vLLM-Omni way), a head."""
+
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(6))
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_a_layer_mode_group_streams_file_backed_blocks_within_the_limit(tmp_path):
+    model = _BlockModel()
+    reference = twin(model)
+    x = torch.randn(2, WIDTH)
+    scheduler = residency.Scheduler("cpu", host={"memory_limit": 6 * _group_nbytes(),
+                                                 "spill_directory": tmp_path})
+    scheduler.add("dit", model, layers=True)  # its own part and the first block stay private
+    tier = scheduler._packer.tier
+    assert len(tier.files()) == 5  # one file per streamed block beyond the limit
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(3):
+            with scheduler.resident("dit"):
+                assert torch.equal(model(x), expected)
+                assert tier.paged_nbytes() <= tier.paging_room
+    scheduler.close()
+
+
 @pytest.mark.gpu
 def test_on_an_accelerator_a_file_backed_master_is_pageable_and_exact(tmp_path, caplog):
     device = accelerator_device()
