@@ -151,6 +151,10 @@ LAYERS: list[tuple[str, set[str]]] = [
         {"residency.engine.memory", "residency.engine.arguments", "residency.multirank.agreement",
          "residency.engine.master_cache"},
     ),
+    # The host tier for hosts smaller than the model: which masters are file-backed, and whose
+    # pages are in (packs into files with the master's layout; the packer asks it, the groups
+    # tell it when a master is read and left).
+    ("host tier", {"residency.engine.host_tier"}),
     # How a group shared by a node's ranks loads: a sharded copy and an all-gather.
     ("transfers", {"residency.multirank.sharded"}),
     # What changed on a group's device bytes goes back into its host master (write-back), and

@@ -232,6 +232,7 @@ class Residency:
         self._copy_in_replaced(replaced)
         try:
             self.state = ResidencyState.LOADING
+            _entering(self.host_master)
             nbytes = self.inventory.layout.contiguous_nbytes
             sharded = self.sharded
             views, pointers, copies = self._prepare_storage(
@@ -364,8 +365,7 @@ class Residency:
         return self.inventory.changes_while_offloaded(self._host_ptrs, self.host_master.views)
 
     def pending_change(self) -> str | None:
-        """Why the offloaded group must be re-packed before it can load, or None
-        (`changes_on_host`)."""
+        """Why the offloaded group must be re-packed before it can load (`changes_on_host`)."""
         return self.changes_on_host()[0]
 
     def misfit_change(self, replaced: list[int]) -> str | None:
@@ -409,6 +409,13 @@ class Residency:
         replaced = self.replaced_on_host() if replaced is None else replaced
         return copy_in(self._transport, self.inventory, self.host_master, replaced) \
             if replaced else set()
+
+
+def _entering(master: HostMaster) -> None:
+    """Tell a file-backed master's host tier that a copy is about to read it (room is made for
+    its pages, the file that followed it last time is read ahead); a private master: nothing."""
+    if master.spill is not None:
+        master.spill.entering()
 
 
 def slot_nbytes(blocks: Iterable[Inventory], sharded: ShardedLoad | None) -> int:

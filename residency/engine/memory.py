@@ -71,6 +71,9 @@ class HostMaster:
         #: The node group whose ranks share these bytes (a node-shared segment), or None for a
         #: master of this process alone.  Writes to a shared master are agreed by its ranks.
         self.shared_group = None
+        #: The file of ours this master's chunks are slices of (`residency.engine.host_tier`:
+        #: a host smaller than the model), or None: private memory or a node-shared segment.
+        self.spill = None
 
     @property
     def nbytes(self) -> int:

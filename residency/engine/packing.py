@@ -55,6 +55,7 @@ from residency.multirank.agreement import compare_weights, describe_tensors
 from residency.engine.errors import HostMemoryError, RegistrationError
 from residency.engine.file_reads import find_file_sources
 from residency.engine.host_options import HostOptions
+from residency.engine.host_tier import HostTier
 from residency.engine.master_cache import (
     MappedMaster,
     cache_path,
@@ -90,6 +91,9 @@ class Packer:
         self._transport = transport
         #: Where masters live beyond private memory: the cache and the host memory limit.
         self.host = host if host is not None else HostOptions()
+        #: Which masters are file-backed beyond ``memory_limit``, and whose pages are in
+        #: (`residency.engine.host_tier`); None without a limit.
+        self.tier = HostTier.for_options(self.host, accelerator=transport.can_pin())
         #: The ranks of this host, when several share host masters (see [Note: one host copy per
         #: node]); None for a single process.
         self._node = node if node is not None and node.local_world_size > 1 else None
@@ -129,6 +133,9 @@ class Packer:
             shared = self._pack_shared(name, inventory, require_shared)
             if shared is not None:
                 return shared
+        tier = self.tier
+        if tier is not None and tier.file_backs(name, inventory):  # host smaller than the model
+            return tier.pack(name, inventory, self._transport)
         files = cached = None
         if self._caching(inventory):
             files = self._file_sources(inventory)
