@@ -6,6 +6,10 @@ The memory test runs in child processes (`tests/_host_tier_child.py`): a model o
 8 MiB built on the meta device, filled group by group, its weights (64 MiB) twice the limit; the
 resident set's growth over the baseline (taken once the model is built without weights) stays
 under the limit plus ``SLACK``, and the outputs equal a never-offloaded child's bit for bit.
+The others run small groups in this process: where a master's bytes live (/proc/self/maps),
+read-ahead and drops as the kernel reports them (``mincore``), edits across drops, layer mode,
+the accelerator (pageable masters), each refusal's message, and an interrupt sweep
+(``HOST_TIER_STRIDE=1`` interrupts every line instead of every third).
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ def test_a_master_beyond_the_limit_is_a_shared_mapping_of_an_unnamed_file_of_our
     scheduler = _scheduler(tmp_path, groups)
     private = _mapping_of(groups[0].weight.data_ptr())
     assert "(deleted)" not in private and str(tmp_path) not in private
+    assert private.split()[1] == "rw-p"  # private memory of the process
     for group in groups[1:]:
         line = _mapping_of(group.weight.data_ptr())
         permissions, path = line.split()[1], line.split(maxsplit=5)[5]

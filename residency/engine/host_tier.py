@@ -102,6 +102,9 @@ _PAGE = mmap.PAGESIZE
 #: The share of the limit private masters may take; the rest is the paging room.
 PRIVATE_SHARE = 0.5
 _TMPFS_TYPES = {"tmpfs", "ramfs"}
+#: ``mincore`` (the C library's: Python has no binding), for `SpillFile.resident_nbytes`.
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
 
 
 def spill_directory_for(options: HostOptions) -> tuple[Path, str]:
@@ -401,6 +404,3 @@ def _no_file(name: str, nbytes: int, directory: Path, error: OSError) -> HostMem
         "their values"
     )
 
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
