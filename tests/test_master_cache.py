@@ -53,7 +53,6 @@ from diffusers import DiffusionPipeline  # noqa: E402
 from _tiny_pipelines import tiny_wan22, wan22_call  # noqa: E402
 
 NAMES = ["text_encoder", "transformer", "transformer_2", "vae"]
-TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")

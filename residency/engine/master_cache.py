@@ -236,8 +236,8 @@ def _header(key: str, layout: PackLayout) -> tuple[bytes, list[int], int]:
 
 def _write_file(partial: Path, header: bytes, offsets: list[int], total: int,
                 chunks: Sequence[torch.Tensor]) -> None:
-    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
+    with open(partial, "xb", buffering=0, opener=_owner_only) as file:  # closed by any exit
+        descriptor = file.fileno()
         _reserve(descriptor, total)
         _write_all(descriptor, 0, memoryview(header))
         for offset, chunk in zip(offsets, chunks):
@@ -245,8 +245,10 @@ def _write_file(partial: Path, header: bytes, offsets: list[int], total: int,
                 _write_all(descriptor, offset, _host_bytes(chunk.data_ptr(), chunk.numel()))
         os.ftruncate(descriptor, total)
         os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+
+
+def _owner_only(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_CLOEXEC, 0o600)
 
 
 def _reserve(descriptor: int, total: int) -> None:
@@ -395,25 +397,19 @@ def map_master(path: Path, key: str, layout: PackLayout) -> MappedMaster | None:
         mapped = map_master(path, key, inventory.layout)
     """
     path = Path(path)
-    try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as error:
-        _log.info("warm-restart cache %s cannot be opened (%s); rebuilding it", path, error)
+    if not path.exists():
         return None
     try:
-        why = _check_header(descriptor, key, layout)
-        if why is not None:
-            _log.info("warm-restart cache %s %s; rebuilding it", path, why)
-            return None
-        mapping = _CacheMapping(descriptor, 0, flags=mmap.MAP_PRIVATE,
-                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as error:
+        with open(path, "rb", buffering=0) as file:  # the mapping outlives the descriptor
+            why = _check_header(file.fileno(), key, layout)
+            if why is not None:
+                _log.info("warm-restart cache %s %s; rebuilding it", path, why)
+                return None
+            mapping = _CacheMapping(file.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError) as error:  # ValueError: emptied since it was checked
         _log.info("warm-restart cache %s cannot be mapped (%s); rebuilding it", path, error)
         return None
-    finally:
-        os.close(descriptor)
     return _chunks_of(mapping, path, key, layout)
 
 
