@@ -359,3 +359,31 @@ def test_the_commit_comparison_checks_its_arguments_before_running(tmp_path, cap
         compare.main([str(root), str(root), "-k", "test_reentry", "--rounds", "1"])
     assert refused.value.code == 2
     assert "--rounds must be at least 2" in capsys.readouterr().err
+
+
+def test_cold_start_runs_its_cases_at_the_tiny_scale(tmp_path):
+    """Issue 23's benchmark, every residency case beside the floor and diffusers: each case runs
+    in its child, the outputs are the same bytes, the warm restart maps its cache files and the
+    host tier file-backs the groups beyond its limit."""
+    cases = ["disk_floor", "diffusers_plain", "residency_cache_write", "residency_warm_restart",
+             "host_tier"]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cold_start", "--scale", "tiny", "--out",
+         str(tmp_path), "--folder", str(tmp_path / "wan"), "--cases", *cases],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = json.loads((tmp_path / "cpu-cold-start.json").read_text())
+    rows = {row["case"]: row for row in result["rows"]}
+    assert list(rows) == cases and result["outputs_identical"] is True
+    assert not [case for case, row in rows.items() if "failed" in row]
+    assert rows["disk_floor"]["read_gb_per_s"] > 0
+    groups = 4  # the text encoder, two experts, the VAE
+    assert rows["residency_cache_write"]["mapped_cache_files"] == 0
+    assert rows["residency_warm_restart"]["mapped_cache_files"] == groups
+    assert rows["residency_warm_restart"]["cached_at_start"] > 0.9
+    assert rows["host_tier"]["file_backed_groups"] == ["transformer", "transformer_2"]
+    for case in cases[1:]:
+        assert rows[case]["seconds"] > 0 and rows[case]["rss_over_held"] > 0, case
