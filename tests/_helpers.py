@@ -4,6 +4,7 @@ and the one step the layer-mode tests repeat.
     assert in_buffer(weight, group.device_storage.buffer)    # the weight views the device bytes
     assert on_host_master(group) and not on_device(group)    # an offloaded group
     swap_away(scheduler)                                     # enter "other": the group leaves
+    assert_same_tensors(pipe.vae, plain.vae, "vae")          # every parameter and buffer, bytes
 """
 
 from __future__ import annotations
@@ -47,3 +48,22 @@ def swap_away(scheduler, name: str = "other") -> None:
     """Enter and leave group `name`'s phase, so the current exclusive group is evicted."""
     with scheduler.resident(name):
         pass
+
+
+def every_tensor(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers (non-persistent included), tied ones under each name."""
+    return dict(module.named_parameters(remove_duplicate=False)) | dict(
+        module.named_buffers(remove_duplicate=False))
+
+
+def assert_same_tensors(module: nn.Module, reference: nn.Module, what: str) -> None:
+    """Every parameter and buffer of `module` is `reference`'s: names, dtype, device, shape and
+    bytes."""
+    ours, theirs = every_tensor(module), every_tensor(reference)
+    assert ours.keys() == theirs.keys(), what
+    for name, tensor in ours.items():
+        expected = theirs[name]
+        assert (tensor.dtype, tensor.device, tensor.shape) == (
+            expected.dtype, expected.device, expected.shape), f"{what}: {name}"
+        assert torch.equal(tensor.detach().view(torch.uint8), expected.detach().view(torch.uint8)
+                           ) if tensor.numel() else True, f"{what}: {name} differs"

@@ -241,6 +241,11 @@ def _where_tensors_are(group) -> list[str]:
             return [f"{group.name!r} is resident but its digests were forgotten"]
         buffer = group.device_storage.buffer
         spans = [(buffer.data_ptr(), buffer.data_ptr() + buffer.numel())]
+    elif group.host_master.arrival is not None:  # read behind: each tensor on its storage of add
+        if [t.data_ptr() for t in group.inventory.tensors] != group.host_master.view_ptrs:
+            return [f"a tensor of {group.name!r}, whose master is still arriving, left its "
+                    "storage of add"]
+        return []
     else:
         spans = [(c.data_ptr(), c.data_ptr() + c.numel()) for c in group.host_master.chunks]
     for tensor in group.inventory.tensors:

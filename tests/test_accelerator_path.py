@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from residency import Scheduler, ResidencyState
-from residency.engine.memory import _Progress
+from residency.engine.memory import Progress
 
 from _accelerator import device as accelerator_device, is_simulated, no_host_synchronisation
 from conftest import CountingTransport, make_block, run_block, twin
@@ -130,7 +130,7 @@ def test_a_group_lands_at_the_same_addresses_on_every_load():
 
 
 def test_building_a_master_over_a_gib_logs_progress_off_a_terminal(caplog):
-    progress = _Progress(3 * 2**30, pinned=True)
+    progress = Progress(3 * 2**30, verb="pinning host master")
     assert progress.enabled and not progress.bar  # pytest captures stderr: not a terminal
     with caplog.at_level(logging.INFO, logger="residency"):
         for _ in range(12):

@@ -117,6 +117,9 @@ LAYERS: list[tuple[str, set[str]]] = [
         "vocabulary",
         {"residency.engine.enums", "residency.engine.errors", "residency.engine.locks"},
     ),
+    # Page-locked host mappings (exact-size pinned masters, node-shared segments, mapped cache
+    # files): one registration mechanism, imports nothing of ours.
+    ("page-locked mappings", {"residency.engine.page_lock"}),
     # What a tensor subclass holds (quantized and wrapper weights): known to the inventory.
     ("tensor kinds", {"residency.engine.subclasses"}),
     # The options of an auto plan (device budget, headroom) and byte counts as text both ways
@@ -151,6 +154,9 @@ LAYERS: list[tuple[str, set[str]]] = [
         {"residency.engine.memory", "residency.engine.arguments", "residency.multirank.agreement",
          "residency.engine.master_cache"},
     ),
+    # Masters read behind the first phase: the queue of arriving masters and its reading thread
+    # (fills chunks laid out as the master's; the packer asks it, a group's load completes it).
+    ("reads behind", {"residency.engine.read_behind"}),
     # The host tier for hosts smaller than the model: which masters are file-backed, and whose
     # pages are in (packs into files with the master's layout; the packer asks it, the groups
     # tell it when a master is read and left).

@@ -12,6 +12,7 @@ import torch
 from residency.engine.file_reads import FileSource, find_file_sources
 from residency.engine.tensors import take_inventory
 
+from _helpers import assert_same_tensors, every_tensor
 from _tiny_pipelines import tiny_wan22
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
@@ -140,23 +141,6 @@ def offloaded(folder: Path, config=ALL, **kwargs):
     pipe = from_pretrained(DiffusionPipeline, folder, config, device="cpu", **kwargs)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def every_tensor(module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers (non-persistent included), tied ones under each name."""
-    return dict(module.named_parameters(remove_duplicate=False)) | dict(
-        module.named_buffers(remove_duplicate=False))
-
-
-def assert_same_tensors(module, reference, what: str) -> None:
-    ours, theirs = every_tensor(module), every_tensor(reference)
-    assert ours.keys() == theirs.keys(), what
-    for name, tensor in ours.items():
-        expected = theirs[name]
-        assert (tensor.dtype, tensor.device, tensor.shape) == (
-            expected.dtype, expected.device, expected.shape), f"{what}: {name}"
-        assert torch.equal(tensor.detach().view(torch.uint8), expected.detach().view(torch.uint8)
-                           ) if tensor.numel() else True, f"{what}: {name} differs"
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["as-saved", "bfloat16"])
@@ -367,9 +351,9 @@ def test_an_interrupt_anywhere_in_a_pack_with_file_reads_keeps_the_weights(saved
 def test_the_progress_of_a_master_read_from_files_says_reading(caplog):
     import logging
 
-    from residency.engine.memory import _Progress
+    from residency.engine.memory import Progress
 
-    progress = _Progress(3 * 2**30, pinned=True, reading=True)
+    progress = Progress(3 * 2**30, verb="reading host master")
     with caplog.at_level(logging.INFO, logger="residency"):
         progress.advance(3 * 2**30)
         progress.close()

@@ -154,7 +154,7 @@ from residency.engine.errors import (
     PhaseError,
     RegistrationError,
 )
-from residency.engine.host_options import HostOptions
+from residency.engine.host_options import HostOptions, as_host_options
 from residency.engine.instance_wrappers import InstanceWrapper, chain
 from residency.engine.scheduler import Phase, Scheduler
 
@@ -262,7 +262,9 @@ def from_pretrained(
 ) -> object:
     """Load a diffusers pipeline from the folder `path` and offload it: its host masters are
     read straight from the weight files (see [Note: reading regions from their files] in
-    residency/engine/memory.py), so the weights pass through host memory once.
+    residency/engine/memory.py), so the weights pass through host memory once, and they are read
+    behind the first phase: this returns before the reads end, and each component's first phase
+    waits for its own bytes only (`residency.engine.read_behind`).
 
         from diffusers import DiffusionPipeline
 
@@ -272,11 +274,16 @@ def from_pretrained(
 
     ``pipeline_class.from_pretrained(path, **kwargs)`` loads it (any keyword diffusers takes),
     then ``enable_offload(pipe, config, device=..., process_group=..., host=...)`` offloads it;
-    the scheduler is ``offload_scheduler(pipe)``.  Checked before anything loads: `config`
+    the scheduler is ``offload_scheduler(pipe)``.  `host` as for `Scheduler`, with
+    ``background_reads`` on unless it says ``False`` (a `HostOptions` is taken as it is: its
+    default is off).  Checked before anything loads: `config` (`ConfigError`), `host`
     (`ConfigError`), `pipeline_class` (`ConfigError` unless it has ``from_pretrained``), the
     folder's weight files (`WeightFileError`, `check_weight_files`).  Returns the pipeline.
     """
     resolve_config(config)
+    if host is None or isinstance(host, Mapping):
+        host = {"background_reads": True, **(host or {})}
+    host = as_host_options(host)
     if not (isinstance(pipeline_class, type) and callable(getattr(pipeline_class,
                                                                    "from_pretrained", None))):
         raise ConfigError(

@@ -39,6 +39,7 @@ import attrs
 import torch
 
 from residency.engine.budget import format_nbytes
+from residency.engine.errors import PhaseError
 from residency.engine.records import BlockRecord, TransitionRecord, chrome_trace
 
 __all__ = [
@@ -149,6 +150,11 @@ def measure_floor(
     Call it between phases, after ``scheduler.offload_all()`` when device memory is tight.
     """
     groups = [scheduler[name] for name in (scheduler if names is None else names)]
+    arriving = [group.name for group in groups if group.host_master.arrival is not None]
+    if arriving:
+        raise PhaseError(f"measure_floor: the host masters of {arriving} are still read behind "
+                         "the first phase (never loaded yet); call it after each group's first "
+                         "phase")
     sizes = [group.host_master.nbytes for group in groups]
     if not groups or max(sizes) == 0:
         return {}

@@ -95,6 +95,7 @@ class Admission:
         """Undo a registration that did not complete: its claim, the wrappers of its stream."""
         self._registry.release_claim(claim)
         if group is not None and group not in list(self._registry):
+            _abandon_reads(group)
             for stream in group.streams:
                 stream.close()
 
@@ -175,10 +176,12 @@ class Admission:
         try:
             self._placement.withdraw(group, evict=True)
             self._registry.unregister(group)
+            _abandon_reads(group)
         except BaseException:  # rolled forward unless the eviction was refused
             if not group.is_resident or group.exclusive and self._placement.current is not group:
                 self._placement.withdraw(group, evict=False)
                 self._registry.unregister(group)
+                _abandon_reads(group)
             raise
         return group
 
@@ -200,6 +203,13 @@ def sharded_load(node, ledger, name: str, weight_transfer: object) -> ShardedLoa
         )
     return ShardedLoad(group=node.group, local_rank=node.local_rank,
                        local_world=node.local_world_size, ledger=ledger)
+
+
+def _abandon_reads(group: Residency) -> None:
+    """A group that leaves before its first load: the reads of its masters still arriving
+    (`residency.engine.read_behind`) stop, and its tensors stay on their weight files."""
+    for part in (group, *group.parts):
+        part.host_master.abandon_reads()
 
 
 def check_open(closed: bool) -> None:

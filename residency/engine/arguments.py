@@ -16,12 +16,14 @@ from residency.engine.budget import AutoOptions, as_auto_options
 from residency.vllm_omni.config import COMPONENTS
 from residency.engine.enums import Policy
 from residency.engine.errors import ConfigError, RegistrationError
+from residency.engine.host_options import HostOptions, as_host_options
 from residency.engine.transport import default_device
 
 __all__ = [
     "as_excluded",
     "as_modules",
     "check_flag",
+    "check_host",
     "check_name",
     "check_options",
     "parse_device",
@@ -168,9 +170,11 @@ def _accelerator_is(kind: str) -> bool:
 
 
 def check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory,
-                  auto=None) -> AutoOptions | None:
-    """The constructor's numbers and flags, checked before anything is built; returns the
-    options of ``auto=`` (`check_auto`)."""
+                  auto=None, host=None, process_group=None
+                  ) -> tuple[AutoOptions | None, HostOptions]:
+    """The constructor's numbers and flags, checked before anything is built (no collective of
+    `process_group` either); returns the options of ``auto=`` (`check_auto`) and of ``host=``
+    (`check_host`)."""
     if isinstance(chunk_nbytes, bool) or not isinstance(chunk_nbytes, int) or chunk_nbytes < 1:
         raise ConfigError(f"chunk_nbytes={chunk_nbytes!r}; give a positive whole number of bytes")
     limit = device_memory_limit
@@ -190,7 +194,20 @@ def check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit,
         raise ConfigError(f"record_limit={record_limit!r}; give a whole number of records (>= 0)")
     if pin_memory is not None and not isinstance(pin_memory, bool):
         raise ConfigError(f"pin_memory={pin_memory!r}; give True, False, or None for automatic")
-    return check_auto(auto, device_memory_limit)
+    return check_auto(auto, device_memory_limit), check_host(host, process_group)
+
+
+def check_host(host: object, process_group: object) -> HostOptions:
+    """The constructor's ``host=`` as `HostOptions`, checked with its ``process_group``."""
+    options = as_host_options(host)
+    if options.memory_limit is not None and process_group is not None:
+        raise ConfigError(
+            f"host memory_limit={options.memory_limit} with a process_group: the ranks of a host "
+            "share their host masters, and shared masters are not file-backed yet, so the limit "
+            "could not hold. Leave memory_limit out with a process group (the masters are then "
+            "the weights once per host), or run one process per host"
+        )
+    return options
 
 
 def check_auto(auto: object, device_memory_limit: int | None) -> AutoOptions | None:

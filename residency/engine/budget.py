@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -32,6 +32,7 @@ __all__ = [
     "AutoOptions",
     "DEFAULT_DRIFT",
     "DEFAULT_HEADROOM_FRACTION",
+    "check_option_keys",
     "format_nbytes",
     "parse_nbytes",
 ]
@@ -46,6 +47,25 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _FIELDS = ("device_budget", "headroom", "phase_order", "drift")
+
+
+def check_option_keys(label: str, options: object, fields: Sequence[str], *, give: str) -> None:
+    """Refuse `options` (given as `label`) unless it is a mapping whose keys are all among
+    `fields`; the message names the first unknown key's close match.
+
+        check_option_keys("auto_options", {"budget": 1}, _FIELDS, give="an object")
+        # ConfigError: auto_options has unknown keys ['budget']; ... Did you mean 'device_budget'?
+    """
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"{label}={options!r}; give {give} with any of the keys "
+                          f"{', '.join(fields)}")
+    unknown = sorted(str(key) for key in options if key not in fields)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], fields, n=1)
+        hint = f". Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"{label} has unknown keys {unknown}; the keys are {', '.join(fields)}{hint}"
+        )
 
 
 def parse_nbytes(field: str, value: object) -> int:
@@ -145,18 +165,7 @@ class AutoOptions:
         """From a mapping with the keys above, each optional (``auto_options`` of a config)."""
         if isinstance(options, AutoOptions):
             return options
-        if not isinstance(options, Mapping):
-            raise ConfigError(
-                f"auto_options={options!r}; give an object with any of the keys "
-                f"{', '.join(_FIELDS)}"
-            )
-        unknown = sorted(str(key) for key in options if key not in _FIELDS)
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], _FIELDS, n=1)
-            hint = f". Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"auto_options has unknown keys {unknown}; the keys are {', '.join(_FIELDS)}{hint}"
-            )
+        check_option_keys("auto_options", options, _FIELDS, give="an object")
         return cls(**options)
 
     def to_dict(self) -> dict[str, object]:

@@ -112,7 +112,6 @@ class Residency:
         self.state = ResidencyState.OFFLOADED
         #: Where each tensor sat in device storage at the last load (to notice ``.data = ...``).
         self._device_ptrs: list[int] = []
-        self._host_ptrs = data_ptrs(host_master.views)
         #: Version counters as of the last registration or eviction (re-pointing keeps them, so a
         #: load need not read them; a host edit in between costs a redundant write-back).
         self._loaded_versions = versions(inventory.tensors)
@@ -228,11 +227,11 @@ class Residency:
         `_load`.
         """
         self._require(ResidencyState.OFFLOADED, "load")
-        # The placement adopted any change first (`pending_change` is None here): see `_adopt`.
-        self._copy_in_replaced(replaced)
         try:
             self.state = ResidencyState.LOADING
             _entering(self.host_master)
+            # The placement adopted any change first (`pending_change` is None here): `_adopt`.
+            self._copy_in_replaced(replaced)
             nbytes = self.inventory.layout.contiguous_nbytes
             sharded = self.sharded
             views, pointers, copies = self._prepare_storage(
@@ -355,14 +354,15 @@ class Residency:
 
     def replaced_on_host(self) -> list[int]:
         """Indices of the tensors given new storage while offloaded (one pointer pass)."""
-        return moved_from(self.inventory.tensors, self._host_ptrs)
+        return moved_from(self.inventory.tensors, self.host_master.view_ptrs)
 
     def changes_on_host(self) -> tuple[str | None, list[int]]:
         """What changed while offloaded, from the one pointer pass a load makes: why the group
         must be re-packed first (parameters, buffers or submodules added, replaced or removed
         since it was packed, or a tensor whose dtype, shape or strides no longer fit its place in
         the master; None: it may load), and `replaced_on_host`."""
-        return self.inventory.changes_while_offloaded(self._host_ptrs, self.host_master.views)
+        master = self.host_master
+        return self.inventory.changes_while_offloaded(master.view_ptrs, master.views)
 
     def pending_change(self) -> str | None:
         """Why the offloaded group must be re-packed before it can load (`changes_on_host`)."""
@@ -377,10 +377,10 @@ class Residency:
     def _adopt(self, inventory: Inventory, host_master: HostMaster) -> None:
         """Take over a new inventory and master (packed from the modules as they are now)."""
         self._require(ResidencyState.OFFLOADED, "re-pack")
-        detector, host_ptrs = self._detector_for(host_master), data_ptrs(host_master.views)
-        (self.inventory, self.host_master, self._detector, self._host_ptrs, self._loaded_versions,
+        detector = self._detector_for(host_master)  # the old master, if arriving, is abandoned
+        (self.inventory, self.host_master, self._detector, self._loaded_versions,  # when freed
          self._device_ptrs, self._marked_dirty, self.left_misfits) = (
-            inventory, host_master, detector, host_ptrs, versions(inventory.tensors), [], False,
+            inventory, host_master, detector, versions(inventory.tensors), [], False,
             False)  # one line: see [Note: interrupts]
 
     def _detector_for(self, host_master: HostMaster) -> ChangeDetector | None:
@@ -412,8 +412,12 @@ class Residency:
 
 
 def _entering(master: HostMaster) -> None:
-    """Tell a file-backed master's host tier that a copy is about to read it (room is made for
-    its pages, the file that followed it last time is read ahead); a private master: nothing."""
+    """Before a copy reads `master`: one still arriving from its weight files is completed
+    (`residency.engine.read_behind`: its group read first, the caller waits for it, the tensors
+    re-pointed to it); a file-backed one's host tier is told (room is made for its pages, the
+    file that followed it last time is read ahead).  A private master in memory: nothing."""
+    if master.arrival is not None:
+        master.arrival.complete(master)
     if master.spill is not None:
         master.spill.entering()
 

@@ -64,7 +64,9 @@ import torch
 
 from residency.engine.errors import WeightFileError
 
-__all__ = ["FileReader", "FileSource", "PIECE_NBYTES", "READ_THREADS", "find_file_sources"]
+__all__ = [
+    "FileReader", "FileSource", "PIECE_NBYTES", "READ_THREADS", "find_file_sources", "replaced",
+]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PRESENT, _SWAPPED, _FILE_PAGE = 1 << 63, 1 << 62, 1 << 61
@@ -418,6 +420,16 @@ def _open_checked(source: FileSource):
             "or load the pipeline again from the folder; the weights keep their values"
         )
     return file
+
+
+def replaced(source: FileSource) -> bool:
+    """Whether `source`'s path no longer names the file it was found in (another file is there,
+    or none): its mapping still holds the bytes it was loaded with, the path does not."""
+    try:
+        info = os.stat(source.path)
+    except OSError:
+        return True
+    return (info.st_dev, info.st_ino) != (source.device, source.inode)
 
 
 def _changed(source: FileSource, info: os.stat_result) -> str | None:

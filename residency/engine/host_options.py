@@ -14,24 +14,30 @@ node-shared segment when ranks of one host share it.  The options add two tiers:
   writable file of ours in ``spill_directory``), paged in when their group is read, read ahead
   before the phase that needs them, and dropped when the limit needs the room.
 
+And one about when a master is built:
+
+- ``background_reads``: a group whose tensors are still views of their weight files is read
+  behind the first phase: ``add`` returns at once, the files are read on a thread of the
+  scheduler's in the order the groups were added, and a group's first load waits for its own
+  bytes only (`residency.engine.read_behind`).  Off by default (``add`` returns with the master
+  built); `residency.adapters.diffusers.from_pretrained` turns it on.
+
 One owner: the `Packer` holds the options for its scheduler; nothing else reads them.
 """
 
 from __future__ import annotations
 
-import difflib
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
 
-from residency.engine.budget import parse_nbytes
+from residency.engine.budget import check_option_keys, parse_nbytes
 from residency.engine.errors import ConfigError
 
 __all__ = ["HostOptions", "as_host_options"]
 
-_FIELDS = ("cache_directory", "memory_limit", "spill_directory")
+_FIELDS = ("cache_directory", "memory_limit", "spill_directory", "background_reads")
 
 
 def _to_path(value: object) -> object:
@@ -45,6 +51,11 @@ def _check_directory(instance: object, attribute: attrs.Attribute, value: object
         raise ConfigError(
             f"{attribute.name}={value!r}; give a directory path (a str or os.PathLike), or None"
         )
+
+
+def _check_flag(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name}={value!r}; give True or False")
 
 
 def _to_nbytes(value: object) -> object:
@@ -68,24 +79,16 @@ class HostOptions:
     #: else the system's temporary directory.
     spill_directory: Path | None = attrs.field(default=None, converter=_to_path,
                                                validator=_check_directory)
+    #: Read the masters of groups still on their weight files in the background, each group's
+    #: first load waiting for its own bytes; False: ``add`` reads them before it returns.
+    background_reads: bool = attrs.field(default=False, validator=_check_flag)
 
     @classmethod
     def from_dict(cls, options: object) -> HostOptions:
         """From a mapping with the keys above, each optional."""
         if isinstance(options, HostOptions):
             return options
-        if not isinstance(options, Mapping):
-            raise ConfigError(
-                f"host={options!r}; give HostOptions or an object with any of the keys "
-                f"{', '.join(_FIELDS)}"
-            )
-        unknown = sorted(str(key) for key in options if key not in _FIELDS)
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], _FIELDS, n=1)
-            hint = f". Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"host has unknown keys {unknown}; the keys are {', '.join(_FIELDS)}{hint}"
-            )
+        check_option_keys("host", options, _FIELDS, give="HostOptions or an object")
         return cls(**options)
 
 

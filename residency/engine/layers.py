@@ -79,7 +79,7 @@ from residency.engine.slots import SlotPlacement
 from residency.engine.tensors import Inventory
 
 __all__ = [
-    "BlockStream", "as_model_blocks", "auto_blocks", "build_stream", "close_untaken", "restream",
+    "BlockStream", "as_model_blocks", "auto_blocks", "build_stream", "restream",
     "streams_over", "streamed_modules",
 ]
 

@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from residency.engine.page_lock import RegisteredMapping
 from residency.engine.tensors import Alignment, Inventory, PackLayout
 
 if TYPE_CHECKING:
@@ -335,23 +336,6 @@ def _glob_escape(text: str) -> str:
 # -- mapping ------------------------------------------------------------------------------------
 
 
-class _CacheMapping(mmap.mmap):
-    """A private mapping of a cache file; drops its DMA registration when the last view dies.
-
-    ``torch.frombuffer(mapping, ...)`` keeps the mapping alive, so the pages stay mapped (and
-    registered) exactly as long as some chunk view still reads them.
-    """
-
-    registered = 0
-
-    def __del__(self) -> None:
-        if self.registered:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.registered)
-            except Exception:  # interpreter shutdown: the driver may already be gone
-                pass
-
-
 @attrs.frozen
 class MappedMaster:
     """A cache file mapped copy-on-write: one uint8 tensor per chunk of the layout.
@@ -362,7 +346,7 @@ class MappedMaster:
 
     #: One host tensor per chunk, views of the mapping (which they keep alive).
     chunks: list[torch.Tensor] = attrs.field(eq=False)
-    _mapping: _CacheMapping = attrs.field(eq=False, repr=False, alias="mapping")
+    _mapping: RegisteredMapping = attrs.field(eq=False, repr=False, alias="mapping")
     #: The file mapped.
     path: Path
 
@@ -378,15 +362,8 @@ class MappedMaster:
         if not torch.cuda.is_available():
             raise RuntimeError("page-locking a mapped master needs CUDA, and none is available")
         pointer = ctypes.addressof(ctypes.c_char.from_buffer(self._mapping))
-        cudart = torch.cuda.cudart()
-        status = cudart.cudaHostRegister(pointer, len(self._mapping), 0)
-        if int(status) != 0:
-            getattr(cudart, "cudaGetLastError", lambda: None)()  # clear the sticky error
-            raise RuntimeError(
-                f"cudaHostRegister of the {len(self._mapping)}-byte mapping of {self.path} failed "
-                f"with CUDA error {int(status)}"
-            )
-        self._mapping.registered = pointer
+        self._mapping.register(pointer, len(self._mapping),
+                               what=f"the {len(self._mapping)}-byte mapping of {self.path}")
 
 
 def map_master(path: Path, key: str, layout: PackLayout) -> MappedMaster | None:
@@ -405,7 +382,7 @@ def map_master(path: Path, key: str, layout: PackLayout) -> MappedMaster | None:
             if why is not None:
                 _log.info("warm-restart cache %s %s; rebuilding it", path, why)
                 return None
-            mapping = _CacheMapping(file.fileno(), 0, flags=mmap.MAP_PRIVATE,
+            mapping = RegisteredMapping(file.fileno(), 0, flags=mmap.MAP_PRIVATE,
                                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except (OSError, ValueError) as error:  # ValueError: emptied since it was checked
         _log.info("warm-restart cache %s cannot be mapped (%s); rebuilding it", path, error)
@@ -442,7 +419,7 @@ def _check_header(descriptor: int, key: str, layout: PackLayout) -> str | None:
 
 
 def _chunks_of(
-    mapping: _CacheMapping, path: Path, key: str, layout: PackLayout
+    mapping: RegisteredMapping, path: Path, key: str, layout: PackLayout
 ) -> MappedMaster | None:
     offsets = _header(key, layout)[1]  # the header was checked: it is the one `key` makes
     chunks = [

@@ -46,7 +46,10 @@ from residency.engine.locks import in_context
 from residency.engine.tensors import Inventory, data_ptrs, make_views, repoint
 from residency.engine.transport import Transport
 
-__all__ = ["DeviceStorage", "HostMaster", "PROGRESS_THRESHOLD"]
+__all__ = [
+    "DeviceStorage", "HostMaster", "PROGRESS_THRESHOLD", "Progress", "allocate_chunk",
+    "copy_region_into", "views_into_chunk",
+]
 
 #: Building a host master larger than this shows progress (registration of many GiB takes seconds).
 PROGRESS_THRESHOLD = 2**30
@@ -62,10 +65,13 @@ class HostMaster:
     """
 
     def __init__(self, chunks: list[torch.Tensor], views: list[torch.Tensor], pinned: bool):
-        #: uint8 host tensors, one per chunk of the layout.
+        #: uint8 host tensors, one per chunk of the layout (none yet while arriving).
         self.chunks = chunks
-        #: One view per unique tensor of the inventory, in inventory order.
+        #: One view per unique tensor of the inventory, in inventory order: each tensor's home
+        #: while offloaded (while arriving: the tensor's own storage of `add`).
         self.views = views
+        #: The views' data pointers (a tensor whose pointer differs was given new storage).
+        self.view_ptrs = data_ptrs(views)
         #: Whether every chunk is page-locked.
         self.pinned = pinned
         #: The node group whose ranks share these bytes (a node-shared segment), or None for a
@@ -74,6 +80,36 @@ class HostMaster:
         #: The file of ours this master's chunks are slices of (`residency.engine.host_tier`:
         #: a host smaller than the model), or None: private memory or a node-shared segment.
         self.spill = None
+        #: The reads still filling the chunks from weight files (`residency.engine.read_behind`:
+        #: a master read behind the first phase), or None: the bytes are in.  The group's first
+        #: load completes it (`Arrival.complete`), which then calls `arrived`.
+        self.arrival = None
+
+    @classmethod
+    def arriving(cls, inventory: Inventory, arrival) -> HostMaster:
+        """A master whose bytes are still being read (`arrival`); until they are in, each
+        tensor's home is its own storage, so nothing is re-pointed here."""
+        master = cls([], [tensor.detach() for tensor in inventory.tensors], pinned=False)
+        master.arrival = arrival
+        return master
+
+    @property
+    def still_reading(self) -> bool:
+        """Whether its bytes are still being read from weight files (an arriving master whose
+        reads have not ended); a load of it would wait for them."""
+        return self.arrival is not None and not self.arrival.done.is_set()
+
+    def abandon_reads(self) -> None:
+        """Stop the reads of an arriving master nobody will load (its group left the scheduler,
+        or was re-packed): its tensors stay where they were, with their values."""
+        if self.arrival is not None:
+            self.arrival.abandon()
+
+    def arrived(self, chunks: list[torch.Tensor], views: list[torch.Tensor], pinned: bool) -> None:
+        """Take the chunks an arrival filled and the views the tensors now read (the commit of
+        `Arrival.complete`: one line)."""
+        self.chunks, self.views, self.view_ptrs, self.pinned, self.arrival = (
+            chunks, views, data_ptrs(views), pinned, None)
 
     @property
     def nbytes(self) -> int:
@@ -106,11 +142,12 @@ class HostMaster:
             files = find_file_sources(sources, layout.region_nbytes)
         chunks: list[torch.Tensor] = []
         views: list[torch.Tensor | None] = [None] * inventory.tensor_count
-        progress = _Progress(layout.nbytes, pinned=pin, reading=any(files))
+        verb = "reading" if any(files) else "pinning" if pin else "packing"
+        progress = Progress(layout.nbytes, verb=f"{verb} host master")
         with FileReader() as reader:
             for chunk_index, nbytes in enumerate(layout.chunk_nbytes):
                 if into is None:
-                    chunk, pin = _allocate_host(transport, nbytes, pin)
+                    chunk, pin = allocate_chunk(transport, nbytes, pin)
                 else:
                     base = layout.chunk_base[chunk_index]
                     chunk = into[base : base + nbytes]
@@ -260,17 +297,19 @@ class DeviceStorage:
         self._view_count = 0
 
 
-class _Progress:
+class Progress:
     """Shows progress of building a master over `PROGRESS_THRESHOLD` bytes.
 
     On a terminal: a one-line bar on stderr, redrawn in place.  Otherwise: a log line per 10%.
     Smaller masters build silently.
+
+        progress = Progress(nbytes, verb="reading host master")
     """
 
-    def __init__(self, total: int, *, pinned: bool, reading: bool = False) -> None:
+    def __init__(self, total: int, *, verb: str) -> None:
         self.total, self.done, self.logged_tenth = total, 0, 0
         self.enabled = total > PROGRESS_THRESHOLD
-        self.verb = "reading" if reading else "pinning" if pinned else "packing"
+        self.verb = verb
         self.bar = self.enabled and sys.stderr.isatty()
         self.started = time.perf_counter()
 
@@ -281,7 +320,7 @@ class _Progress:
         if self.bar:
             filled = int(30 * self.done / self.total)
             sys.stderr.write(
-                f"\rresidency: {self.verb} host master [{'#' * filled}{'.' * (30 - filled)}] "
+                f"\rresidency: {self.verb} [{'#' * filled}{'.' * (30 - filled)}] "
                 f"{self.done / 2**30:.1f}/{self.total / 2**30:.1f} GiB"
             )
             sys.stderr.flush()
@@ -289,7 +328,7 @@ class _Progress:
         tenth = int(10 * self.done / self.total)
         if tenth > self.logged_tenth:
             self.logged_tenth = tenth
-            _log.info("%s host master: %d%% of %.1f GiB", self.verb, tenth * 10, self.total / 2**30)
+            _log.info("%s: %d%% of %.1f GiB", self.verb, tenth * 10, self.total / 2**30)
 
     def close(self) -> None:
         if self.bar:
@@ -298,7 +337,7 @@ class _Progress:
 
 
 @torch.inference_mode(False)
-def _allocate_host(transport: Transport, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+def allocate_chunk(transport: Transport, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
     """A host chunk; falls back to pageable memory with one warning when pinning fails.
 
     Always a normal tensor, even when registration runs under ``torch.inference_mode()``: the
@@ -333,13 +372,14 @@ def _fill_chunk(
     reader.start(chunk, [(files[r], offsets[r], sizes[r]) for r in regions if files[r] is not None])
     for region in regions:
         if files[region] is None:
-            _copy_region_into(chunk, offsets[region], sources[region], sizes[region])
+            copy_region_into(chunk, offsets[region], sources[region], sizes[region])
     reader.finish()
     for region in regions:
         sources[region] = None
 
 
-def _copy_region_into(chunk: torch.Tensor, offset: int, source, nbytes: int) -> None:
+def copy_region_into(chunk: torch.Tensor, offset: int, source, nbytes: int) -> None:
+    """Copy `nbytes` of region `source` (its storage and first byte) to `chunk[offset:]`."""
     storage, first = source
     if nbytes == 0:
         return
@@ -351,13 +391,13 @@ def _copy_region_into(chunk: torch.Tensor, offset: int, source, nbytes: int) -> 
 def _repoint_chunk(inventory: Inventory, regions, chunk: torch.Tensor, views: list) -> None:
     """Re-point the tensors of `regions` (all in `chunk`) to views of it; record the views."""
     members = inventory.tensors_in_regions(regions)
-    chunk_views = _views_into_chunk(inventory, members, chunk)
+    chunk_views = views_into_chunk(inventory, members, chunk)
     repoint([inventory.tensors[i] for i in members], chunk_views)
     for i, view in zip(members, chunk_views):
         views[i] = view
 
 
-def _views_into_chunk(
+def views_into_chunk(
     inventory: Inventory, members: Sequence[int], chunk: torch.Tensor
 ) -> list[torch.Tensor]:
     """Views of `chunk` for the tensors `members`.  A chunk may be a slice of a larger buffer (a

@@ -37,6 +37,17 @@ perfectly well).  A node-shared master (several ranks of one host) is not cached
 would have to agree on the hit or the miss, collectively; it is left for later.  Regions read
 from the cache directory itself (a group re-packed while mapped from a cache file) do not count
 as weight files: a cache is never keyed by another cache.
+
+[Note: reading behind the first phase]
+With ``host.background_reads``, a group whose regions are (partly) still views of weight files
+gets a master that arrives behind (`residency.engine.read_behind`): `pack` returns at once, the
+tensors untouched, and the packer's `ReadBehind` reads the files on its thread, groups in the
+order they were added; the group's first load waits for its own bytes only.  Not read behind,
+packed at `add` as before: a group another rank shares (the node's ranks pack collectively), a
+file-backed master of the host tier (packed into its file), a group the warm-restart cache maps
+or writes (a hit needs no read; a miss writes the master's final bytes, which only a commit
+knows), a group of tensor subclasses (re-pointing a wrapper rebuilds it), and a group with no
+region in a weight file (nothing to read: its copy from memory is the pack).
 """
 
 from __future__ import annotations
@@ -65,6 +76,7 @@ from residency.engine.master_cache import (
     write_master,
 )
 from residency.engine.memory import HostMaster
+from residency.engine.read_behind import ReadBehind
 from residency.multirank.node import NodeView
 from residency.multirank.shared_memory import share_segment
 from residency.engine.tensors import Inventory, alignment_for, take_inventory
@@ -104,6 +116,9 @@ class Packer:
         #: Whether the cache directory is usable: None until its first use, then True or False
         #: (see [Note: the warm-restart cache in packing]).
         self._cache_usable: bool | None = None
+        #: The masters read behind the first phase, and the thread reading them (see [Note:
+        #: reading behind the first phase]).
+        self._reads = ReadBehind(part_nbytes=chunk_nbytes)
 
     def inventory(
         self,
@@ -144,6 +159,13 @@ class Packer:
             mapped = self._map_cached(name, inventory, *cached)
             if mapped is not None:
                 return mapped
+        elif self.host.background_reads and inventory.wrappers is None:
+            if files is None:
+                files = find_file_sources(inventory.source_regions,
+                                          inventory.layout.region_nbytes)
+            if any(files):  # see [Note: reading behind the first phase]
+                return self._reads.master_for(name, inventory, files, self._transport,
+                                              pin=self.pin_memory)
         master = self._pack_private(name, inventory, files)
         if cached is not None and write_master(cached[0], cached[1], inventory.layout,
                                                master.chunks):

@@ -254,8 +254,8 @@ class Placement:
         change, replaced = group.changes_on_host()
         if change is not None:  # re-packed at its phase, not beside another
             return False
-        if group.sharded is not None:  # its load is collective: at the phase, on every rank
-            return False
+        if group.sharded is not None or group.host_master.still_reading:
+            return False  # a collective load (every rank, at the phase), or one read behind
         if not self._room_for_prefetch(group):
             return False
         self.cancel_prefetch()

@@ -75,7 +75,7 @@ def _check_parts(plan: Plan, _attribute, parts: tuple[Part, ...]) -> None:
             f"a plan for group {plan.group!r} begins with the group's own part, named "
             f"{plan.group!r}; it begins with {parts[0].name if parts else 'nothing'!r}"
         )
-    own, rest = parts[0], parts[1:]
+    own = parts[0]
     if own.where is Where.STREAMED:
         raise RegistrationError(
             f"group {plan.group!r}: its own part (everything outside its blocks) is kept or "

@@ -66,7 +66,7 @@ from residency.vllm_omni.discovery import scheduler_from_pipeline
 from residency.engine.enums import PhaseStatus, Policy
 from residency.engine.errors import ConfigError, PhaseError
 from residency.engine.holds import Holds
-from residency.engine.host_options import HostOptions, as_host_options
+from residency.engine.host_options import HostOptions
 from residency.engine.layers import as_model_blocks, auto_blocks, streamed_modules
 from residency.engine.locks import locked, new_lock
 from residency.engine.no_offload import NoOffload
@@ -161,7 +161,7 @@ class Scheduler:
     eviction of a shared group (phase changes, ``close``) are then collective - call them in the
     same order on every rank.  Writes to a shared master are agreed (`residency.multirank.agreement`); ranks
     that changed it differently raise `CollectiveError` and keep their device copies.  With
-    ``host`` (`HostOptions`), masters are cached for a warm restart or file-backed beyond a limit.
+    ``host`` (`HostOptions`): a warm-restart cache, a memory limit, reads behind the first phase.
     """
 
     def __init__(
@@ -174,15 +174,15 @@ class Scheduler:
         transport: Transport | None = None, process_group: object = None,
         auto: AutoOptions | Mapping | bool | None = None, host: HostOptions | Mapping | None = None,
     ) -> None:
-        auto_options = check_options(chunk_nbytes, device_memory_limit, wait_timeout,
-                                     record_limit, pin_memory, auto)
+        auto_options, host = check_options(chunk_nbytes, device_memory_limit, wait_timeout,
+                                           record_limit, pin_memory, auto, host, process_group)
         #: Where resident groups live.
         self.device = parse_device(device)
         self._transport = transport if transport is not None else transport_for(self.device)
         pin = self._transport.can_pin() if pin_memory is None else pin_memory
         node = None if process_group is None else node_view(process_group)
         self._packer = Packer(self._transport, device=self.device, chunk_nbytes=chunk_nbytes,
-                              pin_memory=pin, node=node, host=as_host_options(host))
+                              pin_memory=pin, node=node, host=host)
         #: Records of phase changes and (layer mode) of block moves: the newest `record_limit`.
         self.transitions, self.block_records = TransitionLog(record_limit), BlockLog(record_limit)
         self._lock = new_lock()

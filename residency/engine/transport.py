@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from residency.engine.locks import in_context
+from residency.engine.page_lock import RegisteredMapping
 
 __all__ = ["AcceleratorTransport", "Completion", "CpuTransport", "Transport", "transport_for"]
 
@@ -175,23 +176,6 @@ class AcceleratorTransport(Transport):
             self.copy_stream.wait_event(event)
 
 
-class _PageLockedRegion(mmap.mmap):
-    """Anonymous host pages registered with the CUDA driver; unregistered when the last view dies.
-
-    A tensor made with ``torch.frombuffer(region)`` keeps the region alive, so the registration
-    lasts exactly as long as any tensor still reads the memory.
-    """
-
-    pointer = 0
-
-    def __del__(self) -> None:
-        if self.pointer:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.pointer)
-            except Exception:  # interpreter shutdown: the driver may already be gone
-                pass
-
-
 def _page_locked_exact(nbytes: int) -> torch.Tensor:
     """`nbytes` of page-locked host memory, exactly (no power-of-two rounding).
 
@@ -201,16 +185,10 @@ def _page_locked_exact(nbytes: int) -> torch.Tensor:
     bytes asked for, page-aligned, and the pages are only committed as they are registered chunk by
     chunk, so building a master never needs twice the host memory.
     """
-    region = _PageLockedRegion(-1, nbytes)
+    region = RegisteredMapping(-1, nbytes)
     _ask_for_huge_pages(region)
     tensor = torch.frombuffer(region, dtype=torch.uint8)
-    cudart = torch.cuda.cudart()
-    status = cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-    if int(status) != 0:
-        # Clear the sticky last-error, or the next kernel launch check would report it.
-        getattr(cudart, "cudaGetLastError", lambda: None)()
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(status)}")
-    region.pointer = tensor.data_ptr()
+    region.register(tensor.data_ptr(), nbytes, what=f"{nbytes} bytes")
     return tensor
 
 

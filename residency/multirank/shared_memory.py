@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from residency.engine.errors import RegistrationError
+from residency.engine.page_lock import RegisteredMapping
 
 __all__ = ["SHM_DIRECTORY", "SegmentStage", "SharedSegment", "share_segment"]
 
@@ -89,23 +90,6 @@ class SegmentStage(enum.Enum):
     UNLINKED = "unlinked"
 
 
-class _Mapping(mmap.mmap):
-    """One process's mapping of a segment; drops its page-lock when the last view of it dies.
-
-    ``torch.frombuffer(mapping)`` keeps the mapping alive, so the pages stay mapped (and registered)
-    exactly as long as some tensor still reads them.
-    """
-
-    registered = 0
-
-    def __del__(self) -> None:
-        if self.registered:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.registered)
-            except Exception:  # interpreter shutdown: the driver may already be gone
-                pass
-
-
 @attrs.frozen(kw_only=True)
 class SharedSegment:
     """This process's mapping of one node-shared segment (made by `share_segment`).
@@ -121,7 +105,7 @@ class SharedSegment:
     local_rank: int
     #: The mapped bytes: a uint8 tensor of `nbytes` over this process's mapping.
     tensor: torch.Tensor = attrs.field(eq=False, repr=False)
-    _mapping: _Mapping = attrs.field(eq=False, repr=False, alias="mapping")
+    _mapping: RegisteredMapping = attrs.field(eq=False, repr=False, alias="mapping")
 
     @property
     def pinned(self) -> bool:
@@ -141,17 +125,8 @@ class SharedSegment:
                 "page-locking a shared segment needs CUDA, and none is available here; host "
                 "memory needs no page-locking for a CPU device: do not call page_lock"
             )
-        pointer = self.tensor.data_ptr()
-        cudart = torch.cuda.cudart()
-        status = cudart.cudaHostRegister(pointer, self.nbytes, 0)
-        if int(status) != 0:
-            # Clear the sticky last-error, or the next kernel launch check would report it.
-            getattr(cudart, "cudaGetLastError", lambda: None)()
-            raise RuntimeError(
-                f"cudaHostRegister of the {self.nbytes}-byte shared segment failed with CUDA "
-                f"error {int(status)}"
-            )
-        self._mapping.registered = pointer
+        self._mapping.register(self.tensor.data_ptr(), self.nbytes,
+                               what=f"the {self.nbytes}-byte shared segment")
 
 
 StageObserver = Callable[[SegmentStage, str], None]
@@ -286,7 +261,7 @@ def _settle(group: dist.ProcessGroup, problem: str | None, step: str, path: str)
         )
 
 
-def _create(path: str, nbytes: int) -> tuple[_Mapping | None, str | None]:
+def _create(path: str, nbytes: int) -> tuple[RegisteredMapping | None, str | None]:
     """The leader's step: a new owner-only file of exactly `nbytes` reserved bytes, mapped."""
     directory = os.path.dirname(path)
     free = _free_bytes(directory)
@@ -299,14 +274,14 @@ def _create(path: str, nbytes: int) -> tuple[_Mapping | None, str | None]:
     try:
         os.fchmod(fd, MODE)  # exactly 0o600 whatever the umask
         os.posix_fallocate(fd, 0, nbytes)  # see [Note: reserving the pages]
-        return _Mapping(fd, nbytes, flags=mmap.MAP_SHARED), None
+        return RegisteredMapping(fd, nbytes, flags=mmap.MAP_SHARED), None
     except OSError as error:
         return None, _too_small(directory, _free_bytes(directory), nbytes, error)
     finally:
         os.close(fd)
 
 
-def _attach(path: str, nbytes: int) -> tuple[_Mapping | None, str | None]:
+def _attach(path: str, nbytes: int) -> tuple[RegisteredMapping | None, str | None]:
     """A non-leader's step: map the leader's file after checking it is the one agreed on."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -317,7 +292,9 @@ def _attach(path: str, nbytes: int) -> tuple[_Mapping | None, str | None]:
         )
     try:
         problem = _refusal(os.fstat(fd), nbytes)
-        return (None, problem) if problem else (_Mapping(fd, nbytes, flags=mmap.MAP_SHARED), None)
+        if problem:
+            return None, problem
+        return RegisteredMapping(fd, nbytes, flags=mmap.MAP_SHARED), None
     finally:
         os.close(fd)
 

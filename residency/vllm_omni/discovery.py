@@ -654,7 +654,7 @@ def register_groups(scheduler: Registrar, found: ComponentGroups) -> None:
     held = {name for name in names if name in scheduler}  # `add` refuses these: never removed
     attached = [(model, vars(model).get("scheduler")) for _, model in found.split_models]
     try:
-        for name, policy, modules, excluded in found.groups():
+        for name, policy, modules, excluded in _in_phase_order(found):
             category = found.categories.get(name)
             scheduler.add(name, modules, policy=policy, exclude=excluded, category=category,
                           **_layer_mode_options(found, name))
@@ -665,6 +665,25 @@ def register_groups(scheduler: Registrar, found: ComponentGroups) -> None:
     except BaseException:
         _undo_plan(scheduler, [n for n in names if n not in held], attached)
         raise
+
+
+#: Where each category's phase comes in a pipeline call: the prompt is encoded, the latents
+#: denoised, then decoded.  Groups of other categories keep their place among the denoisers.
+_PHASE_RANK = {"text_encoder": 0, "dit": 1, "vae": 2}
+
+
+def _in_phase_order(found: ComponentGroups):
+    """`found.groups()`: the exclusive groups in the order a call first uses them (encoders,
+    denoisers in their own order - Wan2.2's high-noise expert first -, the VAE), then the
+    resident ones as they are (all load at once).  A scheduler that reads masters behind the
+    first phase reads them in the order they are added (`residency.engine.read_behind`)."""
+    def rank(group) -> tuple[bool, int]:
+        name, policy = group[0], group[1]
+        if policy is not Policy.EXCLUSIVE:
+            return True, 0
+        return False, _PHASE_RANK.get(found.categories.get(name), _PHASE_RANK["dit"])
+
+    return sorted(found.groups(), key=rank)
 
 
 def _undo_plan(scheduler: Registrar, names: Sequence[str], attached) -> None:
