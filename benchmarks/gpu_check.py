@@ -22,6 +22,9 @@ torch's device-generic API, ``torch.accelerator``, ``torch.Stream`` and ``torch.
 * ``pipeline``      the synthetic Wan2.2-shaped pipeline (`benchmarks.wan_shaped`, ~5.3 GiB) with no
                     offload, with ours, and under diffusers' ``enable_model_cpu_offload`` and group
                     offloading (skipped, with the reason, when diffusers is not importable);
+* ``host_tiers``    issue 23: a warm-restart cache file mapped as the cache maps it, page-locked
+                    (the pinning rate) and copied to the device from (the rate against the
+                    ceiling); pinning memory by registering touched pages and by ``pin_memory``;
 * ``layers``        issue 14: a DiT of Wan2.1/2.2-14B blocks (`benchmarks.layers`, 8 x 672 MiB,
                     bf16) with the sequence length chosen so that a block's compute takes at least
                     its copy (both recorded); steps with no offload, in layer mode with
@@ -54,6 +57,7 @@ import datetime
 import functools
 import gc
 import json
+import os
 import re
 import statistics
 import sys
@@ -730,10 +734,71 @@ def auto_plan(check: _Check) -> dict:
     return {"weight_nbytes": total, "budgets": runs}
 
 
+def host_tiers(check: _Check) -> dict:
+    """Issue 23: a warm-restart cache file mapped copy-on-write as `residency.engine.master_cache`
+    maps it, page-locked as it page-locks it (`RegisteredMapping.register`, the page cache warm):
+    the pinning rate, and the host-to-device rate from the mapping against the ceiling; beside
+    them, the two ways a master in memory is pinned (pre-touched pages registered, the allocator's
+    ``pin_memory``).  The pinning figures need CUDA (recorded as skipped elsewhere)."""
+    import mmap
+    import tempfile
+
+    from residency.engine.page_lock import RegisteredMapping
+
+    n, device = check.sizes.ceiling_nbytes, check.device
+    on_device = torch.empty(n, dtype=torch.uint8, device=device)
+    result: dict = {"nbytes": n}
+    with tempfile.TemporaryFile(dir=os.environ.get("RESIDENCY_CACHE_DIR")) as file:
+        piece = bytes(range(256)) * (MiB // 256)
+        for offset in range(0, n, MiB):  # written whole: its pages in the page cache
+            file.write(piece[: min(MiB, n - offset)])
+        file.flush()
+        mapping = RegisteredMapping(file.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        host = torch.frombuffer(mapping, dtype=torch.uint8)
+        host[::4096].sum()  # every page read and mapped, as a warm start maps its cache
+        if device.type == "cuda":
+            start = time.perf_counter()
+            mapping.register(host.data_ptr(), n, what=f"the {n}-byte mapped cache file")
+            seconds = time.perf_counter() - start
+            result.update(cache_pin_seconds=seconds, cache_pin_gbps=n / seconds / 1e9)
+        else:
+            result["cache_pin"] = {"skipped": f"cudaHostRegister needs CUDA ({device.type})"}
+        pinned = device.type == "cuda"
+        h2d = _seconds(lambda: on_device.copy_(host, non_blocking=pinned), device,
+                       check.sizes.repeats)
+        result.update(cache_h2d_seconds=h2d, cache_h2d_gbps=n / statistics.median(h2d) / 1e9)
+        if check.ceiling_bps:
+            result["cache_h2d_fraction_of_ceiling"] = n / statistics.median(h2d) / check.ceiling_bps
+        del host
+    if device.type == "cuda":
+        result.update(_memory_pinning_rates(n))
+    return result
+
+
+def _memory_pinning_rates(n: int) -> dict:
+    """Seconds to pin `n` bytes of memory: pages touched then registered (the exact-size route
+    of `residency.engine.transport`), and ``torch.empty(pin_memory=True)`` (cudaHostAlloc)."""
+    from residency.engine.transport import _page_locked_exact
+
+    start = time.perf_counter()
+    registered = _page_locked_exact(n)
+    registered.fill_(1)
+    touched_seconds = time.perf_counter() - start
+    del registered
+    start = time.perf_counter()
+    allocated = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    allocated.fill_(1)
+    alloc_seconds = time.perf_counter() - start
+    del allocated
+    return {"register_anonymous_gbps": n / touched_seconds / 1e9,
+            "pin_memory_alloc_gbps": n / alloc_seconds / 1e9}
+
+
 SECTIONS: dict[str, Callable[[_Check], dict]] = {
     "ceiling": ceiling, "onload": onload, "eviction": eviction, "reentry": reentry,
     "steady_state": steady_state, "edits": edits, "pipeline": pipeline, "layers": layer_mode,
-    "auto": auto_plan,
+    "auto": auto_plan, "host_tiers": host_tiers,
 }
 
 

@@ -232,6 +232,8 @@ def test_gpu_check_runs_every_section_on_the_simulated_device(tiny_suite, simula
     assert ceiling["pinned"] is True and ceiling["h2d_gbps"] > 0 and ceiling["h2d_event_gbps"] > 0
     for group in sections["onload"]["groups"].values():
         assert group["registration"]["pinned"] is True and group["peak_device_bytes"] > 0
+    tiers = sections["host_tiers"]  # issue 23: the copy from a mapped cache file; pinning is CUDA's
+    assert tiers["cache_h2d_gbps"] > 0 and "CUDA" in tiers["cache_pin"]["skipped"]
     evicted = sections["eviction"]
     assert evicted["unchanged"]["written_back"] == 0
     # Every changed chunk: the weights and the padding between them (512-byte boundaries here).
