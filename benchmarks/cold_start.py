@@ -15,7 +15,10 @@ that almost nothing of the folder was cached when it started):
 - ``page_cache_copy``: the same read with every page cached: a copy from the page cache;
 - ``diffusers_plain``: ``DiffusionPipeline.from_pretrained`` and one call;
 - ``diffusers_model_cpu_offload``: the same with ``enable_model_cpu_offload()`` before the call;
-- ``residency``: ``residency.adapters.diffusers.from_pretrained`` (module mode) and one call;
+- ``residency``: ``residency.adapters.diffusers.from_pretrained`` (module mode) and one call,
+  the masters read behind the first phase (its default);
+- ``residency_reads_at_add``: the same with ``background_reads`` off: every master read before
+  ``from_pretrained`` returns;
 - ``residency_cache_write``: the same with a warm-restart cache directory, empty: the cold start
   that writes the cache;
 - ``residency_warm_restart``: the same again, the page cache warm: the cache is mapped;
@@ -47,12 +50,14 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["CASES", "SCALES", "main"]
+__all__ = ["CASES", "SCALES", "Scale", "build_folder", "drop_page_cache", "load_arguments", "main",
+           "read_files", "status_bytes"]
 
 MiB, GiB = 2**20, 2**30
 
 CASES = ("disk_floor", "page_cache_copy", "diffusers_plain", "diffusers_model_cpu_offload",
-         "residency", "residency_cache_write", "residency_warm_restart", "host_tier")
+         "residency", "residency_reads_at_add", "residency_cache_write", "residency_warm_restart",
+         "host_tier")
 #: Cases that start with the folder dropped from the page cache (the others want it cached).
 COLD = frozenset(CASES) - {"page_cache_copy", "residency_warm_restart"}
 
@@ -224,7 +229,7 @@ def run_case(case: str, folder: Path, cache: Path) -> dict:
         seconds = read_files(files)
         return {**figures, "seconds": seconds, "read_gb_per_s": nbytes / seconds / 1e9}
     _import_the_libraries()  # their import time is the same for every case: not measured
-    before = _status_bytes("VmRSS")
+    before = status_bytes("VmRSS")
     started = time.perf_counter()
     pipe, scheduler = _load(case, folder, cache, nbytes)
     output = pipe(**_CALL, generator=torch.Generator().manual_seed(0)).frames
@@ -232,7 +237,7 @@ def run_case(case: str, folder: Path, cache: Path) -> dict:
     masters = nbytes if scheduler is None or scheduler.host_options.memory_limit is None \
         else min(nbytes, scheduler.host_options.memory_limit)  # the host tier keeps to its limit
     held = masters + (_device_storage_nbytes(scheduler) if scheduler is not None else 0)
-    grown = _status_bytes("VmHWM") - before
+    grown = status_bytes("VmHWM") - before
     if scheduler is not None:
         figures["file_backed_groups"] = sorted(
             name for name in scheduler if scheduler[name].host_master.spill is not None)
@@ -260,23 +265,24 @@ def _load(case: str, folder: Path, cache: Path, nbytes: int):
     from diffusers import DiffusionPipeline
 
     if case.startswith("diffusers"):
-        pipe = DiffusionPipeline.from_pretrained(folder, **_load_arguments())
+        pipe = DiffusionPipeline.from_pretrained(folder, **load_arguments())
         if case == "diffusers_model_cpu_offload":
             pipe.enable_model_cpu_offload(device="cpu")
         pipe.set_progress_bar_config(disable=True)
         return pipe, None
     from residency.adapters.diffusers import from_pretrained, offload_scheduler
 
-    host = {"residency": None, "host_tier": {"memory_limit": int(nbytes * 0.7)},
+    host = {"residency": None, "residency_reads_at_add": {"background_reads": False},
+            "host_tier": {"memory_limit": int(nbytes * 0.7)},
             "residency_cache_write": {"cache_directory": cache},
             "residency_warm_restart": {"cache_directory": cache}}[case]
     pipe = from_pretrained(DiffusionPipeline, folder, None, device="cpu", host=host,
-                           **_load_arguments())
+                           **load_arguments())
     pipe.set_progress_bar_config(disable=True)
     return pipe, offload_scheduler(pipe)
 
 
-def _load_arguments() -> dict:
+def load_arguments() -> dict:
     """As Wan2.2's model card loads it: bf16, the VAE in fp32 (the files' own dtypes, so loading
     converts nothing and the weights stay views of the files)."""
     import torch
@@ -303,7 +309,8 @@ def _mapped_files_under(folder: Path) -> int:
     return sum(1 for path in paths if path.startswith(inside))
 
 
-def _status_bytes(field: str) -> int:
+def status_bytes(field: str) -> int:
+    """A field of /proc/self/status (VmRSS, VmHWM), in bytes."""
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith(field + ":"):
