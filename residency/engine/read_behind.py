@@ -14,11 +14,10 @@ chunks, one group after another in the order they were added, a part (``chunk_nb
 at a time.  A group's first load (`Residency._begin_load`, every path that copies a master to the
 device) calls `Arrival.complete`: its group goes to the front of the queue (after the part in
 flight of the group being read), the caller waits for its reads alone, and then the master is
-committed.  So
-the first phase starts once its own group is in, and the other groups are read in first-use
-order behind it, as long as groups are added in the order their phases come
-(`residency.vllm_omni.discovery.register_groups` adds a pipeline's encoders, then its
-denoisers, then its VAE).
+committed.  So the first phase starts once its own group is in, and the other groups are read in
+first-use order behind it, as long as groups are added in the order their phases come
+(`residency.vllm_omni.discovery.register_groups` adds a pipeline's encoders, then its denoisers,
+then its VAE).
 
 [Note: what a commit checks]
 Until its commit, an arriving master's views are the tensors' own storages (the file mappings):
@@ -39,11 +38,14 @@ caller's thread under the scheduler lock, is where the read bytes become the wei
 [Note: the worker's lifetime]
 The worker thread is started by the first `master_for` that finds none running, and it ends when
 the queue is empty (under the queue's lock, so a new master either finds it running or starts
-another).  It never touches a module or a tensor of the model: it allocates chunks and reads
-files into them through `FileReader`.  A master nobody will load (its group removed, re-packed
-after a change, a registration undone by an interrupt) is abandoned: `abandon` is called by the
-group's removal, and by a finaliser when the master is collected, so an undone registration stops
-its reads too; the worker finishes the chunk in flight and drops the arrival.  A read that fails
+another).  A caller waiting for a master makes sure one runs (a worker never started because an
+interrupt landed between the queue and the start, or one that died, is replaced; a replaced
+worker ends at its next turn: only the registered one reads).  It never touches a module or a
+tensor of the model: it allocates chunks and reads files into them through `FileReader`.  A
+master nobody will load (its group removed, re-packed after a change, a registration undone by
+an interrupt) is abandoned: `abandon` is called by the group's removal, and by a finaliser when
+the master is collected, so an undone registration stops its reads too; the worker finishes the
+part in flight and drops the arrival.  A read that fails
 (a truncated file, an I/O error, host memory) is kept and raised by every `complete`, as a
 `WeightFileError` or `HostMemoryError`: the group's tensors are still the file views, with their
 values, and the group stays offloaded.
