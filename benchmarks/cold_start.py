@@ -29,8 +29,8 @@ Each child reports the seconds from the start of the load to the first output (a
 pipeline ready for its call: ``loaded_seconds``, where reading behind the first phase shows), its
 peak resident set growth (``VmHWM`` less the ``VmRSS`` before the load) and the bytes it holds at
 the peak by design (the weights, plus the device storage of the offloaded cases on the CPU), and a
-digest of the output: every case must give the same bytes.  Writes ``cpu-cold-start.json`` under ``--out`` and
-prints a table; a measurement, on this machine.
+digest of the output: every case must give the same bytes.  Writes ``cpu-cold-start.json`` under
+``--out`` and prints a table; a measurement, on this machine.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ import time
 from pathlib import Path
 
 import attrs
+
+from benchmarks.machine import proc_number
 
 __all__ = ["CASES", "SCALES", "Scale", "build_folder", "drop_page_cache", "load_arguments", "main",
            "read_files", "status_bytes"]
@@ -314,11 +316,7 @@ def _mapped_files_under(folder: Path) -> int:
 
 def status_bytes(field: str) -> int:
     """A field of /proc/self/status (VmRSS, VmHWM), in bytes."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+    return proc_number("/proc/self/status", field) * 1024
 
 
 # -- the whole run --------------------------------------------------------------------------------
@@ -342,8 +340,8 @@ def measure(case: str, folder: Path, cache: Path) -> dict:
 
 
 def _table(rows: list[dict], floor: float | None) -> str:
-    lines = ["| case | seconds | x disk floor | ready s | cached at start | peak RSS growth / held |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| case | seconds | x disk floor | ready s | cached at start | "
+             "peak RSS growth / held |", "|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         if "failed" in row:
             lines.append(f"| {row['case']} | failed | | | | |")

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.machine import proc_number
+
 __all__ = ["main", "measure"]
 
 MiB = 2**20
@@ -72,11 +74,7 @@ def _rank_worker(nbytes: int, out: Path, *, shared: bool) -> None:
 
 
 def _pss_bytes() -> int:
-    with open("/proc/self/smaps_rollup") as rollup:
-        for line in rollup:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
+    return proc_number("/proc/self/smaps_rollup", "Pss") * 1024
 
 
 def _trim() -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import attrs
 
+from benchmarks.machine import proc_number
 from benchmarks.cold_start import (
     Scale,
     build_folder,
@@ -70,11 +71,8 @@ _FORMAT = 2
 
 
 def mem_total() -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemTotal in /proc/meminfo")
+    """This machine's memory, in bytes."""
+    return proc_number("/proc/meminfo", "MemTotal") * 1024
 
 
 # -- the folder -----------------------------------------------------------------------------------
@@ -212,11 +210,7 @@ def run_offloaded(folder: Path, limit: int, spill: Path, keep: Path) -> dict:
 def disk_read_bytes() -> int:
     """Bytes this process had read from storage so far (/proc/self/io ``read_bytes``: page
     faults of mappings and reads alike; the page cache's hits not counted)."""
-    with open("/proc/self/io") as io:
-        for line in io:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    raise RuntimeError("no read_bytes in /proc/self/io")
+    return proc_number("/proc/self/io", "read_bytes")
 
 
 def _units(group) -> list:

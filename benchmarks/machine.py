@@ -11,7 +11,7 @@ import platform
 
 import torch
 
-__all__ = ["describe_machine"]
+__all__ = ["describe_machine", "proc_number"]
 
 
 def describe_machine() -> dict:
@@ -31,6 +31,19 @@ def describe_machine() -> dict:
         if accelerator.type == "cuda":
             info["accelerator_name"] = torch.cuda.get_device_name()
     return info
+
+
+def proc_number(path: str, field: str) -> int:
+    """The number after ``field:`` in the /proc file `path`, in that file's unit (kB in
+    ``/proc/meminfo``, ``/proc/self/status`` and ``smaps_rollup``; bytes in ``/proc/self/io``).
+
+        proc_number("/proc/self/status", "VmHWM") * 1024     # peak resident set, bytes
+    """
+    with open(path) as lines:
+        for line in lines:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in {path}")
 
 
 def _cpu_model() -> str:
