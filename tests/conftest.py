@@ -65,6 +65,18 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+@pytest.fixture(scope="module")
+def saved_wan22(tmp_path_factory):
+    """A tiny Wan2.2 (UMT5 encoder, two experts, Wan VAE) saved with ``save_pretrained``, once
+    per module that asks (a module's tests may edit or truncate files of their own copy)."""
+    pytest.importorskip("diffusers")
+    from _tiny_pipelines import tiny_wan22
+
+    folder = tmp_path_factory.mktemp("saved") / "wan"
+    tiny_wan22().save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_intra_op_thread():
     """Run the tests on one intra-op thread: on 2 shared cores, OpenMP waits made tiny ops 30x

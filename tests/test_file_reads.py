@@ -13,18 +13,13 @@ from residency.engine.file_reads import FileSource, find_file_sources
 from residency.engine.tensors import take_inventory
 
 from _helpers import assert_same_tensors, every_tensor
-from _tiny_pipelines import tiny_wan22
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    """A tiny Wan2.2 (UMT5 encoder, two experts, Wan VAE), saved once per module."""
-    pytest.importorskip("diffusers")
-    folder = tmp_path_factory.mktemp("saved") / "wan"
-    tiny_wan22().save_pretrained(folder)
-    return folder
+def saved(saved_wan22) -> Path:
+    return saved_wan22
 
 
 def load(folder: Path, **kwargs):

@@ -25,7 +25,7 @@ from residency.engine.file_reads import FileReader, FileSource, find_file_source
 from residency.engine.tensors import take_inventory
 
 from _helpers import assert_same_tensors, every_tensor
-from _tiny_pipelines import tiny_wan22, wan22_call
+from _tiny_pipelines import wan22_call
 
 #: In the order a call first uses them (and the adapter adds them).
 COMPONENTS = ("text_encoder", "transformer", "transformer_2", "vae")
@@ -33,12 +33,8 @@ ALL = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    """A tiny Wan2.2 (UMT5 encoder, two experts, Wan VAE), saved once per module."""
-    pytest.importorskip("diffusers")
-    folder = tmp_path_factory.mktemp("saved") / "wan"
-    tiny_wan22().save_pretrained(folder)
-    return folder
+def saved(saved_wan22) -> Path:
+    return saved_wan22
 
 
 class Gate:
