@@ -377,8 +377,8 @@ class Residency:
     def _adopt(self, inventory: Inventory, host_master: HostMaster) -> None:
         """Take over a new inventory and master (packed from the modules as they are now)."""
         self._require(ResidencyState.OFFLOADED, "re-pack")
-        detector = self._detector_for(host_master)  # the old master, if arriving, is abandoned
-        (self.inventory, self.host_master, self._detector, self._loaded_versions,  # when freed
+        detector = self._detector_for(host_master)  # an arriving master dropped here has its
+        (self.inventory, self.host_master, self._detector, self._loaded_versions,  # reads stopped
          self._device_ptrs, self._marked_dirty, self.left_misfits) = (
             inventory, host_master, detector, versions(inventory.tensors), [], False,
             False)  # one line: see [Note: interrupts]
