@@ -41,8 +41,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import attrs
-
 from benchmarks.machine import proc_number
 from benchmarks.cold_start import (
     Scale,
@@ -201,7 +199,8 @@ def run_offloaded(folder: Path, limit: int, spill: Path, keep: Path) -> dict:
     storage = max(scheduler[name].device_need for name in scheduler)
     return {"load_seconds": loaded, "load_disk_read_bytes": load_read, "total_seconds": total,
             "phases": phases, "peak_rss_growth_bytes": grown, "device_storage_bytes": storage,
-            "rss_over_limit_and_storage": grown / (limit + storage), "file_backed_units": sum(u.host_master.spill is not None for u in units),
+            "rss_over_limit_and_storage": grown / (limit + storage),
+            "file_backed_units": sum(u.host_master.spill is not None for u in units),
             "private_units": [u.name for u in units if u.host_master.spill is None],
             "units": len(units), "groups": list(scheduler),
             "component_bytes": {name: _module_nbytes(getattr(pipe, name)) for name in COMPONENTS}}
