@@ -213,6 +213,9 @@ def test_from_pretrained_checks_before_it_loads(saved: Path, tmp_path: Path):
     assert str(error.value) == (
         "from_pretrained(pipeline_class='wan', ...): give a diffusers pipeline class, such as "
         "diffusers.DiffusionPipeline or the folder's own class (WanPipeline, FluxPipeline, ...)")
+    with pytest.raises(ConfigError) as error:  # host= first: before the folder is looked at
+        from_pretrained(DiffusionPipeline, tmp_path / "missing", host={"background_reads": 1})
+    assert str(error.value) == "background_reads=1; give True or False"
     with pytest.raises(WeightFileError) as error:
         from_pretrained(DiffusionPipeline, tmp_path / "missing")
     assert str(error.value).startswith(f"{tmp_path / 'missing'}: there is no such folder")

@@ -1,8 +1,9 @@
 """Masters read behind the first phase (issue 23): ``add`` returns before a group's weight files
 are read, the files are read in first-use order on the scheduler's thread, and a group's first
-load waits for its own bytes only - with every weight as the plain pipeline has it, every edit
-made meanwhile kept, failures typed, removed groups' reads stopped, and an interrupt at any line
-of the commit leaving the weights and the owners intact.
+load waits for its own bytes only - with every weight as the plain pipeline has it (on the CPU and
+on the simulated accelerator), every edit made meanwhile kept (peft's merge included), failures
+typed, removed groups' reads stopped, and an interrupt at any line of an add or of the commit
+leaving the weights and the owners intact.
 
 A `Gate` holds the reads of chosen components (their folder's name) until it is opened and
 records which component each chunk read was for: the tests see the order and the overlap
@@ -223,6 +224,27 @@ def test_edits_before_the_first_load_are_kept(saved: Path, monkeypatch, when: st
     scheduler.close()
 
 
+def test_a_lora_merged_by_peft_while_the_reads_go_on_is_kept(saved: Path, monkeypatch):
+    """peft's merge writes ``base_layer.weight.data`` in place (no version counter moves), into
+    pages the reader is reading from the file meanwhile: the commit copies the merged bytes."""
+    peft = pytest.importorskip("peft")
+    gate = Gate("transformer_2")
+    pipe, scheduler = two_experts(saved, monkeypatch, gate)
+    reference = load(saved).transformer_2
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["to_q", "to_v"],
+                             init_lora_weights=False)
+    for model in (pipe.transformer_2, reference):
+        torch.manual_seed(11)
+        peft.get_peft_model(model.blocks[0], config).merge_and_unload()  # structure as before
+    assert not still_on_its_files(pipe.transformer_2)
+    gate.open("transformer_2")
+    with scheduler.resident("transformer_2"):
+        assert_same_tensors(pipe.transformer_2, reference, "transformer_2")
+    assert not torch.equal(reference.blocks[0].attn1.to_q.weight,
+                           load(saved).transformer_2.blocks[0].attn1.to_q.weight)  # it merged
+    scheduler.close()
+
+
 def test_a_group_changed_before_its_first_load_is_re_packed_and_its_reads_dropped(
         saved: Path, monkeypatch):
     gate = Gate("transformer_2")
@@ -350,6 +372,31 @@ def test_background_reads_must_be_a_flag():
     assert str(error.value) == "background_reads='on'; give True or False"
 
 
+@pytest.mark.gpu
+def test_on_an_accelerator_a_master_read_behind_is_pinned_and_exact(saved: Path):
+    """The reading thread allocates pinned chunks; the copies to the device run on the copy
+    stream after the commit: every weight on the device is the plain model's (the simulated
+    device's delays make a missing wait show as wrong bits)."""
+    from _accelerator import device as accelerator_device
+
+    device = accelerator_device()
+    pipe = load(saved)
+    scheduler = Scheduler(device, host={"background_reads": True})
+    for name in ("transformer", "transformer_2"):
+        scheduler.add(name, getattr(pipe, name))
+    assert arriving(scheduler) == ["transformer", "transformer_2"]
+    for _ in range(2):
+        for name in ("transformer", "transformer_2"):
+            reference = getattr(load(saved), name).to(device)
+            with scheduler.resident(name):
+                assert_same_tensors(getattr(pipe, name), reference, name)
+    for name in ("transformer", "transformer_2"):
+        master = scheduler[name].host_master
+        assert master.pinned and all(chunk.is_pinned() for chunk in master.chunks)
+    torch.accelerator.synchronize()
+    scheduler.close()
+
+
 # -- interrupts: the commit of an arrived master, at every line ------------------------------------
 
 #: Interrupt every n-th point of the sweep (READ_BEHIND_STRIDE=1: every point).
@@ -395,3 +442,37 @@ def test_an_interrupt_anywhere_in_a_first_load_keeps_the_weights(saved: Path):
 
     points = sweep(build, operation, intact, stride=SWEEP_STRIDE)
     assert points > 50
+
+
+def test_an_interrupt_anywhere_in_an_add_that_reads_behind_keeps_the_weights(saved: Path):
+    """An add interrupted at any line: undone (the arrival abandoned, the tensors the file views
+    they were) or done (the group loads and is exact); no reading thread is left behind."""
+    from diffusers import WanTransformer3DModel
+
+    from _interrupts import consistent, sweep
+
+    reference = {name: tensor.detach().clone() for name, tensor in every_tensor(
+        WanTransformer3DModel.from_pretrained(saved / "transformer")).items()}
+
+    def build():
+        model = WanTransformer3DModel.from_pretrained(saved / "transformer")
+        return Scheduler("cpu", chunk_nbytes=2**16, host={"background_reads": True}), model
+
+    def operation(world):
+        world[0].add("transformer", world[1])
+
+    def intact(world):
+        scheduler, model = world
+        assert consistent(scheduler) == []
+        if "transformer" in scheduler:
+            with scheduler.resident("transformer"):
+                pass
+        tensors = every_tensor(model)
+        assert tensors.keys() == reference.keys()
+        for name, tensor in tensors.items():
+            assert torch.equal(tensor.detach(), reference[name]), name
+        scheduler.close()
+        assert no_reading_thread_left()
+
+    points = sweep(build, operation, intact, stride=SWEEP_STRIDE // 4)
+    assert points > 20
