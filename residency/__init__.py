@@ -12,6 +12,8 @@
         latents = pipe.transformer(latents, embeddings)
 """
 
+from importlib import metadata as _metadata
+
 from residency.engine.blocks import BlockPlan, ModelBlocks, model_blocks, plan_blocks  # historical names
 from residency.engine.component import Policy, Residency, ResidencyState
 from residency.vllm_omni.config import OffloadConfig, resolve_config
@@ -52,6 +54,13 @@ from residency.engine.scheduler import Phase, Scheduler
 from residency.vllm_omni.split import SplitModel
 from residency.engine.transport import AcceleratorTransport, Completion, CpuTransport, Transport
 from residency.engine.enums import PhaseStatus
+
+#: This package's version, from its installed metadata; "0+unknown" when it runs from a source
+#: tree that was never installed (no metadata to read).
+try:
+    __version__ = _metadata.version("residency")
+except _metadata.PackageNotFoundError:
+    __version__ = "0+unknown"
 
 # What users and pipeline authors import.  Extenders' names (transports, completions, the
 # records' classes, Residency) are listed by `residency.extend`; they stay importable from

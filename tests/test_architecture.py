@@ -210,12 +210,15 @@ LAYERS: list[tuple[str, set[str]]] = [
             "residency.vllm_omni.protocol",
             "residency.app.synthetic",
             "residency.app.timeline",
+            "residency.app.plot",
             "residency.adapters.cli",
             "residency.adapters.diffusers",
             "residency.app.diffusers_table",
         },
     ),
     # The main job (python -m residency): runs a pipeline through the front ends.
+    # The main job's argument checks (the folder, the call, the host), before any work.
+    ("the main job's checks", {"residency.app.checks"}),
     ("the main job", {"residency.app.main"}),
     # The package's public surfaces, and the old paths issue 21 keeps (re-exports).
     ("entry points", set(TOP_LEVEL)),

@@ -38,7 +38,7 @@ from _interrupts import consistent, sweep
 from conftest import twin
 
 HERE = Path(__file__).resolve().parent
-MiB = 2**20
+KiB, MiB = 2**10, 2**20
 #: What the resident set may grow beyond the limit: the CPU device's storage (host memory, one
 #: group: 8 MiB; the limit counts masters only) and 8 MiB for the interpreter, torch's kernels and
 #: a group's source bytes while it packs.
@@ -318,12 +318,16 @@ def test_a_group_larger_than_the_paging_room_is_refused_and_nothing_changes(tmp_
         scheduler.add("big", big)
     nbytes = scheduler._packer.inventory((big,), ()).layout.contiguous_nbytes
     private = scheduler._packer.tier.private_nbytes
+    needed = private + nbytes
     assert str(raised.value) == (
         f"cannot add group 'big': its host master needs {nbytes} bytes "
-        f"({nbytes / MiB:.1f} MiB) paged in while it loads, and memory_limit=150000 leaves "
-        f"{150_000 - private} bytes for file-backed masters beside the private ones ({private} "
-        f"bytes). Raise memory_limit to at least {private + nbytes}, or split the group; "
+        f"({nbytes / KiB:.1f} KiB) paged in while it loads, and memory_limit=150000 "
+        f"(146.5 KiB) leaves {150_000 - private} bytes ({(150_000 - private) / KiB:.1f} KiB) "
+        f"for file-backed masters beside the private ones ({private} bytes, "
+        f"{private / KiB:.1f} KiB). Raise memory_limit to at least {needed} bytes "
+        f"({needed / KiB:.2f} KiB, e.g. \"memory_limit\": \"1MiB\"), or split the group; "
         "nothing was registered")
+    assert residency.Scheduler("cpu", host={"memory_limit": "1MiB"}).host_options  # the hint parses
     assert "big" not in scheduler
     assert [t.data_ptr() for t in big.parameters()] == pointers
     assert all(torch.equal(a, b) for a, b in zip(big.parameters(), before))
@@ -348,7 +352,7 @@ def test_a_file_the_disk_refuses_is_a_typed_error_at_add(tmp_path):
         signal.signal(signal.SIGXFSZ, previous)
     message = str(raised.value)
     assert message.startswith(f"cannot add group 'g1': its file-backed host master needs "
-                              f"66048 bytes (0.1 MiB) in {str(tmp_path)!r} and making the file "
+                              f"66048 bytes (64.5 KiB) in {str(tmp_path)!r} and making the file "
                               "failed ([Errno 27] File too large)")
     assert message.endswith("Free disk space there or give another spill_directory; the weights "
                             "keep their values")

@@ -26,6 +26,13 @@ bytes.  The rules (as the safetensors library itself checks them when it opens a
 A sharded index (``{"metadata": ..., "weight_map": {tensor: shard file}}``, beside its shards)
 must name shards that exist, and each tensor it maps must be in the shard it names.
 
+Every component the folder's ``model_index.json`` names (an entry ``[library, class]``; ``[null,
+null]`` is an absent component) must have its subfolder, and a component that is a model (its
+subfolder holds a ``config.json``, as ``save_pretrained`` of every diffusers and transformers
+model writes it; schedulers, tokenizers and processors write other files) must have a weight file
+there: a ``*.safetensors`` file or sharded index, or a ``*.bin`` file (the legacy format, whose
+contents are not checked).  A folder without a ``model_index.json`` is checked file by file only.
+
 The first problem raises `WeightFileError`, its message naming the file (relative to the folder),
 what is wrong and what to do.
 """
@@ -53,6 +60,9 @@ MAX_HEADER_BYTES = 100_000_000
 #: What to do about a damaged file.
 _REDO = "download it again"
 _INDEX_SUFFIX = ".safetensors.index.json"
+#: The weight file `save_pretrained` writes for a model of each library (named when it is missing).
+_WEIGHT_FILE = {"diffusers": "diffusion_pytorch_model.safetensors",
+                "transformers": "model.safetensors"}
 
 
 def check_weight_files(folder: str | os.PathLike) -> list[Path]:
@@ -68,12 +78,52 @@ def check_weight_files(folder: str | os.PathLike) -> list[Path]:
     if not folder.is_dir():
         raise WeightFileError(f"{folder}: there is no such folder; give a diffusers model folder "
                               "(one written by pipe.save_pretrained or downloaded from the Hub)")
+    _check_components(folder)
     files = _component_files(folder, "*.safetensors")
     indexes = _component_files(folder, f"*{_INDEX_SUFFIX}")
     tensors = {path: _tensor_names(folder, path) for path in files}
     for index in indexes:
         _check_index(folder, index, tensors)
     return sorted([*tensors, *indexes])
+
+
+def _check_components(folder: Path) -> None:
+    """Every component ``model_index.json`` names has its subfolder, and every model component a
+    weight file there (module docstring)."""
+    try:
+        declared = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # no index to check against (the callers that need one say so themselves)
+    if not isinstance(declared, dict):
+        return
+    for name, entry in declared.items():
+        if name.startswith("_") or not _names_a_component(entry):
+            continue
+        subfolder = folder / name
+        if not subfolder.is_dir():
+            raise WeightFileError(
+                f"component {name!r}: model_index.json names it ({entry[0]}.{entry[1]}), but "
+                f"the folder {name}/ is missing; save the pipeline again, or download that "
+                "component's folder")
+        if (subfolder / "config.json").is_file() and not _weight_files_in(subfolder):
+            expected = _WEIGHT_FILE.get(entry[0], "model.safetensors")
+            raise WeightFileError(
+                f"component {name!r}: {name}/{expected} is missing (the folder holds no weight "
+                f"file: no *.safetensors, sharded index or *.bin), so {entry[1]} has no weights "
+                "to load; save the pipeline again, or download that file")
+
+
+def _names_a_component(entry: object) -> bool:
+    """Whether a model_index.json entry is ``[library, class]`` (not ``[null, null]``)."""
+    return (isinstance(entry, list) and len(entry) == 2
+            and all(isinstance(part, str) for part in entry))
+
+
+def _weight_files_in(subfolder: Path) -> bool:
+    """Whether `subfolder` names a weight file (a broken link counts: the per-file check that
+    follows says it cannot be read)."""
+    return any(path.is_file() or path.is_symlink() for pattern in ("*.safetensors", f"*{_INDEX_SUFFIX}", "*.bin")
+               for path in subfolder.glob(pattern))
 
 
 def _component_files(folder: Path, pattern: str) -> list[Path]:

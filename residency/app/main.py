@@ -11,13 +11,15 @@ change: bytes moved, seconds, GB/s, the floor (a plain copy of the same bytes, m
 run) and the peak device bytes.  ``--diffusion-offload-config null`` means offloading off: the
 pipeline runs once, nothing offloaded, and the report says so; an auto config (``{"mode": "auto",
 "auto_options": {"device_budget": "20GiB"}}``) reaches the scheduler as its ``auto=``.  Every
-argument is checked before any work (the device exists, the trace path is writable, the pipeline
-folder holds a diffusers model whose weight files are whole - every safetensors header and sharded
-index checked, no tensor read - the config validates).  Exit status (`EXIT_STATUSES`): 0 when
-the outputs are identical, 1 when they differ, 2 for bad arguments or a refused configuration, 3
-when the run crashed (an unexpected exception: its traceback, then a one-line summary, go to
-stderr).  Progress lines go to stderr as the run goes, and so do the library's notes (logger
-``residency``, INFO and up).
+argument is checked before any work (`residency.app.checks`: the device exists, the trace and plot
+paths are writable, the synthetic size fits the host's memory, the pipeline folder holds a
+diffusers model whose every component has whole weight files - no tensor read - and whose class
+takes the call's arguments, the config validates); a plan the config cannot fit is refused
+before the first run.  Exit status (`EPILOG`): 0 when the outputs are identical, 1 when they
+differ, 2 for bad arguments or a refused configuration, 3 when the run crashed (an unexpected
+exception: its traceback, then a one-line summary, go to stderr), 130 when interrupted (Ctrl-C:
+one line on stderr).  Progress lines go to stderr as the run goes, and so do the library's notes
+(logger ``residency``, INFO and up).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ import gc
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
+from importlib import metadata
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,29 +46,36 @@ import torch
 import torch.distributed as dist
 
 from residency.adapters.cli import add_offload_arguments, offload_config_from_args
-from residency.adapters.weight_files import check_weight_files
 from residency.adapters.diffusers import (
     ENTRY_POINTS,
     PhaseEntry,
     describe,
     disable_offload,
+    enable_offload,
     from_pretrained,
     offload_scheduler,
 )
 from residency.vllm_omni.config import OffloadConfig
 from residency.engine.budget import format_nbytes
-from residency.engine.errors import ResidencyError, WeightFileError
+from residency.engine.errors import ResidencyError
 from residency.engine.scheduler import Scheduler
+from residency.app.checks import PLOT_SUFFIXES, check_arguments
+from residency.app.plot import write_plot
 from residency.app.synthetic import SIZES, SyntheticWan22
 from residency.app.timeline import (
+    ChangeCosts,
+    MachineLoad,
     PhaseRecorder,
     PhaseSpan,
+    format_changes,
+    format_device_bytes,
     format_timeline,
-    measure_floor,
+    machine_load,
+    measure_changes,
     timeline_rows,
+    wait_for_reads,
     write_trace,
 )
-from residency.engine.transport import default_device
 
 __all__ = ["main"]
 
@@ -75,12 +86,15 @@ DEFAULT_CONFIG = OffloadConfig(mode="module", components=("dit", "text_encoder")
 NOT_GIVEN = object()
 DEFAULT_PROMPT = "a cat walking on the moon"
 #: Exit statuses, as `--help` lists them.
-EXIT_OK, EXIT_DIFFERS, EXIT_USAGE, EXIT_CRASHED = 0, 1, 2, 3
+EXIT_OK, EXIT_DIFFERS, EXIT_USAGE, EXIT_CRASHED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EPILOG = """exit status:
-  0  the outputs are bit-identical (or not compared: --no-check, or null: offloading off)
-  1  the outputs differ
-  2  bad usage: an argument, the offload config or the pipeline was refused (nothing was run)
-  3  crashed: an unexpected error; its traceback and a one-line summary are on stderr"""
+  0    the outputs are bit-identical (or not compared: --no-check, or null: offloading off)
+  1    the outputs differ
+  2    bad usage: an argument, the offload config or the pipeline was refused (nothing was run)
+  3    crashed: an unexpected error; its traceback and a one-line summary are on stderr
+  130  interrupted (Ctrl-C): one line on stderr; no shared-memory segment is left behind"""
+#: How long a job interrupted on several ranks waits for them to leave before it kills them.
+RANKS_LEAVE_S = 30.0
 
 
 @attrs.define(kw_only=True)
@@ -99,18 +113,25 @@ class Run:
     recorder: PhaseRecorder | None
     #: The phases of the offloaded run, as the trace's "phases" track shows them.
     spans: list[PhaseSpan]
-    floor: dict[str, float]
+    #: The run's phase changes made again after it, against the floor (`measure_changes`).
+    costs: ChangeCosts
+    #: torch's threads and the host's load while it was measured.
+    load: MachineLoad
     output: torch.Tensor
     expected: torch.Tensor | None
     plain_seconds: float | None
     offloaded_seconds: float
     allocator_peak: int | None
     peak_device_bytes: int
+    #: The device bytes the run without offloading held (the model's bytes; the allocator's
+    #: peak on an accelerator), or None when it did not run (--no-check).
+    plain_device_bytes: int | None = None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m residency") -> argparse.ArgumentParser:
+    """The job's flags; `prog` is how usage and error lines name the command (`program_name`)."""
     parser = argparse.ArgumentParser(
-        prog="python -m residency",
+        prog=prog,
         description="Run a pipeline with and without model-level offloading; check the outputs "
         "are bit-identical and print the phase timeline.\nThe offload config defaults to module "
         "mode with dit and text_encoder;\n--diffusion-offload-config null runs the pipeline once "
@@ -130,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trace", metavar="OUT.json", type=Path, default=None,
                         help="write a Chrome/Perfetto trace of phases and transfers (the path is "
                         "checked for writing before the run)")
+    parser.add_argument("--plot", metavar="OUT.png", type=Path, default=None,
+                        help="draw the phase timeline of the run with offloading as a picture "
+                        f"({', '.join(PLOT_SUFFIXES)}; needs matplotlib: the plot extra); the "
+                        "path is checked for writing before the run")
+    parser.add_argument("--version", action="version",
+                        version=f"residency {_version()} (torch {torch.__version__})")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip the run without offloading (for models that do not fit)")
     parser.add_argument("--nproc", metavar="N", type=_positive, default=1,
@@ -153,12 +180,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """``residency.__version__`` (the package's `__init__` sits above this module's layer, so the
+    metadata is read the same way here)."""
+    try:
+        return metadata.version("residency")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse and check `argv`, run, print the report; returns the exit status (see `EPILOG`)."""
-    parser = build_parser()
+    parser = build_parser(program_name(argv))
+    try:
+        return _checked_run(parser, argv)
+    except KeyboardInterrupt:  # one line, no traceback: the scheduler's state needs no clean-up
+        print(f"{parser.prog}: interrupted (Ctrl-C); exit status {EXIT_INTERRUPTED}",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def program_name(argv: list[str] | None) -> str:
+    """``residency`` when the console script runs the job, else ``python -m residency`` (also
+    for a `main` called with its own `argv`)."""
+    if argv is None and Path(sys.argv[0]).name == "residency":
+        return "residency"
+    return "python -m residency"
+
+
+def _checked_run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     config = _offload_config(parser, args)
-    device = _check_arguments(parser, args)
+    device = check_arguments(parser, args)
     if args.nproc > 1:
         return _launch_ranks(args.nproc, sys.argv[1:] if argv is None else argv)
     try:
@@ -231,6 +284,11 @@ def _run_and_report(
     if args.trace is not None:
         write_trace(args.trace, run.records, run.spans, run.block_records)
         print(f"trace: {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if args.plot is not None and _is_first_rank():  # one picture per job, not per rank
+        write_plot(args.plot, title=f"{run.title}, on {device} ({run.load.describe()})",
+                   records=run.records, spans=run.spans, costs=run.costs)
+        print(f"plot: {args.plot} (the run's phases and loads; each phase change against the "
+              "floor)")
     run.scheduler.close()
     if run.expected is None or torch.equal(run.output, run.expected):
         return EXIT_OK
@@ -238,12 +296,15 @@ def _run_and_report(
 
 
 def _progress(stage: str) -> Callable[[str], None]:
-    """A progress reporter: one line to stderr per call, with the seconds since it was made."""
+    """A progress reporter: one line to stderr per call, with the seconds since it was made.
+
+    Each line is one write (``print`` writes the text and its newline apart), so the lines of
+    several ranks sharing one stderr pipe never interleave within a line."""
     start = time.perf_counter()
 
     def report(line: str) -> None:
-        print(f"[{time.perf_counter() - start:8.2f} s] {stage}: {line}", file=sys.stderr,
-              flush=True)
+        sys.stderr.write(f"[{time.perf_counter() - start:8.2f} s] {stage}: {line}\n")
+        sys.stderr.flush()
 
     return report
 
@@ -259,7 +320,53 @@ def _launch_ranks(nproc: int, argv: list[str]) -> int:
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "-m", "residency", *_without_nproc(argv)]
-    return subprocess.run(command, check=False).returncode
+    ranks = subprocess.Popen(command, stderr=subprocess.PIPE, start_new_session=True)
+    interrupted = threading.Event()
+    relay = threading.Thread(target=_relay, args=(ranks.stderr, interrupted), daemon=True,
+                             name="residency-ranks-stderr")
+    relay.start()
+    try:
+        status = ranks.wait()
+    except KeyboardInterrupt:  # see [Note: Ctrl-C on several ranks]
+        interrupted.set()
+        _stop(ranks)
+        raise
+    finally:
+        relay.join(timeout=RANKS_LEAVE_S)
+    return status
+
+
+def _relay(stream, interrupted: threading.Event) -> None:
+    """Copy the ranks' stderr (torchrun's and every rank's) to ours, line by line, until the job
+    is interrupted; after that their lines are dropped (see [Note: Ctrl-C on several ranks])."""
+    for line in iter(stream.readline, b""):
+        if not interrupted.is_set():
+            sys.stderr.write(line.decode(errors="replace"))
+            sys.stderr.flush()
+    stream.close()
+
+
+def _stop(ranks: subprocess.Popen) -> None:
+    """Interrupt torchrun and its ranks, and let them leave within `RANKS_LEAVE_S`; then kill
+    them.
+
+    [Note: Ctrl-C on several ranks]
+    torchrun runs in a session of its own, so the terminal's SIGINT reaches this process only,
+    which passes it to torchrun's whole process group: torchrun and every rank.  Each rank leaves
+    through its own KeyboardInterrupt, and a node-shared segment's name is unlinked as soon as
+    every rank has mapped it (residency/multirank/shared_memory.py), so a rank that dies
+    mid-phase leaves nothing in /dev/shm.  What torchrun and the ranks print while they leave
+    (torchrun's traceback of its SignalException, one line per rank) is dropped: the job says
+    one line.  The wait is bounded: waiting forever would hang on a rank that ignores the
+    signal."""
+    try:
+        os.killpg(ranks.pid, signal.SIGINT)
+        ranks.wait(timeout=RANKS_LEAVE_S)
+    except ProcessLookupError:
+        ranks.wait()
+    except subprocess.TimeoutExpired:
+        os.killpg(ranks.pid, signal.SIGKILL)
+        ranks.wait()
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -299,88 +406,17 @@ def _is_first_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-# -- checking the arguments before any work -------------------------------------------------------
-
-
-def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
-    """Refuse (exit status 2) what would fail later; returns the compute device."""
-    device = _check_device(parser, args.device)
-    if args.trace is not None:
-        _check_writable(parser, args.trace)
-    if args.pipeline is not None:
-        _check_pipeline_folder(parser, args.pipeline)
-        if args.nproc > 1:
-            parser.error("--nproc runs the synthetic pipeline; leave it out with --pipeline")
-    return device
-
-
-def _check_device(parser: argparse.ArgumentParser, text: str | None) -> torch.device:
-    if text is None:
-        return default_device()
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        parser.error(f"--device {text!r} is not a device name; give cpu, cuda, cuda:1, ...")
-    if device.type == "cpu":
-        return device
-    available = ["cpu"]
-    if torch.accelerator.is_available():
-        accelerator = torch.accelerator.current_accelerator()
-        count = torch.accelerator.device_count()
-        available += [f"{accelerator.type}:{index}" for index in range(count)]
-        if accelerator.type == device.type and (device.index or 0) < count:
-            return device
-    parser.error(f"--device {text}: there is no such device on this machine (available: "
-                 f"{', '.join(available)}); leave --device out to use the default")
-
-
-def _check_writable(parser: argparse.ArgumentParser, path: Path) -> None:
-    """Open `path` for appending (creating it only for the check) so a bad path fails now."""
-    if path.is_dir():
-        parser.error(f"--trace {path} is a folder; give a file name, e.g. {path / 'trace.json'}")
-    existed = path.exists()
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as error:
-        parser.error(f"--trace {path}: cannot write there ({error.strerror}); give a path in a "
-                     "folder that exists and is writable")
-    if not existed:
-        path.unlink()
-
-
-def _check_pipeline_folder(parser: argparse.ArgumentParser, path: Path) -> None:
-    index = path / "model_index.json"
-    if not index.is_file():
-        parser.error(f"--pipeline {path}: no model_index.json there; give a diffusers model "
-                     "folder (one written by pipe.save_pretrained or downloaded from the Hub)")
-    try:
-        declared = json.loads(index.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        parser.error(f"--pipeline {path}: model_index.json cannot be read as JSON ({error}); "
-                     "save the pipeline again with pipe.save_pretrained")
-    if not isinstance(declared, dict) or "_class_name" not in declared:
-        parser.error(f"--pipeline {path}: model_index.json names no pipeline class "
-                     "(\"_class_name\"); it is not a diffusers model folder")
-    try:  # every safetensors header and sharded index; no tensor is read
-        check_weight_files(path)
-    except WeightFileError as error:  # one line: the file, what is wrong, what to do
-        parser.exit(EXIT_USAGE, f"{parser.prog}: error: --pipeline {path}: {error}\n")
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
-        parser.error("--pipeline needs diffusers: pip install -e \".[diffusers]\"")
-
-
 # -- the synthetic pipeline -----------------------------------------------------------------------
 
 
 def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torch.device) -> Run:
     _progress("build")(f"synthetic pipeline, size {args.size!r}")
     pipe = SyntheticWan22.build(args.size, seed=args.seed)
-    expected, plain_seconds = None, None
+    expected, plain_seconds, plain_device_bytes = None, None, None
     if args.check:
+        _check_plan_fits(pipe, config, device)
         pipe.offload = Scheduler.from_pipeline(pipe, None, device=device)  # NoOffload
+        plain_device_bytes = sum(t.nbytes for t in pipe.state_dict().values())
         pipe(args.prompt, steps=1, seed=args.seed,  # warm-up: one-time costs are not offloading's
              progress=_progress("warm-up"))
         start = time.perf_counter()
@@ -401,8 +437,19 @@ def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torc
     return _finish(
         scheduler, recorder=recorder, spans=recorder.spans, output=output, expected=expected,
         plain_seconds=plain_seconds, offloaded_seconds=seconds, device=device,
+        plain_device_bytes=plain_device_bytes,
         title=f"synthetic Wan2.2-T2V-A14B-shaped pipeline, size {args.size!r}, {args.steps} steps",
     )
+
+
+def _check_plan_fits(pipe: SyntheticWan22, config: OffloadConfig, device: torch.device) -> None:
+    """Refuse, before the first run, an auto config whose budget no plan fits: its groups are
+    registered once and closed again (what the offloaded run will register), so the planner's
+    `DeviceMemoryError` (exit status 2) comes before anything has run.  Other modes plan
+    nothing that a budget can refuse."""
+    if config.mode == "auto":
+        Scheduler.from_pipeline(pipe, config, device=device,
+                                process_group=_process_group()).close()
 
 
 # -- a local diffusers pipeline -------------------------------------------------------------------
@@ -414,11 +461,18 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
     A diffusers pipeline may carry state between calls, so each copy is loaded fresh and called
     once; the plain copy is dropped before the offloaded one is loaded (never both in memory).
     """
-    expected, plain_seconds = None, None
+    expected, plain_seconds, plain_device_bytes = None, None, None
     report = _progress(f"pipeline {args.pipeline}")
     if args.check:
         report("loading, then the run without offloading")
-        plain = _load_pipeline(args.pipeline).to(device)
+        plain = _load_pipeline(args.pipeline)
+        if config.mode == "auto":  # a budget no plan fits is refused before the first run
+            enable_offload(plain, config, device=device)
+            disable_offload(plain)
+        plain.to(device)
+        plain_device_bytes = sum(t.nbytes for module in plain.components.values()
+                                 if isinstance(module, torch.nn.Module)
+                                 for t in module.state_dict().values())
         start = time.perf_counter()
         expected = _generate(plain, args)
         plain_seconds = time.perf_counter() - start
@@ -436,6 +490,7 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
     run = _finish(
         scheduler, recorder=None, spans=spans, output=output, expected=expected,
         plain_seconds=plain_seconds, offloaded_seconds=seconds, device=device,
+        plain_device_bytes=plain_device_bytes,
         title=f"{type(pipe).__name__} from {args.pipeline}, {args.steps} steps",
     )
     disable_offload(pipe)
@@ -583,20 +638,23 @@ def _run_without_offloading(args: argparse.Namespace, device: torch.device) -> i
 
 def _finish(scheduler: Scheduler, *, recorder: PhaseRecorder | None, device: torch.device,
             **measured) -> Run:
-    """Collect the records, then measure the floor with the exclusive storage released."""
+    """Collect the run's records, then measure its phase changes again against the floor
+    (`measure_changes`, once any reads behind the first phase have ended)."""
     log = scheduler.transitions
     records, first_index = list(log), log.count - len(log)
     peak = recorder.peak_device_bytes if recorder is not None else 0
     peak = max(peak, scheduler.device_nbytes)
     allocator_peak = _allocator_peak(device)
-    scheduler.offload_all()
-    _progress("floor")("a plain copy of each group's bytes")
-    floor = measure_floor(scheduler)
     groups = [(name, scheduler[name].policy.value, scheduler[name].nbytes) for name in scheduler]
+    blocks, layer_lines = list(scheduler.block_records), _layer_lines(scheduler)  # the run's own
+    report = _progress("floor")
+    still_reading = wait_for_reads(scheduler, report)
+    report("a plain copy of each loaded group's bytes, then each phase change of the run again")
+    costs = measure_changes(scheduler, records, still_reading=still_reading)
     return Run(scheduler=scheduler, groups=groups, records=records, first_index=first_index,
-               recorder=recorder, floor=floor, allocator_peak=allocator_peak,
-               peak_device_bytes=peak, block_records=list(scheduler.block_records),
-               layer_lines=_layer_lines(scheduler), **measured)
+               recorder=recorder, costs=costs, load=machine_load(),
+               allocator_peak=allocator_peak, peak_device_bytes=peak, block_records=blocks,
+               layer_lines=layer_lines, **measured)
 
 
 def _layer_lines(scheduler: Scheduler) -> list[str]:
@@ -637,41 +695,51 @@ def _allocator_peak(device: torch.device) -> int | None:
 
 
 def _report(run: Run, config: OffloadConfig, device: torch.device) -> str:
+    """The job's report: what ran where (with torch's threads and the host's load), the two runs,
+    the device bytes, the run's timeline, its phase changes against the floor, the verdict."""
     lines = [
-        f"residency: {run.title}, on {device} (torch {torch.__version__})",
+        f"residency: {run.title}, on {device} (torch {torch.__version__}; "
+        f"{run.load.describe()})",
+        *filter(None, [run.load.warning()]),
         f"offload config: {config.to_json()}",
         "groups:",
     ]
     for name, policy, nbytes in run.groups:
         lines.append(f"  {name:<16} {policy:<10} {format_nbytes(nbytes):>10}")
     lines += run.layer_lines
-    if run.plain_seconds is not None:
-        lines.append(
-            f"run without offloading: {run.plain_seconds:.3f} s; with offloading: "
-            f"{run.offloaded_seconds:.3f} s (x{run.offloaded_seconds / run.plain_seconds:.2f})"
-        )
-        lines.append(_what_the_ratio_means(device))
-    else:
-        lines.append(f"run with offloading: {run.offloaded_seconds:.3f} s (--no-check)")
-    rows = timeline_rows(run.records, run.floor, run.recorder, first_index=run.first_index)
-    lines.append(format_timeline(rows, peak_device_bytes=run.peak_device_bytes, device=device,
-                                 allocator_peak=run.allocator_peak))
+    lines += _what_the_ratio_means(run, device)
+    lines.append(format_device_bytes(plain=run.plain_device_bytes,
+                                     storage_peak=run.peak_device_bytes,
+                                     allocator_peak=run.allocator_peak, device=device))
+    rows = timeline_rows(run.records, run.recorder, first_index=run.first_index)
+    lines.append(format_timeline(rows, device=device))
     if device.type != "cpu" and run.recorder is None:
-        lines.append("(on an accelerator these seconds cover issuing the copies; the synthetic "
-                     "pipeline's timeline synchronises around each phase change)")
+        lines.append("(on an accelerator the run's seconds cover issuing the copies; the phase "
+                     "changes made again below synchronise around each one)")
+    lines.append(format_changes(run.costs))
     lines.append(_verdict(run))
     return "\n".join(lines)
 
 
-def _what_the_ratio_means(device: torch.device) -> str:
-    """How to read the two runs' seconds on `device`: one line under them."""
+def _what_the_ratio_means(run: Run, device: torch.device) -> list[str]:
+    """The two runs' seconds on `device`, and how to read them.
+
+    One run each, so their ratio carries the machine's load as much as offloading's cost.  On
+    the CPU the "device" is host memory and offloading saves nothing: the ratio is left out.  On
+    an accelerator it is the time offloading costs for the device bytes it saves."""
+    if run.plain_seconds is None:
+        return [f"run with offloading: {run.offloaded_seconds:.3f} s (--no-check)"]
+    seconds = (f"run without offloading: {run.plain_seconds:.3f} s; with offloading: "
+               f"{run.offloaded_seconds:.3f} s")
     if device.type == "cpu":
-        return ("  (on the CPU the \"device\" is host memory: offloading saves nothing, and a "
-                "ratio under 1 is no speed-up - the plain run pays its own first-touch costs; on "
-                "an accelerator the ratio is the time offloading costs, for the device bytes it "
-                "saves: peak device bytes below)")
-    return ("  (the ratio is the time offloading costs, for the device bytes it saves: peak "
-            "device bytes below, against the plain run's whole model)")
+        return [f"{seconds} (one run each)",
+                "  (on the CPU the \"device\" is host memory: offloading saves nothing, so the "
+                "two runs' ratio is left out - one run each, it swings with the machine's load; "
+                "what offloading costs is the phase changes against the floor, below)"]
+    ratio = run.offloaded_seconds / run.plain_seconds
+    return [f"{seconds} (x{ratio:.2f}, one run each)",
+            "  (the ratio is the time offloading costs, for the device bytes it saves: device "
+            "bytes below; one run each, so a loaded host moves it too)"]
 
 
 def _verdict(run: Run) -> str:

@@ -30,7 +30,7 @@ from torch import nn
 from residency.vllm_omni.discovery import SupportsComponentDiscovery
 from residency.engine.no_offload import NoOffload
 
-__all__ = ["SIZES", "SyntheticSize", "SyntheticWan22"]
+__all__ = ["SIZES", "SyntheticSize", "SyntheticWan22", "weight_nbytes"]
 
 
 @attrs.frozen(kw_only=True)
@@ -317,6 +317,18 @@ class SyntheticWan22(SupportsComponentDiscovery, nn.Module):
         report("vae")
         with self.offload.resident("vae"):
             return self.vae(latents)
+
+
+def weight_nbytes(size: SyntheticSize) -> dict[str, int]:
+    """The bytes of each component's parameters and buffers at `size`, without building them
+    (the modules are made on the meta device).
+
+        weight_nbytes(SIZES["small"])   # {'text_encoder': ..., 'transformer': ..., ...}
+    """
+    with torch.device("meta"):
+        pipe = SyntheticWan22(size).to(size.dtype)
+    return {name: sum(t.numel() * t.element_size() for t in module.state_dict().values())
+            for name, module in pipe.named_children()}
 
 
 def _silent(line: str) -> None:

@@ -88,6 +88,7 @@ from pathlib import Path
 
 import torch
 
+from residency.engine.budget import format_nbytes
 from residency.engine.errors import ConfigError, HostMemoryError
 from residency.engine.host_options import HostOptions
 from residency.engine.locks import locked
@@ -389,17 +390,25 @@ def _file_system_type(directory: Path) -> str | None:
 def _too_large(name: str, nbytes: int, limit: int, private: int) -> HostMemoryError:
     return HostMemoryError(
         f"cannot add group {name!r}: its host master needs {nbytes} bytes "
-        f"({nbytes / 2**20:.1f} MiB) paged in while it loads, and memory_limit={limit} leaves "
-        f"{limit - private} bytes for file-backed masters beside the private ones ({private} "
-        f"bytes). Raise memory_limit to at least {private + nbytes}, or split the group; "
+        f"({format_nbytes(nbytes)}) paged in while it loads, and memory_limit={limit} "
+        f"({format_nbytes(limit)}) leaves {limit - private} bytes "
+        f"({format_nbytes(limit - private)}) for file-backed masters beside the private ones "
+        f"({private} bytes, {format_nbytes(private)}). Raise memory_limit to at least "
+        f"{private + nbytes} bytes ({format_nbytes(private + nbytes, digits=2)}, e.g. "
+        f"\"memory_limit\": \"{_ceil_mib(private + nbytes)}MiB\"), or split the group; "
         "nothing was registered"
     )
+
+
+def _ceil_mib(nbytes: int) -> int:
+    """`nbytes` in whole MiB, rounded up: a limit that certainly holds it."""
+    return -(-nbytes // 2**20)
 
 
 def _no_file(name: str, nbytes: int, directory: Path, error: OSError) -> HostMemoryError:
     return HostMemoryError(
         f"cannot add group {name!r}: its file-backed host master needs {nbytes} bytes "
-        f"({nbytes / 2**20:.1f} MiB) in {str(directory)!r} and making the file failed "
+        f"({format_nbytes(nbytes)}) in {str(directory)!r} and making the file failed "
         f"({error}). Free disk space there or give another spill_directory; the weights keep "
         "their values"
     )

@@ -1,0 +1,156 @@
+"""What a newcomer meets first: the main job's up-front checks (host memory for --size, every
+component's weight file, --call-args against the pipeline class, --plot), a budget no plan fits
+refused before the first run, Ctrl-C on several ranks, the version and the console script's name,
+and the host-memory hint in units."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import residency
+from residency.app import checks
+from residency.app.main import main, program_name
+from residency.engine.errors import HostMemoryError
+
+ROOT = Path(__file__).resolve().parent.parent
+WAN_CALL = ["--height", "16", "--width", "16", "--num-frames", "5",
+            "--call-args", '{"max_sequence_length": 8}']
+
+
+def refused(capsys, *argv: str) -> str:
+    """Run main with `argv`, expect exit status 2 before any run; returns stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "] run" not in err  # nothing ran
+    return err
+
+
+def test_a_size_larger_than_the_host_is_refused_naming_both_figures(capsys, monkeypatch):
+    monkeypatch.setattr(checks, "available_host_memory", lambda: 4 * 2**30)
+    err = refused(capsys, "--size", "a14b")
+    assert "--size a14b needs about " in err and "of host memory" in err
+    assert "this host has 4.0 GiB available; give --size medium (the largest that fits)" in err
+    assert "] build:" not in err
+
+
+def test_a_size_that_fits_is_taken(monkeypatch):
+    monkeypatch.setattr(checks, "available_host_memory", lambda: 64 * 2**30)
+    parser = residency.app.main.build_parser()
+    args = parser.parse_args(["--size", "small"])
+    assert checks.check_arguments(parser, args) == torch.device("cpu")
+
+
+def test_a_component_without_its_weight_file_is_refused_by_name(capsys, saved_wan22, tmp_path):
+    folder = tmp_path / "wan"
+    shutil.copytree(saved_wan22, folder)
+    (folder / "transformer_2" / "diffusion_pytorch_model.safetensors").unlink()
+    err = refused(capsys, "--pipeline", str(folder), "--steps", "1", *WAN_CALL)
+    assert err.endswith(
+        f"--pipeline {folder}: component 'transformer_2': "
+        "transformer_2/diffusion_pytorch_model.safetensors is missing (the folder holds no "
+        "weight file: no *.safetensors, sharded index or *.bin), so WanTransformer3DModel has no "
+        "weights to load; save the pipeline again, or download that file\n")
+    assert "Traceback" not in err
+
+
+def test_a_missing_component_folder_is_refused(capsys, saved_wan22, tmp_path):
+    folder = tmp_path / "wan"
+    shutil.copytree(saved_wan22, folder)
+    shutil.rmtree(folder / "vae")
+    err = refused(capsys, "--pipeline", str(folder), "--steps", "1", *WAN_CALL)
+    assert "component 'vae': model_index.json names it (diffusers.AutoencoderKLWan), but the " \
+           "folder vae/ is missing" in err
+
+
+def test_unknown_call_arguments_are_refused_listing_the_accepted(capsys, saved_wan22):
+    err = refused(capsys, "--pipeline", str(saved_wan22), "--steps", "1",
+                  "--call-args", '{"bogus_arg": 1, "max_sequence_length": 8}')
+    assert "WanPipeline.__call__ takes no --call-args key 'bogus_arg'; it accepts " in err
+    assert "num_inference_steps" in err and "max_sequence_length" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("timeline.txt", "--plot {path}: give a file name ending in .png, .svg, .pdf"),
+    ("missing/timeline.png", "--plot {path}: cannot write there"),
+])
+def test_a_bad_plot_path_is_refused(capsys, tmp_path, name, message):
+    path = tmp_path / name
+    err = refused(capsys, "--size", "tiny", "--plot", str(path))
+    assert message.format(path=path) in err
+
+
+def test_a_budget_no_plan_fits_is_refused_before_the_first_run(capsys):
+    config = '{"mode": "auto", "auto_options": {"device_budget": "1KiB"}}'
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--size", "tiny", "--steps", "1", "--diffusion-offload-config", config])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "no plan of the groups" in err and "fits a weights budget" in err
+    assert "run without offloading" not in err and "warm-up" not in err
+
+
+def test_the_version_comes_from_the_metadata(capsys):
+    from importlib import metadata
+
+    assert residency.__version__ == metadata.version("residency")
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == (f"residency {residency.__version__} "
+                                       f"(torch {torch.__version__})\n")
+
+
+def test_the_console_script_names_itself(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/residency"])
+    assert program_name(None) == "residency"
+    assert program_name(["--size", "tiny"]) == "python -m residency"
+    monkeypatch.setattr(sys, "argv", ["/x/residency/__main__.py"])
+    assert program_name(None) == "python -m residency"
+
+
+def test_help_lists_the_interrupted_status(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "130  interrupted (Ctrl-C)" in capsys.readouterr().out
+
+
+def test_ctrl_c_on_two_ranks_prints_one_line_and_leaves_no_segment():
+    before = set(os.listdir("/dev/shm"))
+    job = subprocess.Popen([sys.executable, "-m", "residency", "--nproc", "2", "--size", "small",
+                            "--steps", "100000", "--no-check"], cwd=ROOT, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen, deadline = [], time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = job.stderr.readline()
+        seen.append(line)
+        if "run with offloading: step 3/" in line or not line:
+            break
+    assert any("run with offloading: step 3/" in line for line in seen), "".join(seen)[-3000:]
+    job.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 130
+    after = [line for line in err.splitlines() if "run with offloading: step" not in line]
+    assert after == ["python -m residency: interrupted (Ctrl-C); exit status 130"], err[-3000:]
+    assert set(os.listdir("/dev/shm")) <= before
+
+
+def test_the_host_memory_hint_gives_units(tmp_path):
+    scheduler = residency.Scheduler("cpu", host={"memory_limit": "64KiB",
+                                                 "spill_directory": tmp_path})
+    with pytest.raises(HostMemoryError) as raised:
+        scheduler.add("big", nn.Linear(256, 256))
+    assert "Raise memory_limit to at least" in str(raised.value)
+    assert "KiB, e.g. \"memory_limit\": \"1MiB\")" in str(raised.value)
+    scheduler.close()
