@@ -25,7 +25,10 @@ stream workers each run CPU kernels, and OpenMP teams on top of them made ops se
 on two cores (tests/simdevice/README.md).  A simulator that fails to build skips the accelerator
 tests with the compiler's message, except under CI (``CI=true``), where it is an error: CI must
 never pass because the accelerator half did not run.  ``RESIDENCY_MIN_ACCELERATOR_TESTS=N`` makes
-the session fail when fewer than N accelerator tests passed (``.ci/run`` sets it).
+the session fail when fewer than N accelerator tests passed (``.ci/run`` sets it).  A test also
+marked ``harmless_removal`` (a synchronisation-audit experiment that shows a removal harmless:
+tests/test_sync_audit.py) runs with them and fails like them, but its pass is not counted toward N:
+it checks that a call is not needed, not that one is.
 """
 
 from __future__ import annotations
@@ -64,7 +67,12 @@ def add_options(parser) -> None:
 
 
 def configure(config) -> None:
-    """In a ``--accelerator=sim`` process, load the simulator before anything is collected."""
+    """Register the ``harmless_removal`` mark; in a ``--accelerator=sim`` process, load the
+    simulator before anything is collected."""
+    config.addinivalue_line(
+        "markers", "harmless_removal: a synchronisation-audit experiment showing a removal "
+                   "harmless on the simulated device; not counted toward "
+                   "RESIDENCY_MIN_ACCELERATOR_TESTS (tests/_accelerator.py)")
     results = config.getoption("--accelerator-results")
     if results is not None:
         config.pluginmanager.register(ResultsWriter(results), "accelerator-results")
@@ -215,7 +223,7 @@ class ChildRun:
 
 def _passed_on(config) -> list[str]:
     """The options of this run the child needs too."""
-    options = []
+    options = [f"--sweep={config.getoption('--sweep')}"]
     if config.getoption("--soak"):
         options.append("--soak")
     return options
@@ -260,22 +268,32 @@ class ResultsWriter:
 
 
 def counts(config) -> tuple[int, int, int]:
-    """(passed, failed, skipped) accelerator tests of this session so far."""
+    """(passed, failed, skipped) accelerator tests of this session so far; a passed
+    ``harmless_removal`` experiment is not among the passed (see the module docstring)."""
+    passed, failed, skipped, _ = _tallies(config)
+    return passed, failed, skipped
+
+
+def _tallies(config) -> tuple[int, int, int, int]:
+    """(passed, failed, skipped, harmless-removal experiments passed) accelerator tests."""
     stats = config.pluginmanager.get_plugin("terminalreporter").stats
 
-    def marked(kind: str, when: str | None = None) -> int:
+    def marked(kind: str, when: str | None = None, harmless: bool | None = None) -> int:
         return sum(1 for r in stats.get(kind, [])
-                   if "gpu" in r.keywords and (when is None or r.when == when))
+                   if "gpu" in r.keywords and (when is None or r.when == when)
+                   and (harmless is None or ("harmless_removal" in r.keywords) == harmless))
 
-    return marked("passed", "call"), marked("failed"), marked("skipped")
+    return (marked("passed", "call", harmless=False), marked("failed"), marked("skipped"),
+            marked("passed", "call", harmless=True))
 
 
 def summarize(terminalreporter, config) -> None:
     """Say where the accelerator tests ran, and whether enough of them did."""
-    passed, failed, skipped = counts(config)
-    if passed or failed or skipped:
+    passed, failed, skipped, harmless = _tallies(config)
+    if passed or failed or skipped or harmless:
         terminalreporter.write_line(f"accelerator tests ({_where(config)}): {passed} passed, "
-                                    f"{failed} failed, {skipped} skipped")
+                                    f"{failed} failed, {skipped} skipped; {harmless} harmless-"
+                                    "removal experiments passed (not counted)")
     minimum = _minimum()
     if passed < minimum:
         terminalreporter.write_line(f"FAILED: {passed} accelerator tests passed; "

@@ -6,9 +6,13 @@
 own files (``residency/``) and raises `KeyboardInterrupt` from the trace
 callback at the k-th one - exactly what no SIGINT deferral could hold back.  CPython unsets a
 trace function that raised, so each run is interrupted once.  `sweep` first counts the points of
-an operation on a fresh world, then, for every point (or every `stride`-th), repeats the operation
-on fresh modules with the interrupt at that point, catches it, and runs the checks under a
-watchdog (`bounded`): a later phase that waits forever is a failure, not a hung test.
+an operation on a fresh world, then, for each point it chooses, repeats the operation on fresh
+modules with the interrupt at that point, catches it, and runs the checks under a watchdog
+(`bounded`): a later phase that waits forever is a failure, not a hung test.
+
+Which points (`points_to_interrupt`), by the run's ``--sweep`` option: ``ci`` (the default) takes
+every `stride`-th point the caller gives; ``full`` takes every point.  Each sweep prints how many
+distinct (file, line) pairs the operation executes and how many of them it interrupted.
 
 `consistent(scheduler)` reads the owners' own state (holds, registry, placement, each group and
 its block stream) and lists every disagreement: the one checker every interrupt test uses.
@@ -42,7 +46,24 @@ PACKAGE_DIRS = tuple(
 )
 
 #: Seconds the checks after one injection may take before they count as waiting forever.
-WATCHDOG_S = float(os.environ.get("INTERRUPT_WATCHDOG_S", 20.0))
+WATCHDOG_S = 20.0
+#: The values of ``pytest --sweep``.
+SWEEPS = ("ci", "full")
+#: The run's ``--sweep`` value, set once by conftest's `pytest_configure` (`configure`).
+_sweep = "ci"
+
+
+def configure(value: str) -> None:
+    """Take the run's ``--sweep`` value (tests/conftest.py, before any test runs)."""
+    global _sweep
+    if value not in SWEEPS:
+        raise ValueError(f"--sweep={value!r}: give one of {', '.join(SWEEPS)}")
+    _sweep = value
+
+
+def full_sweep() -> bool:
+    """Whether this run sweeps every point (``pytest --sweep=full``)."""
+    return _sweep == "full"
 
 
 class Interrupter:
@@ -58,6 +79,8 @@ class Interrupter:
         self.count = 0
         #: (file name, line, function) where the interrupt was raised, or None.
         self.where: tuple[str, int, str] | None = None
+        #: A counting run's (file, line) of each point, in order (point k at index k - 1).
+        self.lines: list[tuple[str, int]] = []
         self._inside: dict[object, bool] = {}
 
     def _on_call(self, frame, event, arg):
@@ -70,7 +93,9 @@ class Interrupter:
     def _on_line(self, frame, event, arg):
         if event == "line":
             self.count += 1
-            if self.count == self.at:
+            if self.at is None:
+                self.lines.append((frame.f_code.co_filename, frame.f_lineno))
+            elif self.count == self.at:
                 code = frame.f_code
                 self.where = (os.path.basename(code.co_filename), frame.f_lineno, code.co_name)
                 raise KeyboardInterrupt(f"injected at line event {self.at}")
@@ -119,16 +144,16 @@ def sweep(
     """Count `operation`'s points on `build()`, then interrupt it at every `stride`-th point of a
     fresh `build()`, run `after(world)` on this thread (what the caller's own ``with`` would do
     next), then `check(world)` under the watchdog.  Returns the number of points;
-    raises an AssertionError listing the first `limit` failing points (``INTERRUPT_FAILURES=n``
-    in the environment lists more)."""
-    limit = int(os.environ.get("INTERRUPT_FAILURES", limit))
+    raises an AssertionError listing the first `limit` failing points.  Which points: the
+    module docstring (`points_to_interrupt`)."""
     world = build()
     counter = Interrupter()
     counter.run(lambda: operation(world))
     after(world)
     bounded(lambda: check(world))
     failures = []
-    for at in range(1, counter.count + 1, stride):
+    points = points_to_interrupt(counter, stride)
+    for at in points:
         world = build()
         interrupter = Interrupter(at)
         try:
@@ -142,11 +167,21 @@ def sweep(
             failures.append(f"point {at} at {interrupter.where}: {error!r}"[:1500])
             if len(failures) >= limit:
                 break
-    tried = len(range(1, counter.count + 1, stride))
-    print(f"\ninterrupt sweep: {counter.count} points, {tried} interrupted, {len(failures)} failing")
+    covered = {counter.lines[at - 1] for at in points}
+    print(f"\ninterrupt sweep ({_sweep}): {counter.count} points on {len(set(counter.lines))} "
+          f"lines, {len(points)} interrupted on {len(covered)} lines, {len(failures)} failing")
     assert not failures, (f"{len(failures)}{'+' if len(failures) >= limit else ''} of "
                           f"{counter.count} points fail:\n" + "\n".join(failures))
     return counter.count
+
+
+def points_to_interrupt(counter: Interrupter, stride: int) -> list[int]:
+    """The points a sweep interrupts, after `counter` counted the operation: all of them under
+    ``--sweep=full``, else every `stride`-th.
+
+        points_to_interrupt(counter, 7)   # [1, 8, 15, ...]
+    """
+    return list(range(1, counter.count + 1, 1 if full_sweep() else stride))
 
 
 # -- the one consistency checker -------------------------------------------------------------------

@@ -16,20 +16,24 @@ import torch
 from torch import nn
 
 import _accelerator
+import _interrupts
+from _interrupts import SWEEPS
 from residency import Scheduler
 from residency.engine.transport import CpuTransport
 
 
 def pytest_addoption(parser):
     parser.addoption("--soak", action="store_true", help="run the full-length soak tests")
-    parser.addoption("--interrupt-sweep", choices=("stride", "full"), default="stride",
-                     help="tests/test_interrupts.py: 'full' interrupts every point of every "
-                          "operation (default: every point of four, a stride for the rest)")
+    parser.addoption("--sweep", choices=SWEEPS, default="ci",
+                     help="how far the sweeps go: 'ci' (the default) interrupts each operation "
+                          "at a stride and repeats each synchronisation-audit row 2 times; 'full' "
+                          "interrupts every point and repeats each audit row 20 times")
     _accelerator.add_options(parser)
 
 
 # Where the tests marked gpu run: tests/_accelerator.py ([Note: one child for the accelerator tests]).
 def pytest_configure(config):
+    _interrupts.configure(config.getoption("--sweep"))
     _accelerator.configure(config)
 
 

@@ -17,14 +17,13 @@ from residency.engine.plan import Where
 from _interrupts import assert_consistent, sweep
 from test_interrupts import World, _entered
 
-#: The strides of the sweeps (``pytest --interrupt-sweep=full``: every point).
+#: The strides of the sweeps (``pytest --sweep=full``: every point).
 STRIDES = {"phase-change": 7, "replan": 31, "registration": 29}
 
 
 @pytest.fixture
-def stride(request):
-    full = request.config.getoption("--interrupt-sweep") == "full"
-    return lambda operation: 1 if full else STRIDES[operation]
+def stride():
+    return lambda operation: STRIDES[operation]
 
 
 #: Budgets (bytes, no headroom) for the tiny models "a" (an MLP) and "t" (a DiT of 3 blocks):

@@ -9,7 +9,7 @@ under the limit plus ``SLACK``, and the outputs equal a never-offloaded child's 
 The others run small groups in this process: where a master's bytes live (/proc/self/maps),
 read-ahead and drops as the kernel reports them (``mincore``), edits across drops, layer mode,
 the accelerator (pageable masters), each refusal's message, and an interrupt sweep
-(``HOST_TIER_STRIDE=1`` interrupts every line instead of every third).
+(``pytest --sweep=full`` interrupts every point; by default every third).
 """
 
 from __future__ import annotations
@@ -400,5 +400,5 @@ def test_an_interrupt_anywhere_in_a_phase_change_leaves_the_tier_and_weights_sou
                         assert tier.paged_nbytes() <= tier.paging_room
         scheduler.close()
 
-    points = sweep(build, operation, check, stride=int(os.environ.get("HOST_TIER_STRIDE", 3)))
+    points = sweep(build, operation, check, stride=3)
     assert points > 50

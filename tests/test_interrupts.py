@@ -7,7 +7,7 @@ under a watchdog: the owners agree (`consistent`); every group can be entered ag
 bit-identically (`torch.equal`) with its never-offloaded twin; an edit made inside a phase before
 the interrupted step is on the host after ``close``.  Registration, a phase change with an edit,
 a phase exit and a layer-mode step are swept at every point; the rest at a fixed stride (every
-point with ``pytest --interrupt-sweep=full``).  Two threads: a second thread waits for (or holds)
+point with ``pytest --sweep=full``).  Two threads: a second thread waits for (or holds)
 another group while the first is interrupted.  Last, a bounded soak with real SIGINTs.
 """
 
@@ -37,15 +37,14 @@ from _interrupts import (
     tiny_mlp,
 )
 
-#: The strides of the sweeps that do not interrupt every point (``--interrupt-sweep=full``: all).
+#: The strides of the sweeps that do not interrupt every point (``--sweep=full``: all).
 STRIDES = {"registration-resident": 7, "registration-layers": 13, "leaving-layers": 10,
            "prefetch": 3, "refresh": 41, "close": 11, "enable": 1999, "disable": 211}
 
 
 @pytest.fixture
-def stride(request):
-    full = request.config.getoption("--interrupt-sweep") == "full"
-    return lambda operation: 1 if full or operation is None else STRIDES[operation]
+def stride():
+    return lambda operation: 1 if operation is None else STRIDES[operation]
 
 
 class World:

@@ -342,6 +342,68 @@ def test_the_host_sync_counter_counts_every_host_wait_and_nothing_else():
 
 
 @sim_check("""
+        import threading, time
+        stream = torch.accelerator.current_stream()
+        x = torch.ones(1024, device=sim)
+        torch.accelerator.synchronize()
+        assert simdevice.waiting_threads() == set()
+        listed = []
+        with simdevice.hold(stream):
+            y = x * 2                                            # queued, not run
+            waiter = threading.Thread(target=stream.synchronize)
+            waiter.start()
+            deadline = time.monotonic() + 60                     # bounded: the waiter must block
+            while waiter.ident not in simdevice.waiting_threads() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            listed = simdevice.waiting_threads()
+            assert threading.get_ident() not in listed           # this thread queues, never waits
+        waiter.join(timeout=60)
+        assert waiter.ident in listed and not waiter.is_alive()
+        assert simdevice.waiting_threads() == set()              # gone once the wait returned
+        stream.synchronize()                                     # nothing queued: never listed
+        event = torch.Event("sim")
+        with simdevice.hold(stream):
+            event.record(stream)
+            side = torch.Stream("sim")
+            side.wait_event(event)                               # the device waits, not the host
+            assert simdevice.waiting_threads() == set()
+        torch.accelerator.synchronize()
+        assert torch.equal(y.cpu(), torch.full((1024,), 2.0))
+    """)
+def test_waiting_threads_lists_a_thread_only_while_its_host_wait_blocks():
+    pass
+
+
+@sim_check("""
+        nbytes = (24 << 20) + 123                                # larger than any cached block
+        before = simdevice.pinned_bytes()
+        pinned = [torch.empty(nbytes, dtype=torch.uint8).pin_memory() for _ in range(2)]
+        held = simdevice.pinned_bytes()
+        assert held >= before + 2 * nbytes, (before, held)
+        del pinned
+        assert simdevice.pinned_bytes() == held                  # freed blocks stay cached
+        again = torch.empty(nbytes, dtype=torch.uint8).pin_memory()   # ... and are reused
+        assert simdevice.pinned_bytes() == held
+    """)
+def test_pinned_bytes_reads_the_pinned_allocator_cache_included():
+    pass
+
+
+@sim_check("""
+        torch.accelerator.synchronize()
+        before = torch.accelerator.memory_stats()["requested_bytes.all.current"]
+        x = torch.empty(1000, dtype=torch.uint8, device=sim)     # rounded up to a 1024-byte block
+        stats = torch.accelerator.memory_stats()
+        assert stats["requested_bytes.all.current"] == before + 1000
+        assert torch.accelerator.memory_allocated() >= 1024
+        del x
+        assert torch.accelerator.memory_stats()["requested_bytes.all.current"] == before
+    """)
+def test_requested_bytes_go_up_and_down_with_each_allocation():
+    pass
+
+
+@sim_check("""
         x = torch.arange(24, dtype=torch.float32, device=sim)
         stream = torch.accelerator.current_stream()
         torch.accelerator.synchronize()

@@ -1,29 +1,50 @@
-"""The synchronisation audit (issue 19): every ordering point of the library, and a test that fails
-when that one point is removed.
+"""The synchronisation audit (issues 19 and 33): every ordering call site of the library, and a test
+that fails when that one call is removed.
 
-docs/design.md, "Synchronisation audit", is the table: each ordering call in residency/ (file, enclosing function, call) -> the test below that catches its removal, or why
-none can.  `test_every_ordering_call_has_a_row` reads the package's source and keeps the table
-whole.
+docs/design.md, "Synchronisation audit", is the table: each ordering call site in residency/ (file,
+enclosing function, call, and its place among that function's calls of that name) -> the removal
+tried, the test below that catches it, or why none can.  `test_every_ordering_call_has_a_row` reads
+the package's source and keeps the table whole; `test_each_row_names_the_test_that_removes_it`
+keeps each row's test honest: the test it names removes that very call.
 
-[Note: how a point is removed, and how a race is made certain]
-A point is removed for one caller only: `remove_call` wraps the method so that a call coming from
-the named function does what the point would do without its ordering (usually nothing) and every
-other call goes through.  A run with the point removed must give wrong bits (an output differing
-from the never-offloaded model's, an edit missing from the host master, a host read of bytes not
-written yet); a run with it kept must give the right ones.  The race is not left to timing: the
-simulated device's worker hold stops the stream that would otherwise win (`simdevice.hold`), and
-the other stream is let run first as far as it can (`drain`).  Where the host itself must wait for
-the held stream (a write-back's `Completion.synchronize`), `held_until_host_waits` releases the
-hold once the main thread is inside that wait, so a kept run does not deadlock and a removed run
-(which never waits there) reads the host master while the stream is still held.
+[Note: how a call is removed]
+As a reviewer would remove it, in the source: `removed_at` parses the call's module, finds the
+function and the call at its place (the k-th call of that name in that function, in source order),
+replaces that one node (checked: exactly one), compiles the module and gives the live function the
+rewritten code (`__code__`, for the block only; every caller sees it, as with an edited file).
+What a removal is, by call (`Site.removal`):
+
+* a wait, a record, a retire, a release (`wait_event`, `wait_stream`, `record_event`,
+  `record_stream`, `record`, `synchronize`, `wait`, `retire`, `release`): the call is deleted; where
+  its value was used (an event), the value is None (nothing to wait for);
+* an implicit host wait that reads device values (`tolist`, `item`, `cpu`): a read that does not
+  wait - the values are copied into pinned host memory with ``non_blocking=True`` on the current
+  stream, and read at once (`unwaited_read`).  What the host then sees is whatever that memory held;
+  the row names the content (`Site.stale`): the earlier answer that hides the change;
+* a blocking copy (`copy_`, `to` without ``non_blocking=True``): ``non_blocking=True`` is added.
+
+[Note: how a race is made certain]
+A run with the call removed must give wrong bits (an output differing from the never-offloaded
+model's, an edit missing from the host master, a host read of bytes not written yet, memory still
+held); a run with it kept must give the right ones.  The race is not left to timing: the simulated
+device's worker hold stops the stream that would otherwise win (`simdevice.hold`), and the other
+stream is let run first as far as it can (`drain`).  Where the host itself must wait for the held
+stream, `held_until_host_waits` releases the hold only once the main thread is blocked in a host
+wait on the device (`simdevice.waiting_threads`) with the function that holds the wait on its stack.
+A removed run makes no such wait there, so the hold lasts the whole block: its host reads, and the
+decisions it takes on what it read, come before the held work ran, every time.  (Releasing the hold
+when the thread merely entered that function left a removal inside the same function to timing.)
 
 `drain` cannot tell a stream that waits on held work (the kept run) from a slow one, so it gives
 up after `DRAIN_S`; that bound only costs kept runs time: a removed run's stream has nothing to
 wait for.
 
-Each test runs its scenario `REPEATS` times kept and `REPEATS` times removed (2 in CI);
-``RESIDENCY_AUDIT_REPEATS=20`` runs the acceptance check (20 of 20 failures removed, 20 of 20 passes
-kept).  The scenarios need the worker hold, so they run on the simulated device only.
+Each test runs its scenario `REPEATS` times kept and `REPEATS` times removed (2 by default);
+``pytest --sweep=full`` runs the acceptance check (20 of 20 failures removed, 20 of 20 passes
+kept).  A removal the simulated device shows harmless is run by an experiment marked
+``harmless_removal`` (right bits kept and removed): it fails the day the call becomes needed, and
+it is not counted toward ``RESIDENCY_MIN_ACCELERATOR_TESTS`` (tests/_accelerator.py).  The
+scenarios need the worker hold, so they run on the simulated device only.
 """
 
 from __future__ import annotations
@@ -31,12 +52,16 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
-import os
+import dataclasses
+import importlib
+import inspect
+import itertools
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -44,24 +69,234 @@ import torch
 from torch import nn
 
 from residency import Scheduler
-from residency.engine.digests import ChangeDetector
 from residency.engine.memory import DeviceStorage
 from residency.engine.plan import Where
-from residency.engine.transport import AcceleratorTransport, Completion, Transport
+from residency.engine.transport import AcceleratorTransport
+from residency.multirank.agreement import digest_ranges
 
 import simdevice
 from _accelerator import device as accelerator_device, is_simulated
+from _interrupts import full_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
-REPEATS = int(os.environ.get("RESIDENCY_AUDIT_REPEATS", "2"))
+REPEATS = 20 if full_sweep() else 2
 #: How long `drain` lets a stream run before it takes it for blocked (see the module note).
 DRAIN_S = 0.25
 #: A host wait on a held stream fails after this (a harness bug, never a result).
 WAIT_TIMEOUT_S = 30.0
 WIDTH = 64
 
-_SYNCHRONIZE = Completion.synchronize.__code__
-_CHANGED_WINDOWS = ChangeDetector.changed_windows.__code__
+
+# -- the sites: every ordering call, by file, function and place -----------------------------------
+
+#: Calls that order work between streams or between the host and the device; the last five are the
+#: implicit host waits (`copy_` and `to` only when not asked to be non-blocking).
+ORDERING_CALLS = frozenset({
+    "wait_event", "wait_stream", "record_event", "record_stream", "record", "synchronize", "wait",
+    "retire", "release", "tolist", "item", "cpu", "equal", "copy_", "to",
+})
+_READS = frozenset({"tolist", "item", "cpu"})
+_COPIES = frozenset({"copy_", "to"})
+#: The name a read's removal calls in the rewritten module (`unwaited_read`, set for the block).
+_UNWAITED = "_residency_audit_unwaited_read"
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One ordering call site: the `place`-th call named `call` (1 = the first) in `function` (its
+    classes and enclosing functions, dotted) of `file`.
+
+        Site("residency/engine/apart.py", "PartsApart.drop_unkept", "release", 2)
+    """
+
+    file: str
+    function: str
+    call: str
+    place: int = 1
+    #: For a read: what the host memory the unwaited copy lands in holds (see the module note).
+    stale: bool | int | float | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def key(self) -> tuple[str, str, str, int]:
+        return self.file, self.function, self.call, self.place
+
+    @property
+    def removal(self) -> str:
+        """What removing the call means (the table's "removal" column)."""
+        if self.call in _READS:
+            return f"read without a wait (the host memory holds {self.stale!r})"
+        if self.call in _COPIES:
+            return "`non_blocking=True` added"
+        return "call deleted"
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.function} `{self.call}` #{self.place}"
+
+
+def _call_name(call: ast.Call) -> str | None:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+
+
+def _is_ordering(call: ast.Call) -> bool:
+    name = _call_name(call)
+    if name not in ORDERING_CALLS:
+        return False
+    if name in _COPIES:
+        return not any(k.arg == "non_blocking" and isinstance(k.value, ast.Constant)
+                       and k.value.value is True for k in call.keywords)
+    return True
+
+
+def call_sites(tree: ast.Module, file: str) -> dict[tuple, tuple[ast.Call, list[ast.AST]]]:
+    """Site key -> (its call node, the scopes around it), for every ordering call in `tree`.  A
+    place counts the calls of that name in that scope in source order (outer call first); a nested
+    function or class is a scope of its own."""
+    found: dict[tuple, tuple[ast.Call, list[ast.AST]]] = {}
+    _visit(tree, file, [], found)
+    return found
+
+
+def _visit(node: ast.AST, file: str, scopes: list[ast.AST], found: dict) -> None:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            _visit(child, file, [*scopes, child], found)
+            continue
+        if isinstance(child, ast.Call) and _is_ordering(child):
+            function = ".".join(scope.name for scope in scopes) or "<module>"
+            name = _call_name(child)
+            place = 1 + sum(1 for key in found if key[:3] == (file, function, name))
+            found[(file, function, name, place)] = (child, scopes)
+        _visit(child, file, scopes, found)
+
+
+def ordering_calls() -> dict[tuple[str, str, str, int], int]:
+    """(file, Class.function, call, place) -> line, for every ordering call in residency/."""
+    lines = {}
+    for path in sorted(ROOT.glob("residency/**/*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        for key, (call, _) in call_sites(ast.parse(path.read_text(), relative), relative).items():
+            lines[key] = call.lineno
+    return lines
+
+
+# -- removing one call in the source ---------------------------------------------------------------
+
+
+class _ReplaceOne(ast.NodeTransformer):
+    """Replaces the one node `target` (by identity) with `replacement`; counts replacements."""
+
+    def __init__(self, target: ast.AST, replacement: ast.AST) -> None:
+        self.target, self.replacement, self.replaced = target, replacement, 0
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        if node is self.target:
+            self.replaced += 1
+            return ast.copy_location(self.replacement, node)
+        return super().visit(node)
+
+
+def _replacement(site: Site, call: ast.Call) -> ast.AST:
+    """The node that stands where `call` stood once `site` is removed (see the module note)."""
+    if site.call in _READS:
+        return ast.Call(func=ast.Name(_UNWAITED, ast.Load()),
+                        args=[call.func.value, ast.Constant(site.call), ast.Constant(site.stale)],
+                        keywords=[])
+    if site.call in _COPIES:
+        return ast.Call(func=call.func, args=call.args,
+                        keywords=[*call.keywords, ast.keyword("non_blocking", ast.Constant(True))])
+    return ast.Constant(None)
+
+
+def _code_named(code: types.CodeType, qualname: str) -> types.CodeType:
+    """The code object `qualname` compiled within module code `code`."""
+    pending = [code]
+    while pending:
+        current = pending.pop()
+        if current.co_qualname == qualname:
+            return current
+        pending.extend(const for const in current.co_consts if isinstance(const, types.CodeType))
+    raise LookupError(f"no code named {qualname} in {code.co_filename}")
+
+
+def bytecode(code: types.CodeType) -> tuple[bytes, ...]:
+    """The instructions of `code` and of every code object compiled within it (comprehensions,
+    lambdas, nested functions), in order."""
+    nested = (bytecode(const) for const in code.co_consts if isinstance(const, types.CodeType))
+    return (code.co_code, *(part for parts in nested for part in parts))
+
+
+def _live_function(module: types.ModuleType, qualname: str) -> types.FunctionType:
+    """The function object of `module` whose code is `qualname` (a method, a property's getter,
+    a decorated function: unwrapped)."""
+    owner: object = module
+    names = qualname.split(".")
+    for name in names[:-1]:
+        owner = vars(owner)[name]
+    value = vars(owner)[names[-1]]
+    if isinstance(value, property):
+        candidates = [value.fget, value.fset, value.fdel]
+    else:
+        candidates = [inspect.unwrap(getattr(value, "__func__", value))]
+    for candidate in candidates:
+        if getattr(candidate, "__code__", None) is not None \
+                and candidate.__code__.co_qualname == qualname:
+            return candidate
+    raise LookupError(f"{module.__name__}.{qualname} is not a function this audit can rewrite")
+
+
+def _patched_function(scopes: list[ast.AST]) -> str:
+    """The qualified name of the outermost function around a site (the one whose code is
+    replaced: a nested function is made anew from its code each time it runs)."""
+    names = []
+    for scope in scopes:
+        names.append(scope.name)
+        if not isinstance(scope, ast.ClassDef):
+            return ".".join(names)
+    raise LookupError("an ordering call at class or module level: no function to rewrite")
+
+
+def removed_code(site: Site) -> tuple[types.FunctionType, types.CodeType]:
+    """The live function around `site` and its code with that one call removed (see the note)."""
+    path = ROOT / site.file
+    tree = ast.parse(path.read_text(), str(path))
+    found = call_sites(tree, site.file)
+    if site.key not in found:
+        raise LookupError(f"{site}: no such call in the source (the table names a call that is "
+                          "gone: update the row and its test)")
+    call, scopes = found[site.key]
+    qualname = _patched_function(scopes)
+    module = importlib.import_module(site.file.removesuffix(".py").replace("/", "."))
+    live = _live_function(module, qualname)
+    if bytecode(_code_named(compile(tree, str(path), "exec", dont_inherit=True), qualname)) \
+            != bytecode(live.__code__):
+        raise RuntimeError(f"{site.file} changed on disk since it was imported: run again")
+    rewrite = _ReplaceOne(call, _replacement(site, call))
+    rewritten = ast.fix_missing_locations(rewrite.visit(tree))
+    assert rewrite.replaced == 1, f"{site}: {rewrite.replaced} nodes replaced, not one"
+    return live, _code_named(compile(rewritten, str(path), "exec", dont_inherit=True), qualname)
+
+
+def remove_at(patch: pytest.MonkeyPatch, site: Site) -> None:
+    """Remove `site`'s call (see [Note: how a call is removed]) until `patch` is undone."""
+    live, code = removed_code(site)
+    patch.setattr(live, "__code__", code)
+    if site.call in _READS:
+        patch.setitem(live.__globals__, _UNWAITED, unwaited_read)
+
+
+def unwaited_read(value, kind: str, stale):
+    """``value.<kind>()`` without its host wait: a device tensor's values are copied into pinned
+    host memory filled with `stale`, with ``non_blocking=True`` on the current stream, and read at
+    once (what the host sees before the copy ran).  A host tensor's read waits for nothing: as is.
+
+        unwaited_read(flags, "tolist", False)   # [False, ...] while the stream is held
+    """
+    if not isinstance(value, torch.Tensor) or value.device.type == "cpu":
+        return getattr(value, kind)()
+    on_host = torch.full(value.shape, stale, dtype=value.dtype, pin_memory=True)
+    on_host.copy_(value, non_blocking=True)
+    return on_host if kind == "cpu" else getattr(on_host, kind)()
 
 
 # -- the harness --------------------------------------------------------------------------------
@@ -82,45 +317,6 @@ def same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
         raise WrongBits(f"{what}: {differing} of {expected.numel()} elements differ")
 
 
-def remove_call(monkeypatch, owner, name: str, caller: str | None,
-                instead: Callable | None = None) -> None:
-    """Remove the ordering `owner.name` performs for calls made from function `caller` (None: from
-    every caller): such a call runs `instead` (default: nothing); every other call goes through."""
-    original = owner.__dict__[name]
-
-    def audited(*args, **kwargs):
-        if caller is None or sys._getframe(1).f_code.co_name == caller:
-            return None if instead is None else instead(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, audited)
-
-
-def remove_stream_call(monkeypatch, name: str, caller: str) -> None:
-    """Remove the call of `name` on the copy stream (a torch.Stream) that transport method
-    `caller` makes: while `caller` runs, the transport sees its copy stream through a subclass
-    of torch.Stream that skips that call (the same stream: same id, same worker)."""
-    def skipped(self, *args, **kwargs):
-        if sys._getframe(1).f_code.co_name == caller:
-            return None
-        return getattr(torch.Stream, name)(self, *args, **kwargs)
-
-    audited_type = type("AuditedStream", (torch.Stream,), {name: skipped})
-    original = AcceleratorTransport.__dict__[caller]
-
-    def audited_caller(self, *args, **kwargs):
-        stream = self.copy_stream
-        self.copy_stream = audited_type(stream_id=stream.stream_id,
-                                        device_index=stream.device_index,
-                                        device_type=stream.device_type)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            self.copy_stream = stream
-
-    monkeypatch.setattr(AcceleratorTransport, caller, audited_caller)
-
-
 def drain(stream: torch.Stream, within: float = DRAIN_S) -> bool:
     """Let `stream` run what it can (at most `within` seconds); True when it has nothing left."""
     deadline = time.monotonic() + within
@@ -131,28 +327,33 @@ def drain(stream: torch.Stream, within: float = DRAIN_S) -> bool:
     return True
 
 
+def _blocked_in(thread: int, function: str) -> bool:
+    """Whether `thread` is blocked in a host wait on the device with `function` (a qualified
+    name) on its stack."""
+    if thread not in simdevice.waiting_threads():
+        return False
+    frame = sys._current_frames().get(thread)
+    while frame is not None:
+        if frame.f_code.co_qualname == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
-def held_until_host_waits(stream: torch.Stream, waiting_in, caller: str, drained=()):
-    """Hold `stream` until the main thread is inside `waiting_in` (a code object) called, at some
-    depth, from function `caller` - a host wait that needs the stream - then let each of `drained`
-    run what it can and release the hold.  Without that wait, the hold lasts the whole block."""
+def held_until_host_waits(stream: torch.Stream, function: str, drained=()) -> Iterator[None]:
+    """Hold `stream` until the main thread is blocked in a host wait on the device inside
+    `function` (a qualified name: "_copy_to_master", "ChangeDetector.changed_windows"), then let
+    each of `drained` run what it can and release the hold.  Without such a wait the hold lasts the
+    whole block (see [Note: how a race is made certain])."""
     main = threading.get_ident()
     finished = threading.Event()
     holding = contextlib.ExitStack()
     holding.enter_context(simdevice.hold(stream))
 
-    def waiting() -> bool:
-        frame, inside = sys._current_frames().get(main), False
-        while frame is not None:
-            inside = inside or frame.f_code is waiting_in
-            if inside and frame.f_code.co_name == caller:
-                return True
-            frame = frame.f_back
-        return False
-
     def watch() -> None:
         while not finished.is_set():
-            if waiting():
+            if _blocked_in(main, function):
                 for other in drained:
                     drain(other)
                 holding.close()
@@ -165,49 +366,54 @@ def held_until_host_waits(stream: torch.Stream, waiting_in, caller: str, drained
         yield
     finally:
         finished.set()
-        watcher.join()
+        watcher.join(timeout=WAIT_TIMEOUT_S)
         holding.close()
 
 
-def audit_not_caught(scenario: Callable, remove: Callable) -> None:
-    """The experiment for a point no test catches: `scenario(point)` gives the right bits in every
-    run, the point kept or removed.  Fails the day the point becomes needed there (then it needs
-    a row with a real test)."""
-    for remover in (None, remove):
-        for _ in range(REPEATS):
-            try:
-                scenario(_point(remover))
-            finally:
-                torch.accelerator.synchronize()
-
-
-def audit(scenario: Callable, remove: Callable) -> None:
-    """Run `scenario(point)` REPEATS times with the point kept and REPEATS times with it removed:
-    the scenario does its racy step inside ``with point():``, where a removed run has the point
-    taken out (by `remove(monkeypatch)`; set-up and checks run unpatched).  Every kept run must
-    pass, every removed run must see wrong bits."""
+def _runs(scenario: Callable, site: Site) -> dict[str, list[str]]:
+    """`scenario(point)` REPEATS times with `site` kept and REPEATS times with it removed; the
+    wrong bits each way saw."""
     wrong = {"kept": [], "removed": []}
     for way in ("kept", "removed"):
         for _ in range(REPEATS):
             try:
-                scenario(_point(remove if way == "removed" else None))
+                scenario(_point(site if way == "removed" else None))
             except WrongBits as failure:
                 wrong[way].append(str(failure))
             finally:
                 torch.accelerator.synchronize()
-    assert not wrong["kept"], f"with the point kept, {len(wrong['kept'])} of {REPEATS} runs " \
+    return wrong
+
+
+def audit(scenario: Callable, site: Site) -> None:
+    """Run `scenario(point)` REPEATS times with `site` kept and REPEATS times with it removed: the
+    scenario does its racy step inside ``with point():``, where a removed run has the call taken out
+    of the source (`remove_at`; set-up and checks run on the source as it is).  Every kept run must
+    pass, every removed run must see wrong bits."""
+    wrong = _runs(scenario, site)
+    assert not wrong["kept"], f"with {site} kept, {len(wrong['kept'])} of {REPEATS} runs " \
                               f"saw wrong bits: {wrong['kept'][0]}"
     assert len(wrong["removed"]) == REPEATS, (
-        f"with the point removed, only {len(wrong['removed'])} of {REPEATS} runs saw wrong bits: "
-        "the test does not catch its removal")
+        f"with {site} removed ({site.removal}), only {len(wrong['removed'])} of {REPEATS} runs saw "
+        "wrong bits: the test does not catch its removal")
 
 
-def _point(remove: Callable | None):
+def audit_harmless(scenario: Callable, site: Site) -> None:
+    """The experiment for a removal the simulated device shows harmless: `scenario(point)` gives
+    the right bits in every run, `site` kept or removed (the removal is still made: a call that is
+    gone fails here).  Fails the day the call becomes needed there (then it needs an `audit`)."""
+    wrong = _runs(scenario, site)
+    for way, failures in wrong.items():
+        assert not failures, f"with {site} {way}, {len(failures)} of {REPEATS} runs saw wrong " \
+                             f"bits: {failures[0]} (a removal no longer harmless: audit it)"
+
+
+def _point(site: Site | None):
     @contextlib.contextmanager
     def point():
         with pytest.MonkeyPatch.context() as patch:
-            if remove is not None:
-                remove(patch)
+            if site is not None:
+                remove_at(patch, site)
             yield
     return point
 
@@ -231,7 +437,6 @@ def device():
 
 def compute_stream() -> torch.Stream:
     return torch.accelerator.current_stream()
-
 
 # -- the models ---------------------------------------------------------------------------------
 
@@ -308,6 +513,44 @@ def groups(device, **options):
         made.close()
 
 
+# -- the sites the tests below remove ------------------------------------------------------------
+
+_TRANSPORT, _COMPONENT = "residency/engine/transport.py", "residency/engine/component.py"
+_WRITE_BACK, _APART = "residency/engine/write_back.py", "residency/engine/apart.py"
+_MEMORY, _BUFFERS = "residency/engine/memory.py", "residency/engine/buffers.py"
+_PLACEMENT = "residency/engine/placement.py"
+
+LOAD_EVENT_WAIT = Site(_TRANSPORT, "Completion.wait", "wait_event")
+COPY_EVENT_SYNCHRONIZE = Site(_TRANSPORT, "Completion.synchronize", "synchronize")
+COPY_END_RECORD = Site(_TRANSPORT, "AcceleratorTransport._copy_on_stream", "record_event")
+WRITE_BACK_AFTER_COMPUTE = Site(_TRANSPORT, "AcceleratorTransport.to_host", "wait_stream")
+RETIRE_RECORD = Site(_TRANSPORT, "AcceleratorTransport.retire", "record_event")
+ALLOCATION_RECORD = Site(_TRANSPORT, "AcceleratorTransport.allocate_device", "record_event")
+RETIRED_WAIT = Site(_TRANSPORT, "AcceleratorTransport._wait_retired", "wait_event")
+RELEASE_AFTER_COPIES = Site(_TRANSPORT, "AcceleratorTransport.release", "wait_stream")
+STORAGE_RELEASE = Site(_MEMORY, "DeviceStorage.release", "release")
+FRESH_BUFFER_RELEASE = Site(_MEMORY, "DeviceStorage.prepare", "release")
+FINISH_LOAD_WAIT = Site(_COMPONENT, "Residency._finish_load", "wait")
+EVICTION_RETIRE = Site(_COMPONENT, "Residency._leave_device", "retire")
+MISFIT_TO_HOST = Site(_COMPONENT, "Residency._evict", "to")
+CANCEL_SYNCHRONIZE = Site(_COMPONENT, "Residency._cancel_load", "synchronize")
+CANCEL_RETIRE = Site(_COMPONENT, "Residency._cancel_load", "retire")
+WRITE_BACK_SYNCHRONIZE = Site(_WRITE_BACK, "_copy_to_master", "synchronize")
+SAME_BYTES_FLAGS = Site(_WRITE_BACK, "_same_bytes", "tolist", stale=True)
+#: 0: the bytes of the user's new tensor (zeros, whatever words they are read as).
+SAME_BYTES_ON_HOST = Site(_WRITE_BACK, "_same_bytes", "cpu", 2, stale=0)
+CHANGED_FLAGS = Site("residency/engine/digests.py", "ChangeDetector.changed_windows", "tolist",
+                     stale=False)
+FINGERPRINT_DIGESTS = Site("residency/multirank/agreement.py", "_fingerprints", "cpu", stale=0)
+WITHDRAW_RELEASE = Site(_PLACEMENT, "Placement._withdraw", "release")
+FREE_ALL_RELEASE = Site(_BUFFERS, "DeviceBuffers.free_all", "release")
+MAKE_ROOM_RELEASE = Site(_BUFFERS, "DeviceBuffers.make_room", "release")
+APART_EVICT_RELEASE = Site(_APART, "PartsApart.evict", "release")
+UNKEPT_PART_RELEASE = Site(_APART, "PartsApart.drop_unkept", "release", 1)
+UNKEPT_OWN_RELEASE = Site(_APART, "PartsApart.drop_unkept", "release", 2)
+OWN_STORAGE_RELEASE = Site(_PLACEMENT, "Placement._leave", "release")
+
+
 # -- loads: compute waits for the copy ------------------------------------------------------------
 
 
@@ -326,41 +569,29 @@ def load_then_compute(device, point, *, layers: bool = False) -> None:
         same(output, g.expected["a"], "a's output")
 
 
-def _eventless(original):
-    def issue_without_event(self, pairs):
-        original(self, pairs)
-        return Completion()
-    return issue_without_event
-
-
 @pytest.mark.gpu
 def test_a_phase_waits_for_its_load(device):
     """component.py:Residency._finish_load -> Completion.wait()."""
-    audit(lambda point: load_then_compute(device, point),
-          lambda patch: remove_call(patch, Completion, "wait", "_finish_load"))
+    audit(lambda point: load_then_compute(device, point), FINISH_LOAD_WAIT)
 
 
 @pytest.mark.gpu
 def test_the_compute_stream_waits_on_the_load_event(device):
     """transport.py:Completion.wait -> wait_event (every caller)."""
-    audit(lambda point: load_then_compute(device, point),
-          lambda patch: remove_call(patch, Completion, "wait", None))
+    audit(lambda point: load_then_compute(device, point), LOAD_EVENT_WAIT)
 
 
 @pytest.mark.gpu
 def test_a_load_records_its_end_on_the_copy_stream(device):
-    """transport.py:AcceleratorTransport.to_device -> copy_stream.record_event()."""
-    original = AcceleratorTransport.to_device
-    audit(lambda point: load_then_compute(device, point),
-          lambda patch: remove_call(patch, AcceleratorTransport, "to_device", "_begin_load",
-                                    instead=_eventless(original)))
+    """transport.py:AcceleratorTransport._copy_on_stream -> copy_stream.record_event(), seen by
+    a load (the event compute waits on)."""
+    audit(lambda point: load_then_compute(device, point), COPY_END_RECORD)
 
 
 @pytest.mark.gpu
 def test_a_streamed_block_waits_for_its_copy(device):
     """Layer mode: BlockStream._park -> Residency._finish_load -> Completion.wait()."""
-    audit(lambda point: load_then_compute(device, point, layers=True),
-          lambda patch: remove_call(patch, Completion, "wait", "_finish_load"))
+    audit(lambda point: load_then_compute(device, point, layers=True), FINISH_LOAD_WAIT)
 
 
 # -- evictions: the next copy into a buffer waits for the compute that read it ---------------------
@@ -384,38 +615,29 @@ def evict_then_overwrite(device, point, *, layers: bool = False) -> None:
         same(g.run("b"), g.expected["b"], "b's output")
 
 
-def _forget_retired(self, destination):
-    self._retired.pop(destination.untyped_storage().data_ptr(), None)
-
-
 @pytest.mark.gpu
 def test_an_eviction_retires_its_buffer(device):
     """component.py:Residency._leave_device -> transport.retire(buffer)."""
-    audit(lambda point: evict_then_overwrite(device, point),
-          lambda patch: remove_call(patch, AcceleratorTransport, "retire", "_leave_device"))
+    audit(lambda point: evict_then_overwrite(device, point), EVICTION_RETIRE)
 
 
 @pytest.mark.gpu
 def test_retire_records_on_the_compute_stream(device):
     """transport.py:AcceleratorTransport.retire -> current_stream().record_event()."""
-    audit(lambda point: evict_then_overwrite(device, point),
-          lambda patch: remove_call(patch, AcceleratorTransport, "retire", None))
+    audit(lambda point: evict_then_overwrite(device, point), RETIRE_RECORD)
 
 
 @pytest.mark.gpu
 def test_a_copy_into_a_retired_buffer_waits(device):
     """transport.py:AcceleratorTransport._wait_retired -> copy_stream.wait_event(retired)."""
-    audit(lambda point: evict_then_overwrite(device, point),
-          lambda patch: remove_call(patch, AcceleratorTransport, "_wait_retired", "to_device",
-                                    instead=_forget_retired))
+    audit(lambda point: evict_then_overwrite(device, point), RETIRED_WAIT)
 
 
 @pytest.mark.gpu
 def test_a_slot_is_not_overwritten_under_the_block_that_read_it(device):
     """Layer mode: BlockStream._evict -> SlotPlacement.evict -> Residency._evict ->
     transport.retire(slot buffer)."""
-    audit(lambda point: evict_then_overwrite(device, point, layers=True),
-          lambda patch: remove_call(patch, AcceleratorTransport, "retire", "_leave_device"))
+    audit(lambda point: evict_then_overwrite(device, point, layers=True), EVICTION_RETIRE)
 
 
 # -- a fresh buffer: its first copy waits for compute queued before its allocation ----------------
@@ -446,11 +668,7 @@ def _exclusive_buffer_nbytes(g: Groups) -> int:
 @pytest.mark.gpu
 def test_a_new_buffer_waits_for_compute_queued_before_it(device):
     """transport.py:AcceleratorTransport.allocate_device -> current_stream().record_event()."""
-    audit(lambda point: allocate_over_freed_memory(device, point),
-          # DeviceStorage.prepare allocates through `in_context` (one line: see residency.engine.locks),
-          # the only caller of allocate_device there is.
-          lambda patch: remove_call(patch, AcceleratorTransport, "allocate_device", "in_context",
-                                    instead=Transport.allocate_device))
+    audit(lambda point: allocate_over_freed_memory(device, point), ALLOCATION_RECORD)
 
 
 # -- write-backs: the host reads the master only after the copy ------------------------------------
@@ -469,10 +687,9 @@ def edit_then_read_master(device, point, *, detect_edits: bool, hold: str) -> No
         torch.accelerator.synchronize()
         weight = g.models["a"][0].weight
         expected = g.host_copies["a"][0].weight.detach() + 1
-        caller = "_copy_to_master"
         held = g.copy_stream if hold == "copy" else compute_stream()
         drained = () if hold == "copy" else (g.copy_stream,)
-        with held_until_host_waits(held, _SYNCHRONIZE, caller, drained), point():
+        with held_until_host_waits(held, "_copy_to_master", drained), point():
             with g.scheduler.resident("a"), torch.no_grad():
                 if detect_edits:
                     weight.data.add_(1)  # bytes only: the digests tell
@@ -488,30 +705,29 @@ def edit_then_read_master(device, point, *, detect_edits: bool, hold: str) -> No
 def test_the_host_waits_for_written_back_chunks(device):
     """write_back.py:_copy_to_master -> to_host(...).synchronize(), for chunks."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=True, hold="copy"),
-          lambda patch: remove_call(patch, Completion, "synchronize", "_copy_to_master"))
+          WRITE_BACK_SYNCHRONIZE)
 
 
 @pytest.mark.gpu
 def test_the_host_waits_for_written_back_tensors(device):
     """write_back.py:_copy_to_master -> to_host(...).synchronize(), for tensors."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=False, hold="copy"),
-          lambda patch: remove_call(patch, Completion, "synchronize", "_copy_to_master"))
+          WRITE_BACK_SYNCHRONIZE)
 
 
 @pytest.mark.gpu
 def test_completion_synchronize_waits_for_the_copy_event(device):
     """transport.py:Completion.synchronize -> event.synchronize() (every caller)."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=False, hold="copy"),
-          lambda patch: remove_call(patch, Completion, "synchronize", None))
+          COPY_EVENT_SYNCHRONIZE)
 
 
 @pytest.mark.gpu
 def test_a_write_back_records_its_end_on_the_copy_stream(device):
-    """transport.py:AcceleratorTransport.to_host -> copy_stream.record_event()."""
-    original = AcceleratorTransport.to_host
+    """transport.py:AcceleratorTransport._copy_on_stream -> copy_stream.record_event(), seen by
+    a write-back (the event the host waits on)."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=True, hold="copy"),
-          lambda patch: remove_call(patch, AcceleratorTransport, "to_host", "_copy_to_master",
-                                    instead=_eventless(original)))
+          COPY_END_RECORD)
 
 
 @pytest.mark.gpu
@@ -521,21 +737,10 @@ def test_a_write_back_waits_for_the_compute_that_edited(device):
     With detection off: with it on, reading the digest flags already made the host wait for the
     edit (`test_the_eviction_reads_the_flags_after_the_edit`)."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=False, hold="compute"),
-          lambda patch: remove_stream_call(patch, "wait_stream", "to_host"))
+          WRITE_BACK_AFTER_COMPUTE)
 
 
 # -- the digest flags: read after the kernels that may edit ---------------------------------------
-
-
-def _flags_read_without_waiting(self, buffer_bytes):
-    """changed_windows as it would be if its read did not wait: the flags copied into host memory
-    without a host wait, and read at once."""
-    from residency.engine.digests import _merged_ranges
-
-    flags = self.changed_flags(buffer_bytes)
-    on_host = torch.zeros(flags.shape, dtype=torch.bool, pin_memory=True)
-    on_host.copy_(flags, non_blocking=True)
-    return _merged_ranges(on_host.tolist(), self._layout.window_nbytes, self._nbytes)
 
 
 @pytest.mark.gpu
@@ -548,15 +753,14 @@ def test_the_eviction_reads_the_flags_after_the_edit(device):
             torch.accelerator.synchronize()
             weight = g.models["a"][0].weight
             expected = g.host_copies["a"][0].weight.detach() + 1
-            with held_until_host_waits(compute_stream(), _CHANGED_WINDOWS, "_write_back_edits"), \
+            with held_until_host_waits(compute_stream(), "ChangeDetector.changed_windows"), \
                     point():
                 with g.scheduler.resident("a"), torch.no_grad():
                     weight.data.add_(1)
                 g.scheduler.offload_all()
             same(weight.detach(), expected, "a's edited weight in its host master")
 
-    audit(scenario, lambda patch: patch.setattr(ChangeDetector, "changed_windows",
-                                                _flags_read_without_waiting))
+    audit(scenario, CHANGED_FLAGS)
 
 
 # -- release: compute in reused memory comes after the copies into it ------------------------------
@@ -581,116 +785,23 @@ def copy_in_flight_then_release(device, point) -> None:
     same(reused, torch.full((nbytes,), 7, dtype=torch.uint8), "the tensor in the released memory")
 
 
-def _forget_only(self, storage):
-    self._retired.pop(storage.untyped_storage().data_ptr(), None)
-
-
 @pytest.mark.gpu
 def test_release_orders_reuse_after_copies_in_flight(device):
     """transport.py:AcceleratorTransport.release -> current_stream().wait_stream(copy_stream)."""
-    audit(lambda point: copy_in_flight_then_release(device, point),
-          lambda patch: remove_call(patch, AcceleratorTransport, "release", None,
-                                    instead=_forget_only))
+    audit(lambda point: copy_in_flight_then_release(device, point), RELEASE_AFTER_COPIES)
 
 
 @pytest.mark.gpu
 def test_device_storage_release_forwards_to_the_transport(device):
     """memory.py:DeviceStorage.release -> transport.release(buffer)."""
-    audit(lambda point: copy_in_flight_then_release(device, point),
-          lambda patch: remove_call(patch, AcceleratorTransport, "release", "release"))
-
-
-# -- the table stays whole -------------------------------------------------------------------------
-
-#: Calls that order work between streams or between the host and the device.
-ORDERING_CALLS = frozenset({
-    "wait_event", "wait_stream", "record_event", "record_stream", "record", "synchronize",
-    "retire", "release", "wait", "tolist", "item",
-})
-TABLE_HEADING = "### Synchronisation audit"
-_ROW = re.compile(r"^\|\s*`(?P<file>[\w/]+\.py):(?P<function>[\w.]+)`\s*\|\s*`(?P<call>\w+)`\s*\|"
-                  r"(?P<orders>[^|]*)\|(?P<test>[^|]*)\|\s*$")
-
-
-def ordering_calls() -> dict[tuple[str, str, str], int]:
-    """(file, enclosing Class.function, call name) -> first line, for every ordering call."""
-    found: dict[tuple[str, str, str], int] = {}
-    for path in sorted(ROOT.glob("residency/**/*.py")):
-        relative = path.relative_to(ROOT).as_posix()
-        _visit(ast.parse(path.read_text(), relative), relative, [], found)
-    return found
-
-
-def _visit(node: ast.AST, relative: str, scope: list[str], found: dict) -> None:
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            _visit(child, relative, [*scope, child.name], found)
-            continue
-        if isinstance(child, ast.Call):
-            func = child.func
-            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            if name in ORDERING_CALLS:
-                key = (relative, ".".join(scope) or "<module>", name)
-                found.setdefault(key, child.lineno)
-        _visit(child, relative, scope, found)
-
-
-def table_rows() -> dict[tuple[str, str, str], str]:
-    """(file, function, call) -> the row's test column, from docs/design.md's audit table."""
-    text = (ROOT / "docs" / "design.md").read_text()
-    assert TABLE_HEADING in text, f"docs/design.md has no {TABLE_HEADING!r} section"
-    section = text.split(TABLE_HEADING, 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
-    rows = {}
-    for line in section.splitlines():
-        match = _ROW.match(line.strip())
-        if match:
-            rows[(match["file"], match["function"], match["call"])] = match["test"].strip()
-    return rows
-
-
-def test_every_ordering_call_has_a_row():
-    calls, rows = ordering_calls(), table_rows()
-    missing = [f"{file}:{line}: `{call}` in {function}; add the row\n"
-               f"    | `{file}:{function}` | `{call}` | <what it orders> | <the test in "
-               f"tests/test_sync_audit.py that fails without it, or why none can> |"
-               for (file, function, call), line in sorted(calls.items())
-               if (file, function, call) not in rows]
-    assert not missing, (
-        "ordering calls with no row in the \"Synchronisation audit\" table of docs/design.md "
-        "(section \"Streams (accelerators)\"):\n  " + "\n  ".join(missing))
-    stale = [f"{file}:{function} `{call}`" for (file, function, call) in sorted(rows)
-             if (file, function, call) not in calls]
-    assert not stale, ("rows of docs/design.md's \"Synchronisation audit\" table name calls the "
-                       "source no longer makes; remove or update them:\n  " + "\n  ".join(stale))
-
-
-def test_every_test_the_table_names_exists():
-    defined = {node.name for node in ast.parse(Path(__file__).read_text()).body
-               if isinstance(node, ast.FunctionDef)}
-    named = {name for test in table_rows().values() for name in re.findall(r"`(test_\w+)`", test)}
-    assert named, "the audit table names no test"
-    unknown = sorted(named - defined)
-    assert not unknown, f"the audit table names tests that do not exist: {unknown}"
+    audit(lambda point: copy_in_flight_then_release(device, point), STORAGE_RELEASE)
 
 
 # -- a replaced tensor: its comparison is read after the kernel that made it -----------------------
 
-def _flags_without_waiting(pairs):
-    """write_back._same_bytes as it would be if its read did not wait for the comparison: the
-    host sees what the flag memory held before (here an earlier answer, "same")."""
-    from residency.engine.write_back import _as_bytes
-
-    flags = torch.stack([(_as_bytes(a) == _as_bytes(b)).all() for a, b in pairs])
-    on_host = torch.ones(flags.shape, dtype=torch.bool, pin_memory=True)
-    on_host.copy_(flags, non_blocking=True)
-    return on_host.tolist()
-
-
 @pytest.mark.gpu
 def test_a_replaced_tensor_is_compared_after_it_was_made(device):
     """write_back.py:_same_bytes -> .tolist() (an implicit host wait)."""
-    from residency.engine import write_back
-
     def scenario(point):
         with groups(device, detect_edits=False) as g:
             g.run("b")
@@ -698,14 +809,13 @@ def test_a_replaced_tensor_is_compared_after_it_was_made(device):
             torch.accelerator.synchronize()
             weight = g.models["a"][0].weight
             expected = g.host_copies["a"][0].weight.detach() * 2
-            with held_until_host_waits(compute_stream(), write_back._same_bytes.__code__,
-                                       "_write_back_replaced"), point():
+            with held_until_host_waits(compute_stream(), "_same_bytes"), point():
                 with g.scheduler.resident("a"), torch.no_grad():
                     weight.data = weight.data * 2  # new storage, new bytes (queued: not made yet)
                 g.scheduler.offload_all()
             same(weight.detach(), expected, "a's replaced weight in its host master")
 
-    audit(scenario, lambda patch: patch.setattr(write_back, "_same_bytes", _flags_without_waiting))
+    audit(scenario, SAME_BYTES_FLAGS)
 
 
 # -- prefetch: a cancelled copy, an edit during the copy -------------------------------------------
@@ -737,7 +847,7 @@ def prefetch_then(device, point, *, then: str) -> None:
         for name in ("a", "b", "c", "a"):
             run(name)
         torch.accelerator.synchronize()
-        with held_until_host_waits(copy_stream, _SYNCHRONIZE, "_cancel_load"), point():
+        with held_until_host_waits(copy_stream, "Residency._cancel_load"), point():
             with scheduler.resident("a"):
                 assert scheduler.prefetch("b")
                 with torch.no_grad():
@@ -763,21 +873,20 @@ def test_an_edit_during_a_prefetch_is_copied_again(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.harmless_removal
 def test_a_cancelled_prefetch_needs_no_wait_on_the_simulated_device(device):
-    """component.py:Residency._cancel_load -> completion.synchronize(): not caught here (see the
+    """component.py:Residency._cancel_load -> completion.synchronize(): harmless here (see the
     table): nothing reads the abandoned copy's destination before a later copy, queued after it
     on the copy stream, overwrites it, and the pinned source is not reused before the copy ran."""
-    audit_not_caught(lambda point: prefetch_then(device, point, then="c"),
-                     lambda patch: remove_call(patch, Completion, "synchronize", "_cancel_load"))
+    audit_harmless(lambda point: prefetch_then(device, point, then="c"), CANCEL_SYNCHRONIZE)
 
 
 @pytest.mark.gpu
+@pytest.mark.harmless_removal
 def test_a_cancelled_prefetch_needs_no_retire(device):
-    """component.py:Residency._cancel_load -> transport.retire(buffer): not caught (see the
+    """component.py:Residency._cancel_load -> transport.retire(buffer): harmless (see the
     table)."""
-    audit_not_caught(lambda point: prefetch_then(device, point, then="c"),
-                     lambda patch: remove_call(patch, AcceleratorTransport, "retire",
-                                               "_cancel_load"))
+    audit_harmless(lambda point: prefetch_then(device, point, then="c"), CANCEL_RETIRE)
 
 
 # -- releases: the memory goes back to the allocator -----------------------------------------------
@@ -841,43 +950,43 @@ def released_by(device, point, *, how: str) -> None:
 @pytest.mark.gpu
 def test_removing_a_resident_group_frees_its_buffer(device):
     """placement.py:Placement.withdraw -> device_storage.release()."""
-    audit(lambda point: released_by(device, point, how="withdraw"),
-          lambda patch: remove_call(patch, DeviceStorage, "release", "_withdraw"))
+    audit(lambda point: released_by(device, point, how="withdraw"), WITHDRAW_RELEASE)
 
 
 @pytest.mark.gpu
 def test_offload_all_frees_the_shared_buffers(device):
     """buffers.py:DeviceBuffers.free_all -> storage.release() (offload_all)."""
-    audit(lambda point: released_by(device, point, how="release_shared"),
-          lambda patch: remove_call(patch, DeviceStorage, "release", "free_all"))
+    audit(lambda point: released_by(device, point, how="release_shared"), FREE_ALL_RELEASE)
 
 
 @pytest.mark.gpu
 def test_a_layer_phase_frees_the_module_mode_buffers(device):
     """buffers.py:DeviceBuffers.make_room -> storage.release()."""
-    audit(lambda point: released_by(device, point, how="other_mode"),
-          lambda patch: remove_call(patch, DeviceStorage, "release", "make_room"))
+    audit(lambda point: released_by(device, point, how="other_mode"), MAKE_ROOM_RELEASE)
 
 
 def released_by_an_auto_plan(device, point, *, how: str) -> None:
     """A storage of an auto plan's part is released by placement (`how`: "part" - a block swapped
     apart, when its group leaves; "own" - an own part in a storage of its own, when its group
-    leaves; "replan" - a kept block, when a new plan swaps it) and its memory must be free again.
-    The plans are set by hand (`Placement.replan`), so the planner's choice does not matter."""
+    leaves; "replan" - a kept block, when a new plan swaps it; "replan_own" - a kept own part,
+    when a new plan swaps it) and its memory must be free again.  The plans are set by hand
+    (`Placement.replan`), so the planner's choice does not matter."""
     scheduler = Scheduler(device, auto={"device_budget": 2**30, "headroom": 0})
     scheduler.add("m", mlp(1))
     tower = scheduler.add("t", Tower(2))
     blocks = [name for name in tower.plan.where if name != "t"]
     # The head and the blocks are the same size, and the allocator hands out the block of that
     # size freed last: only the released storages move (the rest is kept), the last is checked.
+    kept = {"t": Where.KEPT} | dict.fromkeys(blocks, Where.KEPT)
     plans = {"own": {"t": Where.SWAPPED} | dict.fromkeys(blocks, Where.KEPT),
              "part": {"t": Where.KEPT} | dict.fromkeys(blocks, Where.SWAPPED),
-             "replan": {"t": Where.KEPT} | dict.fromkeys(blocks, Where.KEPT)}
+             "replan": kept, "replan_own": kept}
+    new_plans = {"replan": plans["part"], "replan_own": plans["own"]}
 
     def release():
-        if how == "replan":
+        if how in new_plans:
             with scheduler._lock:
-                scheduler._placement.replan(tower, tower.plan.replace(plans["part"]))
+                scheduler._placement.replan(tower, tower.plan.replace(new_plans[how]))
         else:
             with scheduler.resident("m"):
                 pass
@@ -887,7 +996,8 @@ def released_by_an_auto_plan(device, point, *, how: str) -> None:
             scheduler._placement.replan(tower, tower.plan.replace(plans[how]))
         with scheduler.resident("t"):
             pass
-        released_at(point, tower if how == "own" else tower.apart[-1], device, release)
+        owner = tower if how in ("own", "replan_own") else tower.apart[-1]
+        released_at(point, owner, device, release)
     finally:
         torch.accelerator.synchronize()
         scheduler.close()
@@ -896,22 +1006,27 @@ def released_by_an_auto_plan(device, point, *, how: str) -> None:
 @pytest.mark.gpu
 def test_a_block_swapped_apart_frees_its_storage_when_its_group_leaves(device):
     """apart.py:PartsApart.evict -> part.device_storage.release()."""
-    audit(lambda point: released_by_an_auto_plan(device, point, how="part"),
-          lambda patch: remove_call(patch, DeviceStorage, "release", "evict"))
+    audit(lambda point: released_by_an_auto_plan(device, point, how="part"), APART_EVICT_RELEASE)
 
 
 @pytest.mark.gpu
 def test_an_own_part_in_a_storage_of_its_own_frees_it_when_its_group_leaves(device):
     """placement.py:Placement._leave -> group.device_storage.release()."""
-    audit(lambda point: released_by_an_auto_plan(device, point, how="own"),
-          lambda patch: remove_call(patch, DeviceStorage, "release", "_leave"))
+    audit(lambda point: released_by_an_auto_plan(device, point, how="own"), OWN_STORAGE_RELEASE)
 
 
 @pytest.mark.gpu
 def test_a_re_plan_frees_the_storage_of_a_block_it_no_longer_keeps(device):
     """apart.py:PartsApart.drop_unkept -> part.device_storage.release()."""
     audit(lambda point: released_by_an_auto_plan(device, point, how="replan"),
-          lambda patch: remove_call(patch, DeviceStorage, "release", "drop_unkept"))
+          UNKEPT_PART_RELEASE)
+
+
+@pytest.mark.gpu
+def test_a_re_plan_frees_the_storage_of_an_own_part_it_no_longer_keeps(device):
+    """apart.py:PartsApart.drop_unkept -> group.device_storage.release() (its second release)."""
+    audit(lambda point: released_by_an_auto_plan(device, point, how="replan_own"),
+          UNKEPT_OWN_RELEASE)
 
 
 def fresh_buffer_beside_an_alias(device, point) -> None:
@@ -931,5 +1046,224 @@ def fresh_buffer_beside_an_alias(device, point) -> None:
 @pytest.mark.gpu
 def test_a_fresh_buffer_drops_the_views_of_the_old_one(device):
     """memory.py:DeviceStorage.prepare -> self.release()."""
-    audit(lambda point: fresh_buffer_beside_an_alias(device, point),
-          lambda patch: remove_call(patch, DeviceStorage, "release", "prepare"))
+    audit(lambda point: fresh_buffer_beside_an_alias(device, point), FRESH_BUFFER_RELEASE)
+
+
+# -- implicit host waits: a misfit moved to the host, a comparison on the host, a fingerprint ---
+
+
+def retyped_then_read_on_the_host(device, point, shift: int) -> None:
+    """a's first weight, plus `shift`, is given a new dtype on the device while resident (queued
+    on the held compute stream); its eviction moves that misfit to the host as it is, and the host
+    reads it at once: it must hold the cast's bytes.  (Each run shifts by another amount: pinned
+    memory a removed run reads may be a block an earlier run's copy filled.)"""
+    with groups(device, detect_edits=False) as g:
+        g.run("b")
+        g.run("a")
+        torch.accelerator.synchronize()
+        weight = g.models["a"][0].weight
+        expected = (g.host_copies["a"][0].weight.detach() + shift).half()
+        with held_until_host_waits(compute_stream(), "Residency._evict"), point():
+            with g.scheduler.resident("a"), torch.no_grad():
+                weight.data = (weight.data + shift).half()  # new storage, new dtype: a misfit
+            g.scheduler.offload_all()
+            assert weight.device.type == "cpu"
+            on_host = weight.detach().clone()  # what the host reads right after the eviction
+        same(on_host, expected, "a's re-typed weight, moved to the host")
+
+
+@pytest.mark.gpu
+def test_a_misfit_is_on_the_host_before_the_host_reads_it(device):
+    """component.py:Residency._evict -> tensors[i].detach().to("cpu") (a blocking copy)."""
+    shifts = itertools.count(1)
+    audit(lambda point: retyped_then_read_on_the_host(device, point, next(shifts)), MISFIT_TO_HOST)
+
+
+def replaced_on_the_host_then_compared(device, point) -> None:
+    """While a is resident, a kernel edits its first weight's device bytes (queued on the held
+    compute stream) and the user then gives that weight new storage on the host (zeros).  The
+    eviction compares the new tensor with the device bytes on the host (`_same_bytes`) and must
+    write the zeros back."""
+    with groups(device, detect_edits=False) as g:
+        g.run("b")
+        g.run("a")
+        torch.accelerator.synchronize()
+        weight = g.models["a"][0].weight
+        zeros = torch.zeros_like(g.host_copies["a"][0].weight.detach())
+        with held_until_host_waits(compute_stream(), "_same_bytes"), point():
+            with g.scheduler.resident("a"), torch.no_grad():
+                weight.data.add_(1)  # the device bytes, edited (queued: not made yet)
+                weight.data = zeros.clone()  # new storage on the host
+            g.scheduler.offload_all()
+        same(weight.detach(), zeros, "a's new weight in its host master")
+
+
+@pytest.mark.gpu
+def test_a_tensor_moved_to_the_host_is_compared_after_the_device_bytes_were_made(device):
+    """write_back.py:_same_bytes -> the device view's .cpu() (its second `cpu`; an implicit host
+    wait).  Removed, the host compares with whatever the pinned memory held: here bytes equal to
+    the new tensor's, so the change is taken for none."""
+    audit(lambda point: replaced_on_the_host_then_compared(device, point), SAME_BYTES_ON_HOST)
+
+
+@pytest.mark.gpu
+def test_a_fingerprint_reads_the_digests_after_the_kernels_that_made_them(device):
+    """agreement.py:_fingerprints -> .cpu() (an implicit host wait): the ranks sharing a master
+    compare fingerprints of their changed device bytes before one of them writes
+    (`digest_ranges`); driven directly, as multi-rank tests run gloo on the CPU."""
+    nbytes = 64 * 1024
+    expected = digest_ranges(torch.full((nbytes,), 3, dtype=torch.uint8), [(0, nbytes)])
+
+    def scenario(point):
+        buffer = torch.full((nbytes,), 2, dtype=torch.uint8, device=device)
+        torch.accelerator.synchronize()
+        with held_until_host_waits(compute_stream(), "_fingerprints"), point():
+            buffer.add_(1)  # queued on the held compute stream
+            fingerprint = digest_ranges(buffer, [(0, nbytes)])
+        if fingerprint != expected:
+            raise WrongBits("the fingerprint of the edited device bytes differs from theirs on "
+                            "the host")
+
+    audit(scenario, FINGERPRINT_DIGESTS)
+
+
+# -- the table stays whole, and each row's test removes its call ---------------------------------
+
+TABLE_HEADING = "### Synchronisation audit"
+_ROW = re.compile(r"^\|\s*`(?P<file>[\w/]+\.py):(?P<function>[\w.<>]+)`\s*\|\s*`(?P<call>\w+)`"
+                  r"\s*#(?P<place>\d+)\s*\|(?P<orders>[^|]*)\|(?P<removal>[^|]*)\|(?P<test>[^|]*)"
+                  r"\|(?P<failures>[^|]*)\|\s*$")
+
+
+def table_rows() -> dict[tuple[str, str, str, int], dict[str, str]]:
+    """(file, function, call, place) -> the row's cells, from docs/design.md's audit table."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    assert TABLE_HEADING in text, f"docs/design.md has no {TABLE_HEADING!r} section"
+    section = text.split(TABLE_HEADING, 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        match = _ROW.match(line.strip())
+        if match:
+            key = (match["file"], match["function"], match["call"], int(match["place"]))
+            assert key not in rows, f"two rows for {key}"
+            rows[key] = {cell: match[cell].strip() for cell in ("removal", "test", "failures")}
+    return rows
+
+
+def audits_in_this_file() -> dict[str, tuple[str, list[Site]]]:
+    """Test name -> ("audit" or "harmless", the sites it removes), read from this file: the
+    `audit(...)` / `audit_harmless(...)` calls in each test and the `Site` constants they pass."""
+    found = {}
+    for node in ast.parse(Path(__file__).read_text()).body:
+        if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
+            continue
+        for call in ast.walk(node):
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) in (
+                    "audit", "audit_harmless") and len(call.args) == 2:
+                kind = "audit" if call.func.id == "audit" else "harmless"
+                site = globals()[call.args[1].id]
+                assert isinstance(site, Site), f"{node.name} passes {call.args[1].id}, not a Site"
+                known_kind, sites = found.setdefault(node.name, (kind, []))
+                assert known_kind == kind, f"{node.name} both audits and shows harmless"
+                sites.append(site)
+    return found
+
+
+def _marked_harmless(test: Callable) -> bool:
+    return any(mark.name == "harmless_removal" for mark in getattr(test, "pytestmark", []))
+
+
+def test_every_ordering_call_has_a_row():
+    calls, rows = ordering_calls(), table_rows()
+    missing = [f"{file}:{line}: `{call}` #{place} in {function}; add the row\n"
+               f"    | `{file}:{function}` | `{call}` #{place} | <what it orders> | <removal> | "
+               f"<the test in tests/test_sync_audit.py that fails without it, or why none can> "
+               f"| <failures of 20> |"
+               for (file, function, call, place), line in sorted(calls.items())
+               if (file, function, call, place) not in rows]
+    assert not missing, (
+        "ordering calls with no row in the \"Synchronisation audit\" table of docs/design.md "
+        "(section \"Streams (accelerators)\"):\n  " + "\n  ".join(missing))
+    stale = [f"{file}:{function} `{call}` #{place}" for (file, function, call, place)
+             in sorted(rows) if (file, function, call, place) not in calls]
+    assert not stale, ("rows of docs/design.md's \"Synchronisation audit\" table name calls the "
+                       "source no longer makes (or at another place); update them:\n  "
+                       + "\n  ".join(stale))
+
+
+def test_each_row_names_the_test_that_removes_it():
+    """A row's tests remove that very call (an audit: it fails 20 of 20 removed; an experiment
+    marked harmless_removal: right bits either way), with the removal the row states; a row with
+    no test says why; every site a test removes has its row."""
+    rows, audits = table_rows(), audits_in_this_file()
+    defined = {node.name for node in ast.parse(Path(__file__).read_text()).body
+               if isinstance(node, ast.FunctionDef)}
+    problems = []
+    for key, row in sorted(rows.items()):
+        named = re.findall(r"`(test_\w+)`", row["test"])
+        problems += [f"{key}: names {name}, which does not exist" for name in named
+                     if name not in defined]
+        removing = [name for name in named
+                    if any(site.key == key for site in audits.get(name, ("", []))[1])]
+        problems += [f"{key}: names {name}, which does not remove this call" for name in named
+                     if name in defined and name not in removing]
+        if not named and not row["test"].startswith(("not ", "harmless")):
+            problems.append(f"{key}: no test, and no reason (start it with 'not ...')")
+        for name in removing:
+            site = next(s for s in audits[name][1] if s.key == key)
+            if row["removal"] != site.removal:
+                problems.append(f"{key}: the removal column says {row['removal']!r}; "
+                                f"{name} removes it as {site.removal!r}")
+    for name, (kind, sites) in sorted(audits.items()):
+        problems += [f"{name} removes {site}, whose row does not name it" for site in sites
+                     if name not in re.findall(r"`(test_\w+)`",
+                                               rows.get(site.key, {}).get("test", ""))]
+        if _marked_harmless(globals()[name]) != (kind == "harmless"):
+            problems.append(f"{name}: an audit_harmless experiment is marked harmless_removal, "
+                            "an audit is not")
+    assert not problems, "\n".join(problems)
+
+
+def test_each_removal_replaces_exactly_one_node_of_the_source_as_loaded():
+    """Every site a test removes rewrites (on any machine: nothing runs) to code that differs
+    from the function's, from the source the function was loaded from."""
+    sites = {site.key: site for _, found in audits_in_this_file().values() for site in found}
+    assert sites
+    for site in sites.values():
+        live, code = removed_code(site)
+        assert bytecode(code) != bytecode(live.__code__), f"{site}: the rewrite changed nothing"
+        assert code.co_qualname == live.__code__.co_qualname
+
+
+def test_a_removal_takes_out_the_one_call_for_the_block_only():
+    """On the CPU: with `DeviceBuffers.free_all`'s release removed, offload_all keeps the buffer;
+    outside the block it frees it again."""
+    def buffer_after_offload_all():
+        scheduler = Scheduler("cpu")
+        scheduler.add("m", mlp(1))
+        with scheduler.resident("m"):
+            pass
+        scheduler.offload_all()
+        kept = scheduler["m"].device_storage.buffer is not None
+        scheduler.close()
+        return kept
+
+    with pytest.MonkeyPatch.context() as patch:
+        remove_at(patch, FREE_ALL_RELEASE)
+        assert buffer_after_offload_all()
+    assert not buffer_after_offload_all()
+
+
+def test_places_count_the_calls_of_a_name_in_one_function_in_source_order():
+    tree = ast.parse("def f(s):\n    s.release(); s.wait()\n    def g():\n        s.release()\n"
+                     "    s.release(s.tolist())\n    s.copy_(s, non_blocking=True)\n"
+                     "    s.copy_(s)\n")
+    assert {key: call.lineno for key, (call, _) in call_sites(tree, "x.py").items()} == {
+        ("x.py", "f", "release", 1): 2, ("x.py", "f", "wait", 1): 2,
+        ("x.py", "f.g", "release", 1): 4, ("x.py", "f", "release", 2): 5,
+        ("x.py", "f", "tolist", 1): 5, ("x.py", "f", "copy_", 1): 7}
+
+
+def test_a_site_that_is_not_in_the_source_is_refused_by_name():
+    with pytest.raises(LookupError, match=r"PartsApart.drop_unkept `release` #3: no such call"):
+        removed_code(Site(_APART, "PartsApart.drop_unkept", "release", 3))

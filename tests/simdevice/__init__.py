@@ -38,6 +38,8 @@ __all__ = [
     "hold",
     "host_syncs",
     "count_host_syncs",
+    "waiting_threads",
+    "pinned_bytes",
     "is_device_pointer",
 ]
 
@@ -212,6 +214,23 @@ def is_device_pointer(address: int) -> bool:
 def host_syncs() -> int:
     """Host synchronisations so far in this process (every host wait on the device; README.md)."""
     return _ext().host_syncs()
+
+
+def waiting_threads() -> set[int]:
+    """The threads (``threading.get_ident()``) blocked in a host wait on the device right now: a
+    stream, event or device synchronize, a read of a device value, a copy that is not asynchronous,
+    whose work has not run yet.  A test that holds a stream releases it once the host waits for
+    it, and not before::
+
+    if threading.get_ident() in simdevice.waiting_threads(): ...
+    """
+    return set(_ext().waiting_threads())
+
+
+def pinned_bytes() -> int:
+    """Bytes the pinned host allocator holds now, its cached free blocks included (what
+    ``torch.cuda.host_memory_stats()["allocated_bytes.current"]`` reads on CUDA)."""
+    return _ext().pinned_bytes()[1]
 
 
 @contextlib.contextmanager

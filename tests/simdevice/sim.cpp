@@ -34,6 +34,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <atomic>
@@ -68,6 +69,31 @@ struct Controls {
 };
 Controls g_controls;
 std::atomic<int64_t> g_host_syncs{0};
+
+// Host threads blocked in a wait on the device right now, by pthread id (Python's
+// threading.get_ident()): a test releases a stream's hold once the host really waits for it
+// (simdevice.waiting_threads).  Registered only when the wait must block (its item or event not
+// done yet); a stream worker's queued event wait is the device waiting, not the host.
+// Owner: g_waiting_mu (taken after a stream's or an event's own mutex, never before).
+std::mutex g_waiting_mu;
+std::multiset<uint64_t> g_waiting;
+
+struct HostWaiting {
+  const uint64_t id = uint64_t(pthread_self());
+  HostWaiting() {
+    std::lock_guard<std::mutex> g(g_waiting_mu);
+    g_waiting.insert(id);
+  }
+  ~HostWaiting() {
+    std::lock_guard<std::mutex> g(g_waiting_mu);
+    g_waiting.erase(g_waiting.find(id));
+  }
+};
+
+std::vector<uint64_t> waiting_threads() {
+  std::lock_guard<std::mutex> g(g_waiting_mu);
+  return {g_waiting.begin(), g_waiting.end()};
+}
 
 void sleep_for_seconds(double s) {
   if (s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(s));
@@ -216,7 +242,11 @@ void raise_device_error() {
 void Stream::wait(uint64_t seq) {
   std::unique_lock<std::mutex> lk(mu);
   auto timeout = std::chrono::duration<double>(g_controls.wait_timeout.load());
-  bool ok = cv.wait_for(lk, timeout, [&] { return completed >= seq; });
+  bool ok = completed >= seq;
+  if (!ok) {
+    HostWaiting waiting;
+    ok = cv.wait_for(lk, timeout, [&] { return completed >= seq; });
+  }
   lk.unlock();
   TORCH_CHECK(ok, "sim: a host wait on stream ", id, " timed out after ", timeout.count(),
               " s (is the stream held by simdevice.hold?)");
@@ -278,10 +308,16 @@ void complete(EventState& st) {
   st.cv.notify_all();
 }
 
-void wait_state(EventState& st) {
+// `host`: the host waits (registered in g_waiting while blocked), not a stream's worker.
+void wait_state(EventState& st, bool host) {
   std::unique_lock<std::mutex> lk(st.mu);
   auto timeout = std::chrono::duration<double>(g_controls.wait_timeout.load());
-  bool ok = st.cv.wait_for(lk, timeout, [&] { return st.done; });
+  bool ok = st.done;
+  if (!ok) {
+    std::optional<HostWaiting> waiting;
+    if (host) waiting.emplace();
+    ok = st.cv.wait_for(lk, timeout, [&] { return st.done; });
+  }
   TORCH_CHECK(ok, "sim: a wait on an event timed out (is its stream held by simdevice.hold?)");
 }
 
@@ -298,6 +334,7 @@ struct Block {
   size_t size;
   c10::StreamId stream;
   std::set<c10::StreamId> used_on;  // other streams that used it (record_stream)
+  size_t requested = 0;             // the bytes asked for by the allocation holding it now
 };
 
 struct Pending {
@@ -410,6 +447,7 @@ struct DeviceAllocator final : public c10::DeviceAllocator {
       ++stats.num_device_alloc;
     }
     b->used_on.clear();
+    b->requested = nbytes;
     live[b->ptr] = b;
     stats.allocated_bytes[0].increase(size);
     stats.active_bytes[0].increase(size);
@@ -424,6 +462,7 @@ struct DeviceAllocator final : public c10::DeviceAllocator {
     live.erase(b->ptr);
     stats.allocated_bytes[0].decrease(b->size);
     stats.active_bytes[0].decrease(b->size);
+    stats.requested_bytes[0].decrease(b->requested);
     stats.allocation[0].decrease(1);
     stats.active[0].decrease(1);
     if (b->used_on.empty()) {
@@ -619,7 +658,7 @@ struct GuardImpl final : public c10::impl::DeviceGuardImplInterface {
     if (!event) return;
     auto st = static_cast<Event*>(event)->state;
     if (!st) return;
-    stream_by_id(stream.id())->enqueue([st] { wait_state(*st); });  // the stream waits, not the host
+    stream_by_id(stream.id())->enqueue([st] { wait_state(*st, false); });  // the stream waits, not the host
   }
   bool queryEvent(void* event) const override {
     if (!event || !static_cast<Event*>(event)->state) return true;
@@ -630,7 +669,7 @@ struct GuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void synchronizeEvent(void* event) const override {
     ++g_host_syncs;
     if (!event || !static_cast<Event*>(event)->state) return;
-    wait_state(*static_cast<Event*>(event)->state);
+    wait_state(*static_cast<Event*>(event)->state, true);
     raise_device_error();
   }
   double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
@@ -1130,6 +1169,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK(false, "sim: no control named ", name);
   });
   m.def("host_syncs", [] { return g_host_syncs.load(); });
+  m.def("waiting_threads", &waiting_threads);
+  m.def("pinned_bytes", [] {
+    auto stats = g_host_allocator.get_stats();
+    return std::make_pair(stats.active_bytes.current, stats.allocated_bytes.current);
+  });
   m.def("route_cpu_kernels", &route_cpu_kernels);
   m.def("set_held", [](int64_t stream_id, bool held) { stream_by_id(stream_id)->set_held(held); });
   m.def("synchronize", [] { synchronize_device(true); });
