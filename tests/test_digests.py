@@ -6,10 +6,12 @@ layouts are checked at their window boundaries.  Speed lives in benchmarks/test_
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from residency.engine.digests import ChangeDetector, DigestLayout, window_digests
 
@@ -44,6 +46,28 @@ def swap(elements: torch.Tensor, i: int, j: int) -> None:
     elements[i], elements[j] = elements[j].clone(), elements[i].clone()
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def intra_op_threads(request):
+    """Run under one intra-op thread (windows one pair of sums at a time) and under two (all
+    windows in one pair): the two CPU paths of `residency.engine.digests`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+class AtenCalls(TorchDispatchMode):
+    """Counts the aten operators run inside it, by name: ``calls["sum"]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 # --- unchanged, determinism, shapes ---------------------------------------------------------------
 
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 255, 256, 257, 1000, 1024])
@@ -52,7 +76,7 @@ def test_an_unchanged_buffer_reports_nothing(nbytes):
     assert remembered(buffer).changed_windows(buffer) == []
 
 
-def test_the_same_bytes_give_the_same_digests_in_any_buffer():
+def test_the_same_bytes_give_the_same_digests_in_any_buffer(intra_op_threads):
     buffer = random_bytes(3 * 2**20 + 5)
     layout = DigestLayout.for_device(buffer.device)
     copy = torch.empty(buffer.numel() + 64, dtype=torch.uint8)[64:]
@@ -75,7 +99,7 @@ def test_an_empty_buffer_has_no_windows():
     assert remembered(empty).changed_windows(empty) == []
 
 
-def test_the_last_partial_window_counts_its_own_bytes_not_the_padding():
+def test_the_last_partial_window_counts_its_own_bytes_not_the_padding(intra_op_threads):
     buffer = random_bytes(2 * 256 + 3)
     zeros_beyond = torch.cat([buffer, torch.zeros(256 - 3, dtype=torch.uint8)])
     assert torch.equal(window_digests(buffer, SMALL), window_digests(zeros_beyond, SMALL))
@@ -85,7 +109,7 @@ def test_the_last_partial_window_counts_its_own_bytes_not_the_padding():
 
 
 @pytest.mark.parametrize("tail", [8, 1024, 1024 + 8, 4096 - 8, 5000])
-def test_a_short_last_window_digests_as_its_zero_padded_full_window(tail):
+def test_a_short_last_window_digests_as_its_zero_padded_full_window(tail, intra_op_threads):
     """Only the rows a short window fills are summed (the layer-mode case: blocks far smaller than
     a window); the digest equals that of the window zero-padded to full size."""
     layout = DigestLayout.for_device(torch.device("cpu"))
@@ -107,7 +131,7 @@ def test_every_single_bit_flip_is_detected_in_its_window(nbytes):
     assert detector.changed_windows(buffer) == []
 
 
-def test_bit_flips_at_the_default_window_boundaries():
+def test_bit_flips_at_the_default_window_boundaries(intra_op_threads):
     layout = DigestLayout.for_device(torch.device("cpu"))
     window = layout.window_nbytes
     nbytes = 3 * window + 4099  # a last partial window, not a multiple of 8
@@ -141,7 +165,8 @@ def test_swaps_of_two_different_elements_anywhere_in_a_window_are_detected(dtype
 
 
 @pytest.mark.parametrize("dtype", ELEMENT_DTYPES)
-def test_swaps_of_neighbours_same_row_and_same_column_in_the_default_layout(dtype):
+def test_swaps_of_neighbours_same_row_and_same_column_in_the_default_layout(dtype,
+                                                                          intra_op_threads):
     layout = DigestLayout.for_device(torch.device("cpu"))
     nbytes = 2 * layout.window_nbytes + 1000  # the last window is partial
     buffer = random_bytes(nbytes, seed=3)
@@ -164,7 +189,7 @@ def test_swaps_of_neighbours_same_row_and_same_column_in_the_default_layout(dtyp
         swap(elements, i, j)
 
 
-def test_a_swap_across_a_window_boundary_reports_both_windows_as_one_range():
+def test_a_swap_across_a_window_boundary_reports_both_windows_as_one_range(intra_op_threads):
     buffer = random_bytes(256 * 4)
     words = buffer.view(torch.float64)
     detector = remembered(buffer)
@@ -185,14 +210,41 @@ def test_swapping_x_and_minus_x_is_detected():
     assert detector.changed_windows(buffer) == [(0, 256)]
 
 
-def test_one_window_per_call_and_all_windows_per_call_give_the_same_digests(monkeypatch):
-    """The CPU path (one window per pair of sums) and the accelerator path (all windows at once)."""
-    import residency.engine.digests as digests
-
+def test_each_window_digests_as_that_window_alone():
+    """All windows are summed in one pair of calls; each one's digest is its own bytes'."""
     buffer = random_bytes(256 * 7 + 100)
-    per_window = window_digests(buffer, SMALL)
-    monkeypatch.setattr(digests, "_windows_per_call", lambda device, count: max(count, 1))
-    assert torch.equal(window_digests(buffer, SMALL), per_window)
+    digests = window_digests(buffer, SMALL)
+    for index in range(digests.shape[0]):
+        alone = buffer[index * 256 : (index + 1) * 256].clone()
+        assert torch.equal(digests[index], window_digests(alone, SMALL)[0]), index
+
+
+# --- cost: a bounded number of calls per buffer ---------------------------------------------------
+
+@pytest.mark.parametrize("intra_op_threads", [2], indirect=True)
+@pytest.mark.parametrize("layout, windows", [(SMALL, 3), (SMALL, 64), (SMALL, 4096),
+                                             (DigestLayout.for_device(torch.device("cpu")), 24)])
+def test_with_several_threads_a_check_costs_the_same_few_sums_whatever_the_window_count(
+        intra_op_threads, layout, windows):
+    """With more than one intra-op thread each large reduction opens a parallel region, and each
+    region stalls when other processes share the cores: a remember and a check run four sums
+    each (rows and columns of the whole windows, of the last, shorter one), not two per window,
+    and give the digests of the one-window-at-a-time path (one thread)."""
+    buffer = random_bytes(windows * layout.window_nbytes + layout.window_nbytes // 2 + 3, seed=5)
+    detector = ChangeDetector(layout)
+    with AtenCalls() as remembering:
+        detector.remember(buffer)
+    buffer[-1] ^= 0x10  # in the last, shorter window
+    buffer[layout.window_nbytes // 2] ^= 0x01  # in the first
+    with AtenCalls() as checking:
+        changed = detector.changed_windows(buffer)
+    assert remembering.calls["sum"] == 4, remembering.calls
+    assert checking.calls["sum"] == 4 and checking.calls["any"] == 1, checking.calls
+    assert changed == [window_range(0, buffer.numel(), layout),
+                       window_range(windows, buffer.numel(), layout)]
+    with_these_threads = window_digests(buffer, layout)
+    torch.set_num_threads(1)  # one pair of sums per window; the fixture restores the count
+    assert torch.equal(window_digests(buffer, layout), with_these_threads)
 
 
 # --- edits the version counter cannot see ---------------------------------------------------------

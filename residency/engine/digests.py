@@ -43,15 +43,31 @@ A change is missed only when it leaves every row sum and every column sum of its
 On a CPU the check must cost well under the copy it saves.  A plain sum runs at memory bandwidth
 but cannot see a swap; weighted sums see positions, but modulo 2**64 they miss swaps whose
 difference is a high power of two (``x`` and ``-x`` in float64 differ by 2**63 as words).  Row and
-column sums need no weights: the row sums read a window from memory, the column sums read it again
-from the cache, so one pass over memory yields both.  Hence one pair of reductions per window on a
-CPU (a 1 MiB window stays in a core's 1 MiB L2), and one pair over all windows at once on an
-accelerator (two kernels; HBM at TB/s).  On the 2-core project VM, 1 thread, checking an unchanged
-400 MiB buffer costs about 0.55x a plain copy of it when the machine is quiet
-(benchmarks/test_change_detection.py); a plain sum alone costs about 0.33x.  The digests take
-``(rows + columns) * 8`` bytes per window: 0.9% of the buffer with the CPU layout, 0.3% with the
-accelerator layout.  (Keeping a copy to ``torch.equal`` against would cost 100% of the memory, and
-on that CPU ``torch.equal`` took 7x the copy.)
+column sums need no weights, but they are two reductions, so every word is read twice.  No single
+torch reduction yields both partitions (a strided view has one pair of strides).
+
+How many windows go in one pair of calls trades where the second read comes from against how many
+calls a buffer costs, and the thread count decides (`_windows_per_call`):
+
+* one intra-op thread, a CPU: one pair per window.  The second sum reads the window from the
+  core's L2, and no call opens a parallel region, so the count of calls costs only its Python
+  overhead.  Digesting 466 MiB: 0.81x a plain copy, against 1.11x with all windows in one pair
+  (quiet); loaded with two CPU-bound processes, 0.64x against 0.90x.
+* more threads: all windows in one pair, two calls per buffer whatever its size (four sums at
+  most per digest: rows and columns of the whole windows, of a last, shorter one).  Every call of
+  more than 32,768 words (ATen's grain size) opens a parallel region, and when other processes
+  share the cores a region can wait a whole scheduler slice for a descheduled thread.  One pair
+  per window is 932 regions for 466 MiB: a check that meets such waits costs 33-75x the copy at
+  2 threads (seen in some runs, not in all; medians 1.06-1.35x), while the one pair never passed
+  1.7x.  The price: 1.07-1.11x the copy against 1.01x quiet, 1.2-1.4x against 1.1-1.35x loaded
+  when no wait comes - a bounded worst case bought with a tenth more reading.
+* an accelerator: all windows in one pair (two kernels; HBM at TB/s).
+
+Both give the same digests.  (2-vCPU VM, torch 2.13.0+cpu, 2026-12-05; the same-run benchmark is
+benchmarks/test_change_detection.py, figures in benchmarks/README.md, "Change detection".)  The
+digests take ``(rows + columns) * 8`` bytes per window: 0.9% of the buffer with the CPU layout,
+0.3% with the accelerator layout.  (Keeping a copy to ``torch.equal`` against would cost 100% of
+the memory and, on a CPU, more time than the copy itself.)
 
 [Note: streams and the one host wait]
 `window_digests`, `ChangeDetector.remember` and `ChangeDetector.changed_flags` only queue kernels on
@@ -120,8 +136,9 @@ class DigestLayout:
     @classmethod
     def for_device(cls, device: torch.device) -> DigestLayout:
         """The measured default.  CPU: 1 MiB windows of 1024 x 128 words (a window stays in L2
-        between its two reductions).  Accelerators: 4 MiB windows of 1024 x 512 words (less state;
-        both reductions run over every window at once)."""
+        between its two reductions when they run one window at a time: `_windows_per_call`).
+        Accelerators: 4 MiB windows of 1024 x 512 words (less state; both reductions run over
+        every window at once)."""
         if device.type == "cpu":
             return cls(window_nbytes=1 * MiB, columns=128)
         return cls(window_nbytes=4 * MiB, columns=512)
@@ -167,7 +184,8 @@ def _check_buffer(buffer_bytes: torch.Tensor) -> None:
 def _digest_full_windows(
     window_bytes: torch.Tensor, layout: DigestLayout, out: torch.Tensor
 ) -> None:
-    """Row and column sums of whole windows into `out`, `_windows_per_call` windows per pair."""
+    """Row and column sums of whole windows into `out`, `_windows_per_call` windows per pair:
+    two calls for all of them, or two per window on a one-thread CPU."""
     if window_bytes.numel() == 0:
         return
     matrices = window_bytes.view(torch.int64).view(-1, layout.rows, layout.columns)
@@ -175,14 +193,20 @@ def _digest_full_windows(
     batches = zip(matrices.split(per_call), out[:, : layout.rows].split(per_call),
                   out[:, layout.rows :].split(per_call))
     for batch, row_sums, column_sums in batches:
-        torch.sum(batch, dim=2, out=row_sums)     # reads the window from memory
-        torch.sum(batch, dim=1, out=column_sums)  # on a CPU: reads it again from the cache
+        torch.sum(batch, dim=2, out=row_sums)     # reads the windows from memory
+        torch.sum(batch, dim=1, out=column_sums)  # one window: reads it again from the cache
 
 
 def _windows_per_call(device: torch.device, window_count: int) -> int:
-    """One window per call on a CPU (it stays in cache between the two sums); all of them elsewhere
-    (two kernel launches in all; the device has no use for a Python loop)."""
-    return 1 if device.type == "cpu" else max(window_count, 1)
+    """Windows per pair of reductions: one on a CPU whose intra-op pool has one thread (the second
+    sum reads the window from the cache, and no call opens a parallel region); all of them
+    otherwise: two calls per buffer (see [Note: the cost, and why rows and columns]).
+
+        _windows_per_call(torch.device("cpu"), 466)   # 1 under torch.set_num_threads(1), else 466
+    """
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return 1
+    return max(window_count, 1)
 
 
 def _digest_partial_window(tail: torch.Tensor, layout: DigestLayout, out: torch.Tensor) -> None:
