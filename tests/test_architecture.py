@@ -198,10 +198,12 @@ LAYERS: list[tuple[str, set[str]]] = [
     # The facade.
     ("facade", {"residency.engine.scheduler"}),
     # What an adapter knows about a third-party library (diffusers components' roles; a diffusers
-    # folder's weight files and their check), kept apart from the adapter that acts on it.
+    # folder's weight files and their check; where a pipeline call starts and ends), kept apart
+    # from the adapter that acts on it.
     (
         "adapter knowledge",
-        {"residency.adapters.diffusers_roles", "residency.adapters.weight_files"},
+        {"residency.adapters.diffusers_roles", "residency.adapters.weight_files",
+         "residency.adapters.pipeline_calls"},
     ),
     # What is built on the facade: protocols, adapters, tools, the synthetic pipeline.
     (

@@ -16,10 +16,12 @@ import torch
 pytest.importorskip("diffusers")
 
 import residency.adapters.diffusers as adapter
+import residency.adapters.pipeline_calls as pipeline_calls_module
 from _helpers import in_buffer
 from _tiny_pipelines import flux_call, tiny_flux, tiny_wan22, wan22_call
 from residency.adapters.diffusers import (
     ENTRY_POINTS,
+    CallBoundary,
     PhaseEntry,
     disable_offload,
     enable_offload,
@@ -373,13 +375,16 @@ def test_a_config_that_offloads_no_component_is_refused_and_changes_nothing():
 # -- the adapter's state: its entries, nothing else -----------------------------------------------
 
 
-def test_enable_offload_sets_phase_entries_and_nothing_else():
+def test_enable_offload_sets_phase_entries_and_call_boundaries_and_nothing_else():
     plain, pipe = tiny_flux(), tiny_flux()
     pipe_attributes = {name: id(value) for name, value in vars(pipe).items()}
     before = module_attributes(pipe)
     scheduler = enable_offload(pipe, device="cpu")
 
-    assert {name: id(value) for name, value in vars(pipe).items()} == pipe_attributes
+    set_on_pipe = {name: value for name, value in vars(pipe).items()
+                   if pipe_attributes.get(name) != id(value)}
+    assert sorted(set_on_pipe) == ["check_inputs", "maybe_free_model_hooks"]  # its call boundaries
+    assert all(isinstance(value, CallBoundary) for value in set_on_pipe.values())
     added = {"text_encoder": {"forward"}, "text_encoder_2": {"forward"}, "transformer": {"forward"},
              "vae": {"forward", "encode", "decode"}}  # the VAE's (resident policy) move nothing
     assert module_attributes(pipe) == {
@@ -396,12 +401,14 @@ def test_enable_offload_sets_phase_entries_and_nothing_else():
     )
     disable_offload(pipe)
     assert module_attributes(pipe) == before
+    assert {name: id(value) for name, value in vars(pipe).items()} == pipe_attributes
 
 
-def test_the_adapter_module_holds_no_registry():
+@pytest.mark.parametrize("module", [adapter, pipeline_calls_module], ids=lambda m: m.__name__)
+def test_the_adapter_module_holds_no_registry(module):
     containers = (dict, list, set, weakref.WeakKeyDictionary, weakref.WeakValueDictionary,
                   weakref.WeakSet)
-    held = [name for name, value in vars(adapter).items()
+    held = [name for name, value in vars(module).items()
             if not name.startswith("__") and isinstance(value, containers)]
     assert held == []
 

@@ -225,9 +225,25 @@ def test_from_pretrained_checks_before_it_loads(saved: Path, tmp_path: Path):
 
 
 def read_threads() -> list:
+    """The reading threads alive in this process, whoever started them."""
     import threading
 
-    return [thread for thread in threading.enumerate() if thread.name == "residency-read"]
+    return [thread for thread in threading.enumerate()
+            if thread.name in ("residency-read", "residency-arrive")]
+
+
+@pytest.fixture
+def no_earlier_reads():
+    """Wait, at most 60 s, for reading threads an earlier test left to end, so that a thread
+    this test finds alive is its own.  A scheduler's read-behind worker ends once its queue is
+    empty, after that test returned; on a loaded machine it may still be reading (or starting a
+    `FileReader` thread) when the next test begins."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while read_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not read_threads(), f"reading threads of an earlier test still run: {read_threads()}"
 
 
 def source_for(path: Path, offset: int = 0) -> FileSource:
@@ -236,7 +252,8 @@ def source_for(path: Path, offset: int = 0) -> FileSource:
                       size=info.st_size, mtime_ns=info.st_mtime_ns)
 
 
-def test_the_reader_reads_ranges_in_pieces_on_its_threads(tmp_path: Path):
+def test_the_reader_reads_ranges_in_pieces_on_its_threads(tmp_path: Path,
+                                                          no_earlier_reads):
     from residency.engine.file_reads import FileReader
 
     data = bytes(range(256)) * 4096  # 1 MiB
@@ -253,7 +270,7 @@ def test_the_reader_reads_ranges_in_pieces_on_its_threads(tmp_path: Path):
     assert not read_threads()
 
 
-def test_a_file_replaced_or_truncated_since_it_was_found_is_refused(tmp_path: Path):
+def test_a_file_replaced_or_truncated_since_it_was_found_is_refused(tmp_path: Path, no_earlier_reads):
     from residency import WeightFileError
     from residency.engine.file_reads import FileReader
 
@@ -268,7 +285,7 @@ def test_a_file_replaced_or_truncated_since_it_was_found_is_refused(tmp_path: Pa
         f"{path}: the weight file was truncated (5000 bytes, was 10000 bytes) since the pipeline "
         "was loaded from it, so it no longer holds the tensors' bytes. Keep weight files "
         "unchanged until offloading is enabled, or load the pipeline again from the folder; the "
-        "weights keep their values")
+        "tensors past its new end are lost with it")
     other = tmp_path / "other.bin"
     other.write_bytes(b"y" * 10_000)
     found = source_for(path)
@@ -287,7 +304,7 @@ def test_a_file_replaced_or_truncated_since_it_was_found_is_refused(tmp_path: Pa
     assert not chunk.any() and not read_threads()
 
 
-def test_a_short_read_says_the_file_was_truncated(tmp_path: Path):
+def test_a_short_read_says_the_file_was_truncated(tmp_path: Path, no_earlier_reads):
     from residency import WeightFileError
     from residency.engine.file_reads import FileReader
 
@@ -300,8 +317,9 @@ def test_a_short_read_says_the_file_was_truncated(tmp_path: Path):
             reader.finish()
     assert str(error.value) == (
         f"{path}: the weight file ends at byte 1000, inside the tensor bytes [800, 1300) being "
-        "read: it was truncated while offloading was enabled (it had 1000 bytes). Restore the "
-        "file (download it again) and load the pipeline again; the weights keep their values")
+        "read: it was truncated while offloading was enabled (it had 1000 bytes), and the "
+        "tensors past its new end are lost with it. Restore the file (download it again) and "
+        "load the pipeline again")
     assert not read_threads()
 
 
@@ -311,7 +329,8 @@ def test_a_short_read_says_the_file_was_truncated(tmp_path: Path):
 SWEEP_STRIDE = int(os.environ.get("FILE_READS_SWEEP_STRIDE", 3))
 
 
-def test_an_interrupt_anywhere_in_a_pack_with_file_reads_keeps_the_weights(saved: Path):
+def test_an_interrupt_anywhere_in_a_pack_with_file_reads_keeps_the_weights(saved: Path,
+                                                                          no_earlier_reads):
     from transformers import UMT5EncoderModel
 
     from residency.engine.memory import HostMaster

@@ -6,6 +6,10 @@
     video = pipe("a cat on the moon").frames        # outputs bit-identical to the plain pipeline
     disable_offload(pipe)                            # the pipeline as it was, weights on one device
 
+`disable_offload` and `enable_offload` are refused (`PhaseError`) while a call of the pipeline
+runs - from a ``callback_on_step_end``, say - and `pipeline_calls(pipe)` counts the calls (see
+[Note: pipeline calls] in residency/adapters/pipeline_calls.py).
+
 What it finds in ``pipe.components`` (modules only; ``None`` and non-module parts are skipped):
 
 * DiTs: ``transformer``, ``transformer_2``, ``transformer_3``, ... — each its own exclusive group,
@@ -46,9 +50,10 @@ arguments already there, that costs a device comparison.
 [Note: adapter state]
 There is no registry: the `PhaseEntry` wrappers are the adapter's state.  All the entries one
 `enable_offload` call sets share one `_Offload` record: the scheduler, a weak reference to the
-pipeline, and every module component with the device it was on before (resident-policy
-components included, though they get no entry).  Nothing else is set on modules, nothing at all
-on the pipeline, nothing at module level.
+pipeline, every module component with the device it was on before (resident-policy
+components included, though they get no entry) and the pipeline's `PipelineCalls`.  Nothing else
+is set on modules; on the pipeline, only the two `CallBoundary` wrappers of [Note: pipeline
+calls]; nothing at module level.
 
 * Finding it.  `offload_scheduler`, `disable_offload` and the second-call check of
   `enable_offload` read the entry points of ``pipe.components`` (``vars(module)``, no probing of
@@ -61,11 +66,15 @@ on the pipeline, nothing at module level.
   refused with the component's name and told to disable the other pipeline.  A record whose
   pipeline has been dropped belongs to whichever pipeline still holds its components, so its
   entries can still be removed.
-* Undoing.  Close the scheduler (weights back in host memory), take the record's entries off the
-  recorded components (see [Note: other wrappers]), move each recorded component back to its
-  device.
+* Undoing.  Close the scheduler (weights back in host memory), take the record's boundaries off
+  the pipeline, then its entries off the recorded components (see [Note: other wrappers]), move
+  each recorded component back to its device.  Boundaries go first: the entries are what finds
+  the record, so a repeat after an interrupt still finds it and removes what is left.
+  `enable_offload` sets them in the other order, entries first, for the same reason.
 * Lifetime.  An entry holds its module's bound method and the module holds the entry: a cycle the
-  garbage collector frees with the pipeline, scheduler and host masters included.
+  garbage collector frees with the pipeline, scheduler and host masters included.  A boundary
+  and its pipeline make the same cycle; the record holds the pipeline weakly and never its
+  boundaries, so a sibling holding the components does not keep the pipeline alive.
 * Copies.  ``copy.deepcopy`` of an entry is a deep copy of what it wraps, so a copied module gets
   its own class method bound to the copy (or a copy of another wrapper) and its own weights: it is
   plain and detached.  The record (and its scheduler, which holds a lock) is never copied.
@@ -91,6 +100,8 @@ them in either order and undoes only what it did:
   puts the detached entry back on top, the next `enable_offload` looks through it.
 * The record sits in a ``__slots__`` slot: a wrapper set on top copies the entry's ``__dict__``
   (functools.update_wrapper) and so never carries the scheduler.
+* The pipeline's `CallBoundary` wrappers compose with other wrappers of ``check_inputs`` and
+  ``maybe_free_model_hooks`` the same way (both are `InstanceWrapper` objects).
 * Offloaders are refused, not composed: accelerate's hooks (``enable_model_cpu_offload``,
   sequential offload) and diffusers' group offloading move the same weights.
 * Caches are refused when a component all-gathers: see [Note: caches and all-gather].
@@ -140,6 +151,15 @@ from torch import nn
 
 from residency.vllm_omni.config import OffloadConfig, resolve_config
 from residency.adapters.diffusers_roles import KINDS, Role, roles_of
+from residency.adapters.pipeline_calls import (
+    CallBoundary,
+    CallEnd,
+    Ending,
+    PipelineCalls,
+    check_not_in_call,
+    remove_boundaries,
+    set_boundaries,
+)
 from residency.adapters.weight_files import check_weight_files
 from residency.vllm_omni.discovery import (
     ENCODER_GROUP,
@@ -159,12 +179,17 @@ from residency.engine.instance_wrappers import InstanceWrapper, chain
 from residency.engine.scheduler import Phase, Scheduler
 
 __all__ = [
+    "CallBoundary",
+    "CallEnd",
+    "Ending",
     "PhaseEntry",
+    "PipelineCalls",
     "describe",
     "disable_offload",
     "enable_offload",
     "from_pretrained",
     "offload_scheduler",
+    "pipeline_calls",
 ]
 
 _log = logging.getLogger("residency")
@@ -212,13 +237,15 @@ def enable_offload(
     current accelerator, else the CPU.  `process_group`: as for `Scheduler` (the ranks of a node
     share host masters; enabling is then collective).  `host`: the host tiers' options
     (`HostOptions`: cache directory, memory limit), as for `Scheduler`.  Returns the pipeline's
-    `Scheduler`.
+    `Scheduler`; `pipeline_calls(pipe)` counts its calls from then on.
 
     Raises `RegistrationError` when the pipeline is already offloaded (by this function or another
-    offloader's hooks) and `ConfigError` for an object that is not a diffusers pipeline, a config
-    or pipeline the grouping rules refuse, one that offloads none of its components, or one that
-    all-gathers a component while a diffusers cache is enabled ([Note: caches and all-gather]); a
-    refused call changes nothing.
+    offloader's hooks), `PhaseError` during a call of the pipeline (from a callback such as
+    ``callback_on_step_end``, or another thread: enable before ``pipe(...)`` or after it returns;
+    see [Note: pipeline calls] in pipeline_calls.py), and `ConfigError` for an object that is not
+    a diffusers pipeline, a config or pipeline the grouping rules refuse, one that offloads none
+    of its components, or one that all-gathers a component while a diffusers cache is enabled
+    ([Note: caches and all-gather]); a refused call changes nothing.
     """
     owner = type(pipe).__name__
     components = _module_components(pipe, "enable_offload")
@@ -228,6 +255,7 @@ def enable_offload(
             "its components twice. Use the scheduler the first call returned "
             "(offload_scheduler(pipe)), or call disable_offload(pipe) first"
         )
+    check_not_in_call(pipe, "enable")
     parsed = resolve_config(config) or DEFAULT_CONFIG
     _check_no_other_offloader(owner, components)
     _check_not_shared(owner, components)
@@ -245,7 +273,10 @@ def enable_offload(
     leftovers = _leftovers(owner, found, roles)
     if leftovers is not None:
         _log.warning("%s", leftovers)
-    _wrap_groups(_Offload(scheduler, weakref.ref(pipe), placements, gathered), found)
+    offload = _Offload(scheduler=scheduler, pipeline=weakref.ref(pipe), placements=placements,
+                       calls=PipelineCalls(pipe), gathered=gathered)
+    _wrap_groups(offload, found)
+    set_boundaries(offload.calls, pipe)  # after the entries: see [Note: adapter state], "Undoing"
     _place_execution_device(scheduler, found)
     return scheduler
 
@@ -304,16 +335,23 @@ def disable_offload(pipe: object) -> None:
         pipe(prompt)              # the plain pipeline again
 
     The scheduler is closed (its weights return to host memory, then each component moves back to
-    the device it was on before).  Refused, changing nothing, while a phase is active
-    (`PhaseError`) or when offloading is not enabled on `pipe` (`RegistrationError`; also when its
-    components are offloaded through another pipeline sharing them: disable that one).
+    the device it was on before), and `pipeline_calls(pipe)` is None again.  Refused, changing
+    nothing, when offloading is not enabled on `pipe` (`RegistrationError`; also when its
+    components are offloaded through another pipeline sharing them: disable that one), during a
+    call of the pipeline (`PhaseError`: from a callback such as ``callback_on_step_end``, or from
+    another thread while ``pipe(...)`` runs; call it after the call returns, see [Note: pipeline
+    calls]), or while a phase is active (`PhaseError`: a ``with scheduler.resident(...)`` block).
+    After a call that raised it works: that call has ended.
     """
     components = _module_components(pipe, "disable_offload")
     owner = type(pipe).__name__
     offload = _offload_of(pipe, components)
     if offload is None:
         raise _not_enabled(owner, components)
+    check_not_in_call(pipe, "disable")
+    offload.calls.refresh()  # a call that raised ends, its listeners told, before they go
     _close(owner, offload.scheduler)
+    remove_boundaries(offload.calls, pipe)  # before the entries that find the record
     for _, module, device in offload.placements:
         offload.unwrap(module)  # what each entry wrapped is the entry point again
         if device.type != "cpu":
@@ -344,6 +382,20 @@ def offload_scheduler(pipe: object) -> Scheduler | None:
     return None if offload is None else offload.scheduler
 
 
+def pipeline_calls(pipe: object) -> PipelineCalls | None:
+    """The `PipelineCalls` of `pipe` while it is offloaded, or None.
+
+        calls = pipeline_calls(pipe)
+        pipe(prompt)
+        print(calls.started, calls.ended)      # 1 1
+
+    A new `enable_offload` gives a new one, counting from zero.
+    """
+    components = _components_of(pipe)
+    offload = None if components is None else _offload_of(pipe, components)
+    return None if offload is None else offload.calls
+
+
 # -- the adapter's state (see [Note: adapter state]) ----------------------------------------------
 
 
@@ -358,6 +410,8 @@ class _Offload:
     #: (component name, module, the device its weights were on before) of every module
     #: component, resident-policy ones included.
     placements: tuple[tuple[str, nn.Module, torch.device], ...]
+    #: The pipeline's calls, counted by its `CallBoundary` wrappers (see [Note: pipeline calls]).
+    calls: PipelineCalls
     #: The config components that all-gather, or None (see [Note: caches and all-gather]).
     gathered: _Gathered | None = None
 

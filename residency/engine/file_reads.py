@@ -46,6 +46,29 @@ is at most one piece of `PIECE_NBYTES` per thread).  An interrupt that lands in 
 ``finish`` is reached leaves the ``with`` block, whose exit is `close`.  Files are opened on the
 caller's thread, checked against their `FileSource` identity there (a refused `start` started
 nothing), and closed after the threads are joined.
+
+[Note: a mapping whose file was cut short]
+A tensor that views a file mapping reads the file's pages, so it is only as good as the file:
+
+- a file *truncated* under a mapping (``os.truncate``, ``cp`` over it, an editor saving in
+  place) takes every page past its new end with it: touching one raises SIGBUS, which kills the
+  process.  Private copy-on-write pages go too (the kernel drops them with the file's pages
+  when it truncates), so an edit made there is lost as well.  The page that holds the new end
+  reads as zeros past it, without a fault;
+- a file *replaced* at its path (``os.replace``, a download renamed into place) or deleted
+  leaves the mapping on the old file, which keeps every byte it had: nothing faults.
+
+`find_mapped_regions` tells, per region, which file mapping it lies in (written pages or not)
+and how many of its first bytes can be read now: the file's size now (``os.stat``, while the
+path still names the mapped file) less the region's offset in it.  When the path names another
+file, or none, the old file's end is probed instead through /proc/self/mem, where a read of a
+page that would fault fails with EIO rather than killing the process (a bisection over the
+region's pages); the page before the first unreadable one counts as unreadable too, since its
+bytes past the unknown end read as zeros, not as the weights.  `copy_mapped` copies a region's
+readable bytes the same way, so a file cut shorter during the copy ends the copy, not the
+process; `find_loss` says which tensors lie past the readable bytes.  What this cannot see: a
+file rewritten in place at its old size (its untouched pages then read the new bytes, as the
+plain pipeline's tensors would), and a disk that fails to read a page inside the file.
 """
 
 from __future__ import annotations
@@ -53,6 +76,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import math
 import os
 import re
 import stat
@@ -65,7 +89,9 @@ import torch
 from residency.engine.errors import WeightFileError
 
 __all__ = [
-    "FileReader", "FileSource", "PIECE_NBYTES", "READ_THREADS", "find_file_sources", "replaced",
+    "FileReader", "FileSource", "Loss", "MappedRegion", "PIECE_NBYTES", "READ_THREADS",
+    "copy_mapped", "find_file_sources", "find_loss", "find_mapped_regions", "replaced",
+    "tensor_end",
 ]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -174,6 +200,18 @@ class _Finder:
             self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
         return self._pagemap
 
+    def mapping_at(self, storage: torch.UntypedStorage, first: int, nbytes: int
+                   ) -> tuple[_Mapping, int] | None:
+        """The file mapping that holds a region's bytes (written pages or not), and the file
+        offset of its first byte; None for memory that is no file's."""
+        if nbytes <= 0 or storage.device.type != "cpu":
+            return None
+        address = storage.data_ptr() + first
+        mapping = self._mapping_of(address, nbytes)
+        if mapping is None:
+            return None
+        return mapping, mapping.file_offset + (address - mapping.start)
+
     def _mapping_of(self, address: int, nbytes: int) -> _Mapping | None:
         """The file mapping holding ``[address, address + nbytes)``, lines that continue it
         (the same file, contiguous addresses and offsets) joined; or None."""
@@ -231,6 +269,214 @@ def _continues(last: _Mapping, mapping: _Mapping) -> bool:
         and (last.device, last.inode, last.path) == (mapping.device, mapping.inode, mapping.path)
         and last.file_offset + (last.end - last.start) == mapping.file_offset
     )
+
+
+# -- what of a mapping can still be read (see [Note: a mapping whose file was cut short]) ------
+
+
+@attrs.frozen(kw_only=True)
+class MappedRegion:
+    """A region whose bytes lie in a file mapping (written pages or not), and how many of its
+    first bytes can be read now without a fault.
+
+        found = find_mapped_regions(sources, layout.region_nbytes)[region]   # None: no file's
+        if found is not None and found.readable < layout.region_nbytes[region]:
+            ...   # the file was cut short under the region: the rest is gone
+    """
+
+    #: The mapped file's path, as /proc/self/maps names it.
+    path: str
+    #: The file offset of the region's first byte.
+    offset: int
+    #: The file's size now; None when its path no longer names the mapped file (replaced or
+    #: deleted: the mapping's end was probed instead).
+    size: int | None
+    #: How many of the region's first bytes can be read now (all of them unless the file was
+    #: cut short under the region).
+    readable: int
+
+
+def find_mapped_regions(
+    sources: Sequence[tuple[torch.UntypedStorage, int] | None], nbytes: Sequence[int]
+) -> list[MappedRegion | None]:
+    """Per region (``sources[i]``: its storage and first byte, or None; ``nbytes[i]``: its
+    length), the file mapping it lies in and how much of it can be read now, or None for memory
+    that is no file's (see [Note: a mapping whose file was cut short]).  Reads no tensor byte.
+
+        cut = [r for r, m in enumerate(find_mapped_regions(sources, sizes))
+               if m is not None and m.readable < sizes[r]]
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            found = _Finder(_MAPS_LINE.findall(maps.read()))
+    except OSError:
+        return [None] * len(nbytes)
+    sizes: dict[tuple, int | None] = {}
+    return [None if source is None else _mapped_region(found, *source, length, sizes)
+            for source, length in zip(sources, nbytes)]
+
+
+def _mapped_region(found: _Finder, storage: torch.UntypedStorage, first: int, nbytes: int,
+                   sizes: dict) -> MappedRegion | None:
+    at = found.mapping_at(storage, first, nbytes)
+    if at is None:
+        return None
+    mapping, offset = at
+    key = (mapping.path, mapping.device, mapping.inode)
+    if key not in sizes:
+        identity = _identity(mapping)
+        sizes[key] = None if identity is None else identity["size"]
+    size = sizes[key]
+    if size is None:
+        readable = _readable_prefix(storage.data_ptr() + first, nbytes)
+    else:
+        readable = min(max(size - offset, 0), nbytes)
+    return MappedRegion(path=mapping.path, offset=offset, size=size, readable=readable)
+
+
+def _readable_prefix(address: int, nbytes: int) -> int:
+    """How many of the first bytes of ``[address, address + nbytes)`` lie before its first page
+    that faults, less the page before it (see the note); `nbytes` when /proc/self/mem cannot
+    be read (nothing can tell: as before)."""
+    try:
+        mem = open("/proc/self/mem", "rb", buffering=0)
+    except OSError:
+        return nbytes
+    with mem:
+        if _can_read(mem.fileno(), address + nbytes - 1):
+            return nbytes
+        low, high = address // _PAGE, (address + nbytes - 1) // _PAGE  # high faults
+        while low < high:  # the first page that faults
+            middle = (low + high) // 2
+            if _can_read(mem.fileno(), max(middle * _PAGE, address)):
+                low = middle + 1
+            else:
+                high = middle
+    return max((high - 1) * _PAGE - address, 0)
+
+
+def _can_read(mem: int, address: int) -> bool:
+    try:
+        return len(os.pread(mem, 1, address)) == 1
+    except OSError:
+        return False
+
+
+def copy_mapped(source: tuple[torch.UntypedStorage, int], nbytes: int,
+                into: torch.Tensor) -> int:
+    """Copy the first `nbytes` of region `source` (its storage and first byte) into `into` (a
+    uint8 host tensor) through /proc/self/mem: a page that faults ends the copy, not the
+    process.  Returns the bytes copied (`nbytes` unless the mapping's file ends sooner now).
+
+        copied = copy_mapped(sources[region], found.readable, buffer)
+    """
+    storage, first = source
+    target = memoryview(into.numpy())[:nbytes]
+    try:
+        mem = open("/proc/self/mem", "rb", buffering=0)
+    except OSError:  # cannot ask: a plain copy, bounded by the file's size found just before
+        source_bytes = torch.empty(0, dtype=torch.uint8)
+        source_bytes.set_(storage, first, (nbytes,))
+        into[:nbytes].copy_(source_bytes)
+        return nbytes
+    done, address = 0, storage.data_ptr() + first
+    with mem:
+        while done < nbytes:
+            try:
+                count = os.preadv(mem.fileno(), [target[done:]], address + done)
+            except OSError:  # EIO: the page at `done` faults
+                break
+            if count == 0:
+                break
+            done += count
+    return done
+
+
+def tensor_end(place) -> int:
+    """The byte just past a tensor's last element, from its region's first byte (a
+    `residency.engine.tensors.TensorPlace`); its offset when it has no element."""
+    if 0 in place.size:
+        return place.byte_offset
+    span = 1 + sum((size - 1) * stride for size, stride in zip(place.size, place.stride))
+    return place.byte_offset + span * place.dtype.itemsize
+
+
+@attrs.frozen(kw_only=True)
+class Loss:
+    """What a weight file cut short took from a set of tensors (an inventory): the tensors
+    that lie, whole or in part, past their region's readable bytes, in words for a message.
+
+        loss = find_loss(inventory, inventory.source_regions)
+        if loss is not None:
+            raise WeightFileError(f"{loss.files} since ...: {loss.tensors} lie past ...")
+    """
+
+    #: Indices (inventory order) of the tensors past their region's readable bytes.
+    lost: tuple[int, ...]
+    #: The files cut short, in words: "the weight file P was truncated to N bytes (it had M
+    #: bytes when the pipeline was loaded)", joined with "and".
+    files: str
+    #: The lost tensors, in words: "3 of the 12 tensors (6144 bytes: 'a', 'b' and 'c')".
+    tensors: str
+
+
+def find_loss(inventory, found: Sequence[MappedRegion | None], *,
+              readable: dict[int, int] | None = None,
+              known: Sequence[FileSource | None] = ()) -> Loss | None:
+    """The `Loss` of `inventory` (a `residency.engine.tensors.Inventory`) whose regions lie in
+    the mappings `found` (`find_mapped_regions` of its regions), or None when each region that
+    views a mapping can be read whole.  `readable`: what a copy got of some regions (it
+    overrides the mapping's readable bytes); `known`: each region's `FileSource` found earlier
+    (the file's size then, for the message).
+
+        loss = find_loss(inventory, find_mapped_regions(sources, layout.region_nbytes))
+    """
+    sizes, readable = inventory.layout.region_nbytes, readable or {}
+    ends = {r: readable.get(r, m.readable) for r, m in enumerate(found) if m is not None}
+    cut = {r: found[r] for r, end in ends.items() if end < sizes[r]}
+    if not cut:
+        return None
+    lost = tuple(i for i, place in enumerate(inventory.places)
+                 if place.region in cut and tensor_end(place) > ends[place.region])
+    return Loss(lost=lost, files=_cut_files(cut.values(), known),
+                tensors=_lost_tensors(inventory, lost))
+
+
+def _cut_files(cut, known: Sequence[FileSource | None]) -> str:
+    """The files cut short, in words (see `Loss.files`)."""
+    sizes_then = {source.path: source.size for source in known if source is not None}
+    words = []
+    for found in {m.path: m for m in cut}.values():
+        then = sizes_then.get(found.path)
+        had = "" if then is None else f" (it had {then} bytes when the pipeline was loaded)"
+        if found.size is None:
+            words.append(f"the weight file {found.path} (no longer at that path) was cut short")
+        else:
+            words.append(f"the weight file {found.path} was truncated to {found.size} bytes{had}")
+    return " and ".join(words)
+
+
+def _lost_tensors(inventory, lost: Sequence[int]) -> str:
+    """The lost tensors, in words (see `Loss.tensors`): their count, bytes and first names."""
+    names = _tensor_names(inventory)
+    nbytes = sum(inventory.places[i].dtype.itemsize * math.prod(inventory.places[i].size)
+                 for i in lost)
+    shown = [repr(names[i]) for i in lost[:3]]
+    more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+    listed = (", ".join(shown) + more) if more or len(shown) < 2 else (
+        ", ".join(shown[:-1]) + f" and {shown[-1]}")
+    return f"{len(lost)} of the {inventory.tensor_count} tensors ({nbytes} bytes: {listed})"
+
+
+def _tensor_names(inventory) -> list[str]:
+    """Each tensor's name in its module (``blocks.0.attn1.to_q.weight``), else its slot's."""
+    names: dict[int, str] = {}
+    for module in inventory.modules:
+        for name, tensor in [*module.named_parameters(remove_duplicate=False),
+                             *module.named_buffers(remove_duplicate=False)]:
+            names.setdefault(id(tensor), name)
+    return [names.get(id(tensor), slots[0].describe())
+            for tensor, slots in zip(inventory.tensors, inventory.slots)]
 
 
 #: The largest read one call asks for: bounds the wait for reads in flight after a stop.
@@ -411,15 +657,26 @@ def _open_checked(source: FileSource):
             "place until offloading is enabled, or load the pipeline again; the weights keep "
             "their values"
         ) from error
-    problem = _changed(source, os.fstat(file.fileno()))
+    info = os.fstat(file.fileno())
+    problem = _changed(source, info)
     if problem is not None:
         file.close()
         raise WeightFileError(
             f"{source.path}: {problem} since the pipeline was loaded from it, so it no longer "
             "holds the tensors' bytes. Keep weight files unchanged until offloading is enabled, "
-            "or load the pipeline again from the folder; the weights keep their values"
+            f"or load the pipeline again from the folder; {_what_is_kept(source, info)}"
         )
     return file
+
+
+def _what_is_kept(source: FileSource, info: os.stat_result) -> str:
+    """The weights' fate when `source`'s file changed: a file replaced at its path leaves the
+    mapping whole; one cut short takes the mapped bytes past its new end (see [Note: a mapping
+    whose file was cut short])."""
+    same_file = (info.st_dev, info.st_ino) == (source.device, source.inode)
+    if same_file and info.st_size < source.size:
+        return "the tensors past its new end are lost with it"
+    return "the weights keep their values"
 
 
 def replaced(source: FileSource) -> bool:
@@ -447,8 +704,9 @@ def _truncated_while_reading(piece: _Piece, at: int) -> WeightFileError:
     return WeightFileError(
         f"{piece.source.path}: the weight file ends at byte {at}, inside the tensor bytes "
         f"[{piece.file_offset}, {piece.file_offset + piece.nbytes}) being read: it was "
-        f"truncated while offloading was enabled (it had {piece.source.size} bytes). Restore "
-        "the file (download it again) and load the pipeline again; the weights keep their values"
+        f"truncated while offloading was enabled (it had {piece.source.size} bytes), and the "
+        "tensors past its new end are lost with it. Restore the file (download it again) and "
+        "load the pipeline again"
     )
 
 

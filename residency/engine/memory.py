@@ -41,14 +41,17 @@ from collections.abc import Sequence
 
 import torch
 
-from residency.engine.file_reads import FileReader, FileSource, find_file_sources
+from residency.engine.errors import WeightFileError
+from residency.engine.file_reads import (
+    FileReader, FileSource, find_file_sources, find_loss, find_mapped_regions,
+)
 from residency.engine.locks import in_context
 from residency.engine.tensors import Inventory, data_ptrs, make_views, repoint
 from residency.engine.transport import Transport
 
 __all__ = [
     "DeviceStorage", "HostMaster", "PROGRESS_THRESHOLD", "Progress", "allocate_chunk",
-    "copy_region_into", "views_into_chunk",
+    "copy_region_into", "refuse_cut_files", "views_into_chunk",
 ]
 
 #: Building a host master larger than this shows progress (registration of many GiB takes seconds).
@@ -101,9 +104,17 @@ class HostMaster:
 
     def abandon_reads(self) -> None:
         """Stop the reads of an arriving master nobody will load (its group left the scheduler,
-        or was re-packed): its tensors stay where they were, with their values."""
+        or was re-packed): its tensors stay where they were, with their values - unless a
+        weight file was cut short under them, when they are moved off its mapping first
+        (`residency.engine.read_behind`, [Note: a weight file cut short under an arriving
+        master])."""
         if self.arrival is not None:
-            self.arrival.abandon()
+            self.arrival.abandon(self)
+
+    def rehome(self, views: list[torch.Tensor]) -> None:
+        """While arriving: the tensors' homes are `views` now (a weight file was cut short
+        under them, and `residency.engine.read_behind` moved them off its mapping); one line."""
+        self.views, self.view_ptrs = views, data_ptrs(views)
 
     def arrived(self, chunks: list[torch.Tensor], views: list[torch.Tensor], pinned: bool) -> None:
         """Take the chunks an arrival filled and the views the tensors now read (the commit of
@@ -138,6 +149,7 @@ class HostMaster:
         layout = inventory.layout
         sources = inventory.source_regions
         assert sources is not None, "an inventory is packed once"
+        refuse_cut_files(inventory)
         if files is None:
             files = find_file_sources(sources, layout.region_nbytes)
         chunks: list[torch.Tensor] = []
@@ -334,6 +346,25 @@ class Progress:
         if self.bar:
             seconds = time.perf_counter() - self.started
             sys.stderr.write(f" done in {seconds:.1f} s\n")
+
+
+def refuse_cut_files(inventory: Inventory) -> None:
+    """Refuse to pack `inventory` when a weight file its tensors view was cut short under them
+    (see [Note: a mapping whose file was cut short] in residency/engine/file_reads.py): a
+    `WeightFileError` naming the file and the tensors lost, before any byte is read; nothing
+    changes.
+
+        refuse_cut_files(inventory)    # HostMaster.pack, ReadBehind.master_for
+    """
+    sources = inventory.source_regions
+    loss = find_loss(inventory, find_mapped_regions(sources, inventory.layout.region_nbytes))
+    if loss is not None:
+        raise WeightFileError(
+            f"{loss.files} since the tensors were loaded from it: {loss.tensors} lie past "
+            "where it ends now, so their values are lost, and reading one would kill the "
+            "process (SIGBUS). Load the pipeline (or the model) again once the file is "
+            "restored (download it again); nothing was offloaded"
+        )
 
 
 @torch.inference_mode(False)

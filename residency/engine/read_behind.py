@@ -45,10 +45,41 @@ tensor of the model: it allocates chunks and reads files into them through `File
 master nobody will load (its group removed, re-packed after a change, a registration undone by
 an interrupt) is abandoned: `abandon` is called by the group's removal, and by a finaliser when
 the master is collected, so an undone registration stops its reads too; the worker finishes the
-part in flight and drops the arrival.  A read that fails
-(a truncated file, an I/O error, host memory) is kept and raised by every `complete`, as a
-`WeightFileError` or `HostMemoryError`: the group's tensors are still the file views, with their
-values, and the group stays offloaded.
+part in flight and drops the arrival.  A read that fails (an I/O error, host memory) is kept
+and raised by every `complete`, as a `WeightFileError` or `HostMemoryError`: the group's tensors
+are still the file views, with their values, and the group stays offloaded.  A file cut short
+under them is the next note's.
+
+[Note: a weight file cut short under an arriving master]
+Until its commit a group's tensors are views of its files' mappings, and a file truncated under
+them takes the pages past its new end (see [Note: a mapping whose file was cut short] in
+file_reads.py): a tensor there kills the process (SIGBUS) when anything reads it.  So the files
+are checked (`find_mapped_regions`: a stat per file, no tensor byte read) where the group's
+bytes are next needed: at its first load, before the wait for its reads and again before the
+commit copies anything, and when its group leaves (`remove`, `close`, and so `disable_offload`),
+before the tensors are handed back.  A file found cut short is a loss, found once and kept
+(`_Loss`):
+
+- every tensor of the group that still views a file cut short is moved off the mapping: a
+  tensor wholly before the file's end now is copied into plain host memory through
+  /proc/self/mem (`copy_mapped`: a page cut meanwhile ends the copy, not the process); a tensor
+  past it becomes a tensor of the meta device, same shape, stride and dtype; the master's views
+  follow (`HostMaster.rehome`), so every owner still sees the group as packed;
+- every load raises the loss as a `WeightFileError` that names the group, the file and its
+  sizes, and the tensors lost (how many, their bytes, the first names); a group that leaves
+  with a loss no load reported warns it once.  Nothing can bring the values back: the message
+  says to load the pipeline again once the file is restored.
+
+Why the meta device for a lost tensor, not zeros: zeros are values, and a pipeline run on them
+gives a wrong image without a word; a meta tensor keeps the module's shape and state_dict keys
+while every read of its data (a forward, ``.cpu()``, ``torch.equal``) raises torch's error, and a
+re-pack refuses it (`take_inventory`: "on the meta device and holds no data"); the modules can
+be rebuilt with ``to_empty`` and a state_dict from a restored file.  Moving such a module
+(``.to(device)``) raises too.  The rescue is on the caller's thread under the scheduler lock,
+like the commit (the worker never touches a tensor); it re-points the tensors still on their
+storage of `add` and then the master's views, each on one line; an interrupt in between is
+rolled forward.  A file replaced at its path keeps its mapping whole: that is no loss (its
+regions are copied from the mapping at the commit, as before).
 """
 
 from __future__ import annotations
@@ -56,6 +87,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 
@@ -63,16 +95,26 @@ import attrs
 import torch
 
 from residency.engine.errors import HostMemoryError, WeightFileError
-from residency.engine.file_reads import FileReader, FileSource, find_file_sources, replaced
-from residency.engine.locks import locked
+from residency.engine.file_reads import (
+    FileReader,
+    FileSource,
+    copy_mapped,
+    find_file_sources,
+    find_loss,
+    find_mapped_regions,
+    replaced,
+    tensor_end,
+)
+from residency.engine.locks import in_context, locked
 from residency.engine.memory import (
     HostMaster,
     Progress,
     allocate_chunk,
     copy_region_into,
+    refuse_cut_files,
     views_into_chunk,
 )
-from residency.engine.tensors import Inventory, data_ptrs, repoint
+from residency.engine.tensors import Inventory, data_ptrs, make_views, repoint
 from residency.engine.transport import Transport
 
 __all__ = ["Arrival", "ReadBehind"]
@@ -113,6 +155,9 @@ class Arrival:
         self.pinned = pin
         self.read_nbytes = 0
         self.failure: BaseException | None = None
+        #: What a weight file cut short took from the group, once found (the caller's: see
+        #: [Note: a weight file cut short under an arriving master]); every load raises it.
+        self._loss: _Loss | None = None
         self.done = threading.Event()
         self.abandoned = False
         self._started = time.perf_counter()
@@ -184,8 +229,10 @@ class Arrival:
         Repeatable: an interrupted commit is completed by the next call (or rolled forward)."""
         if master.arrival is not self:
             return
+        self._refuse_if_cut_short(master)
         self._reads.hurry(self)
         self._wait()
+        self._refuse_if_cut_short(master)
         if self.failure is not None:
             raise self.failure
         views = self._fill_from_memory()
@@ -201,9 +248,34 @@ class Arrival:
                   "after add)", self.name, self.nbytes / 2**20,
                   time.perf_counter() - self._started)
 
-    def abandon(self) -> None:
-        """Stop reading this master: nobody will load it (idempotent)."""
+    def abandon(self, master: HostMaster | None = None) -> None:
+        """Stop reading this master: nobody will load it (idempotent).  With `master` (its
+        group leaves the scheduler), tensors on a weight file cut short are moved off its
+        mapping first, with a warning unless a load raised the loss already (see [Note: a
+        weight file cut short under an arriving master])."""
+        if master is not None and master.arrival is self:
+            loss = self._loss or self._find_loss()
+            if loss is not None:
+                if self._loss is None:
+                    warnings.warn(loss.warning, RuntimeWarning, stacklevel=2)
+                    self._loss = loss
+                loss.rescue(self._inventory, master, self._pointers_at_add)
         self._reads.abandon(self)
+
+    def _refuse_if_cut_short(self, master: HostMaster) -> None:
+        """Raise the loss of a weight file cut short under the group (found now or before),
+        its tensors moved off the file's mapping first; nothing while every file is whole."""
+        if self._loss is None:
+            loss = self._find_loss()
+            if loss is None:
+                return
+            self._loss = loss
+        self._reads.abandon(self)  # its reads are of no use now
+        self._loss.rescue(self._inventory, master, self._pointers_at_add)
+        raise self._loss.error
+
+    def _find_loss(self) -> _Loss | None:
+        return _Loss.find(self.name, self._inventory, self._sources, self._files, self.failure)
 
     def _wait(self) -> None:
         """Wait for the worker to finish this master, showing how far it is (over a GiB: a bar on
@@ -243,6 +315,134 @@ class Arrival:
         tensors, now = self._inventory.tensors, data_ptrs(self._inventory.tensors)
         still = [i for i, (p, q) in enumerate(zip(now, self._pointers_at_add)) if p == q]
         repoint([tensors[i] for i in still], [views[i] for i in still])
+
+
+class _Loss:
+    """What a weight file cut short took from the group of an arriving master, and where the
+    group's tensors on that file live from now on (see [Note: a weight file cut short under an
+    arriving master]).  Found once (`find`, on the caller's thread), then read only."""
+
+    def __init__(self, error: WeightFileError, warning: str,
+                 homes: dict[int, torch.Tensor]) -> None:
+        #: What every load of the group raises from now on.
+        self.error = error
+        #: What the group's removal warns when no load raised `error`.
+        self.warning = warning
+        #: The new home of each tensor (inventory index) on a file cut short: a view of plain
+        #: host memory holding its bytes; for a lost one a meta tensor (or, for one that cannot
+        #: change device, zeros).
+        self.homes = homes
+
+    @classmethod
+    def find(cls, name: str, inventory: Inventory, sources: list, files: Sequence,
+             failure: BaseException | None) -> _Loss | None:
+        """The loss of group `name` (its regions `sources` as at `add`, `files` their sources
+        then, `failure` the reads' own), its survivors copied out; None: no file is cut short."""
+        sizes = inventory.layout.region_nbytes
+        found = find_mapped_regions(sources, sizes)
+        if find_loss(inventory, found) is None:
+            return None
+        cut = {m.path for r, m in enumerate(found) if m is not None and m.readable < sizes[r]}
+        moved = [r for r, m in enumerate(found) if m is not None and m.path in cut]
+        homes, copied = _copied_out(name, inventory, sources, moved, found)
+        loss = find_loss(inventory, found, readable=copied, known=files)
+        zeros = sum(not homes[i].is_meta for i in loss.lost)
+        lost = (f"{loss.tensors} lie past where it ends now: their values are lost (neither "
+                "the file nor memory holds them). Those tensors are on the meta device now, so "
+                f"reading one raises an error{_zeros_instead(zeros)}; the group's other "
+                "tensors were copied into host memory. Load the pipeline again "
+                "(from_pretrained) once the file is restored (download it again)")
+        error = WeightFileError(f"cannot load group {name!r}: {loss.files} before the "
+                                f"group's first load, so {lost}; until then every load of group "
+                                f"{name!r} raises this error")
+        error.__cause__ = failure
+        warning = f"group {name!r} left the scheduler after {loss.files}: {lost}"
+        return cls(error, warning, homes)
+
+    def rescue(self, inventory: Inventory, master: HostMaster, pointers_at_add: list[int]
+               ) -> None:
+        """Move each tensor of `homes` still on its storage of `add` to its home (re-pointed,
+        or swapped for a meta tensor), then make the homes the master's views; repeatable (an
+        interrupted one is rolled forward)."""
+        try:
+            self._rescue(inventory, master, pointers_at_add)
+        except BaseException:  # see [Note: a weight file cut short under an arriving master]
+            self._rescue(inventory, master, pointers_at_add)
+            raise
+
+    def _rescue(self, inventory: Inventory, master: HostMaster, pointers_at_add: list[int]
+                ) -> None:
+        tensors, now = inventory.tensors, data_ptrs(inventory.tensors)
+        still = [i for i in self.homes if now[i] == pointers_at_add[i]]
+        views = [self.homes.get(i, view) for i, view in enumerate(master.views)]
+        kept = [i for i in still if not self.homes[i].is_meta]
+        repoint([tensors[i] for i in kept], [self.homes[i] for i in kept])
+        for i in still:
+            if self.homes[i].is_meta:  # one call each: a swapped tensor is no longer `still`
+                torch.utils.swap_tensors(tensors[i], _meta_twin(tensors[i]))
+        master.rehome(views)
+
+
+def _copied_out(name: str, inventory: Inventory, sources: list, regions: list[int],
+                found: list) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
+    """The new homes of the tensors of `regions` (views of host memory holding the bytes the
+    region's mapping still gives; past them, meta tensors, or zeros for a tensor that cannot
+    be swapped), and the bytes copied of each region."""
+    homes: dict[int, torch.Tensor] = {}
+    copied: dict[int, int] = {}
+    for region in regions:
+        nbytes = inventory.layout.region_nbytes[region]
+        buffer = _host_zeros(name, nbytes)
+        copied[region] = copy_mapped(sources[region], found[region].readable, buffer)
+        members = inventory.tensors_in_regions([region])
+        views = make_views([inventory.places[i] for i in members], buffer.untyped_storage(),
+                           {region: 0}, buffer.device)
+        for i, view in zip(members, views):
+            past = tensor_end(inventory.places[i]) > copied[region]
+            homes[i] = _meta_like(view) if past and _can_swap(inventory.tensors[i]) else view
+    return homes, copied
+
+
+def _host_zeros(name: str, nbytes: int) -> torch.Tensor:
+    """Plain host memory for a region copied off a file cut short (a typed error if none)."""
+    try:
+        return in_context(torch.inference_mode(False), torch.zeros, nbytes, dtype=torch.uint8)
+    except (MemoryError, RuntimeError) as error:
+        raise HostMemoryError(
+            f"cannot copy the tensors of group {name!r} off its weight file cut short: {nbytes} "
+            f"bytes of host memory could not be allocated ({error}). Free host memory and try "
+            "again; until then its tensors view the file, and reading one past its end kills "
+            "the process (SIGBUS)") from error
+
+
+def _can_swap(tensor: torch.Tensor) -> bool:
+    """Whether `torch.utils.swap_tensors` can give `tensor` (the object the modules hold) a
+    meta twin's contents: a plain tensor or Parameter that nothing else references (no weak
+    reference, no other owner of its implementation, such as an autograd graph)."""
+    return (type(tensor) in (torch.Tensor, torch.nn.Parameter)
+            and not weakref.getweakrefs(tensor) and tensor._use_count() == 1)
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with `tensor`'s shape, strides and dtype: a lost tensor's home."""
+    return in_context(torch.inference_mode(False), torch.empty_strided, tensor.shape,
+                      tensor.stride(), dtype=tensor.dtype, device="meta")
+
+
+def _meta_twin(tensor: torch.Tensor) -> torch.Tensor:
+    """What `tensor` is swapped with: a meta tensor of its class, shape, strides, dtype and
+    ``requires_grad``."""
+    meta = _meta_like(tensor)
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
+    return meta.requires_grad_(tensor.requires_grad)
+
+
+def _zeros_instead(count: int) -> str:
+    if not count:
+        return ""
+    return (f" ({count} of them, referenced elsewhere too, could not change device and hold "
+            "zeros instead)")
 
 
 def _pieces(regions, files: list, layout) -> list[tuple[int, int, int]]:
@@ -289,6 +489,7 @@ class ReadBehind:
         found by the caller); returns at once, the tensors left as they are."""
         sources = inventory.source_regions
         assert sources is not None, "an inventory is packed once"
+        refuse_cut_files(inventory)
         arrival = Arrival(self, name, inventory, sources, files, transport, pin)
         master = HostMaster.arriving(inventory, arrival)
         # An undone add stops its reads; a weak reference: a committed arrival is dropped.
