@@ -48,6 +48,7 @@ def test_prefetch_overlaps_the_copy_and_the_phase_only_repoints():
     assert scheduler.resident_groups() == ["b"]
 
 
+@pytest.mark.fast
 def test_prefetch_needs_room_for_both_groups():
     scheduler, transport, _, _ = two_groups(device_memory_limit=scheduler_bytes_for_one())
     with scheduler.resident("a"):
@@ -56,6 +57,7 @@ def test_prefetch_needs_room_for_both_groups():
     assert scheduler.device_nbytes <= scheduler_bytes_for_one()
 
 
+@pytest.mark.fast
 def test_without_prefetch_one_buffer_serves_every_exclusive_group():
     scheduler, _, _, _ = two_groups()  # no limit: prefetch would be allowed, but nobody asks
     for name in ["a", "b", "a", "b"]:
@@ -69,6 +71,7 @@ def scheduler_bytes_for_one() -> int:
     return probe.add("probe", make_block()).inventory.layout.contiguous_nbytes
 
 
+@pytest.mark.fast
 def test_a_prefetch_not_used_is_cancelled_cleanly():
     scheduler, _, modules, plain = two_groups(device_memory_limit=2**20)
     third = make_block(seed=3)
@@ -88,6 +91,7 @@ def test_a_prefetch_not_used_is_cancelled_cleanly():
         assert torch.equal(run_block(modules["b"], x), run_block(plain["b"], x))
 
 
+@pytest.mark.fast
 def test_prefetch_of_the_resident_group_does_nothing():
     scheduler, transport, _, _ = two_groups(device_memory_limit=2**20)
     with scheduler.resident("a"):
@@ -116,6 +120,7 @@ def test_compiled_module_inside_phases_is_bit_identical_and_never_recompiles():
     torch._dynamo.reset()
 
 
+@pytest.mark.fast
 def test_a_group_lands_at_the_same_addresses_on_every_load():
     scheduler, _, _, _ = two_groups()
     seen = set()
@@ -130,6 +135,7 @@ def test_a_group_lands_at_the_same_addresses_on_every_load():
 # -- progress of large masters ----------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_building_a_master_over_a_gib_logs_progress_off_a_terminal(caplog):
     progress = Progress(3 * 2**30, verb="pinning host master")
     assert progress.enabled and not progress.bar  # pytest captures stderr: not a terminal
@@ -143,6 +149,7 @@ def test_building_a_master_over_a_gib_logs_progress_off_a_terminal(caplog):
     assert len(lines) == 10
 
 
+@pytest.mark.fast
 def test_small_masters_build_silently(caplog):
     with caplog.at_level(logging.INFO, logger="residency"):
         Scheduler("cpu").add("small", make_block())

@@ -172,6 +172,7 @@ def transformer_inputs() -> dict:
             "return_dict": False}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["transformer", "transformer_2"], ids=["evicted", "resident"])
 def test_a_deep_copy_of_an_offloaded_module_is_plain_and_owns_its_weights(name):
     plain, pipe = tiny_wan22(), tiny_wan22()

@@ -63,6 +63,7 @@ def _fingerprint(tensor: torch.Tensor) -> str:
     return _fingerprints([_as_bytes(tensor)])[0]
 
 
+@pytest.mark.fast
 def test_a_fingerprint_depends_on_the_values_not_on_where_they_lie():
     values = torch.randn(300, 70, generator=torch.Generator().manual_seed(0))
     strided = values.t().contiguous().t()           # same values, column-major
@@ -72,6 +73,7 @@ def test_a_fingerprint_depends_on_the_values_not_on_where_they_lie():
     assert len(_fingerprint(values)) == 32  # 128 bits
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("edit", ["bit", "sign", "swap", "longer"])
 def test_a_fingerprint_sees_every_small_change(edit):
     values = torch.randn(5000, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -87,6 +89,7 @@ def test_a_fingerprint_sees_every_small_change(edit):
     assert _fingerprint(values) != _fingerprint(changed)
 
 
+@pytest.mark.fast
 def test_large_and_empty_tensors_have_fingerprints():
     large = torch.arange(3 * 2**20 // 4 + 5, dtype=torch.int32)  # 3 chunks and a bit
     assert _fingerprint(large) == _fingerprint(large.clone())
@@ -95,6 +98,7 @@ def test_large_and_empty_tensors_have_fingerprints():
         _as_bytes(torch.empty(3, device="meta"))
 
 
+@pytest.mark.fast
 def test_describe_tensors_numbers_the_storages_tied_weights_share_one():
     a, b = torch.zeros(4, 3), torch.ones(3)
     layouts = describe_tensors([("a", a), ("b", b), ("tied", a), ("view", a[1:])])
@@ -104,6 +108,7 @@ def test_describe_tensors_numbers_the_storages_tied_weights_share_one():
     assert layouts[0].differences(layouts[2]) == ["name 'a' vs 'tied'"]
 
 
+@pytest.mark.fast
 def test_digest_ranges_covers_the_bytes_and_the_ranges():
     buffer = torch.arange(16384, dtype=torch.int64).view(torch.uint8)
     other = buffer.clone()
@@ -116,6 +121,7 @@ def test_digest_ranges_covers_the_bytes_and_the_ranges():
         digest_ranges(buffer, [(4096, 8192), (0, 4096)])
 
 
+@pytest.mark.fast
 def test_agreement_needs_torch_distributed_and_a_gloo_group():
     assert not dist.is_initialized()
     for call in (
@@ -127,6 +133,7 @@ def test_agreement_needs_torch_distributed_and_a_gloo_group():
             call()
 
 
+@pytest.mark.fast
 def test_a_verdict_names_the_first_differences_and_counts_the_rest():
     differences = [TensorDifference(index=i, name=f"w{i}", ranks=[1], what="bytes")
                    for i in range(7)]

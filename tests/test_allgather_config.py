@@ -74,6 +74,7 @@ def state(pipe) -> dict:
 # -- refused up front -----------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("config", [DIT_ALLGATHER, LAYER_ALLGATHER], ids=["module", "layer"])
 @pytest.mark.parametrize("cache", list(CACHES))
 def test_a_cache_with_allgather_is_refused_up_front_and_nothing_changes(cache, config):
@@ -96,6 +97,7 @@ def test_a_cache_with_allgather_is_refused_up_front_and_nothing_changes(cache, c
     assert state(pipe) == before
 
 
+@pytest.mark.fast
 def test_a_cache_applied_by_hand_is_found_in_the_hook_registries():
     pipe = tiny_flux()
     first_block_cache_by_hand(pipe)
@@ -105,6 +107,7 @@ def test_a_cache_applied_by_hand_is_found_in_the_hook_registries():
     assert offload_scheduler(pipe) is None
 
 
+@pytest.mark.fast
 def test_a_cache_on_a_component_that_is_not_all_gathered_is_refused_too():
     """Skipping a call of the DiT skips a phase: the all-gathered encoder's next load moves."""
     pipe = tiny_flux()
@@ -117,6 +120,7 @@ def test_a_cache_on_a_component_that_is_not_all_gathered_is_refused_too():
         enable_offload(pipe, config, device="cpu")
 
 
+@pytest.mark.fast
 def test_a_cache_with_rank_local_transfers_is_accepted():
     plain, pipe = tiny_flux(), tiny_flux()
     for each in (plain, pipe):
@@ -128,6 +132,7 @@ def test_a_cache_with_rank_local_transfers_is_accepted():
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_the_cache_hooks_are_those_of_the_installed_diffusers():
     """`CACHE_HOOKS` lists every hook name diffusers' cache modules register, each with its cache
     (whose config class is ``<cache>Config``)."""
@@ -257,6 +262,7 @@ def test_a_rank_that_skips_an_all_gathered_phase_makes_every_rank_raise(tmp_path
         assert "FirstBlockCache" in message and "Every rank raised this error" in message
 
 
+@pytest.mark.fast
 def test_allgather_without_a_process_group_is_refused_before_anything_moves():
     """Up front, not after the groups before the first all-gathered one were packed."""
     from residency import ConfigError

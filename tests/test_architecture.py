@@ -482,6 +482,7 @@ def _package(root: Path, modules: dict[str, str]) -> Path:
     return package
 
 
+@pytest.mark.fast
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one child per module")
 def test_the_standalone_import_catches_a_module_that_needs_another_imported_first(tmp_path):
     """The driver itself: a module that reads a sibling it never imported fails on its own."""
@@ -496,6 +497,7 @@ def test_the_standalone_import_catches_a_module_that_needs_another_imported_firs
     assert list(report["failed"]) == ["pkg.b"], report
 
 
+@pytest.mark.fast
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one child per module")
 def test_the_driver_refuses_to_import_when_a_module_of_ours_is_already_loaded(tmp_path):
     """The driver itself: a preload that drags in one of our modules fails every child."""
@@ -545,6 +547,7 @@ def test_each_entry_point_imports_in_a_fresh_interpreter(module, entry_point_imp
     assert failure is None, f"import {module} failed:\n{failure}"
 
 
+@pytest.mark.fast
 def test_every_module_of_the_package_is_found_and_placed_in_a_layer():
     assert "residency.engine.scheduler" in MODULES and "residency.adapters.diffusers" in MODULES
     assert len(MODULES) >= 40
@@ -557,6 +560,7 @@ def test_every_module_of_the_package_is_found_and_placed_in_a_layer():
 # -- the folders ----------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_residency_holds_the_package_surface_the_kept_old_paths_and_the_folders():
     """Issue 21: a module at residency/'s top level is the surface or an old path kept working;
     everything else goes into the folder its job belongs to."""
@@ -570,6 +574,7 @@ def test_residency_holds_the_package_surface_the_kept_old_paths_and_the_folders(
     assert not nested, f"folders inside folders: {nested}"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("module", sorted(m for m, moved in TOP_LEVEL.items() if moved))
 def test_each_kept_old_path_only_re_exports_the_module_that_moved(module):
     """``residency.transport`` and the rest: a docstring, one import from the moved module,
@@ -591,6 +596,7 @@ def test_each_kept_old_path_only_re_exports_the_module_that_moved(module):
     assert all(getattr(old, name) is getattr(new, name) for name in new.__all__)
 
 
+@pytest.mark.fast
 def test_every_package_is_in_pyprojects_package_list():
     """A folder missing from the list is left out of a wheel (the editable install would not
     show it; the install test below would)."""
@@ -675,6 +681,7 @@ EXTENDERS = {
 HISTORICAL = {"ComponentPlan", "plan_components", "apply_plan", "plan_blocks", "BlockPlan"}
 
 
+@pytest.mark.fast
 def test_the_package_lists_users_and_pipeline_authors_names_and_extend_lists_the_extenders():
     assert len(OLD_ALL) == 37
     public, extend = set(residency.__all__), set(residency.extend.__all__)
@@ -691,12 +698,14 @@ def test_the_package_lists_users_and_pipeline_authors_names_and_extend_lists_the
     assert len(residency.__all__) == len(public), "a name listed twice in __all__"
 
 
+@pytest.mark.fast
 def test_every_name_the_package_exported_before_issue_21_is_still_importable():
     namespace: dict = {}
     exec(f"from residency import {', '.join(OLD_ALL)}", namespace)
     assert all(name in namespace for name in OLD_ALL)
 
 
+@pytest.mark.fast
 def test_phase_status_is_the_type_of_a_phases_status():
     scheduler = Scheduler("cpu")
     try:
@@ -709,6 +718,7 @@ def test_phase_status_is_the_type_of_a_phases_status():
         scheduler.close()
 
 
+@pytest.mark.fast
 def test_the_old_paths_issue_21_keeps_still_work():
     """The paths issue 21 names: each from where it was, the same object as where it lives now."""
     namespace: dict = {}
@@ -729,6 +739,7 @@ def test_the_old_paths_issue_21_keeps_still_work():
     assert all(callable(namespace[n]) for n in ("describe", "disable_offload", "enable_offload"))
 
 
+@pytest.mark.fast
 def test_the_schedulers_transport_is_public_and_read_only():
     """Issue 21: ``scheduler.transport``, the one it moves bytes with (given or chosen)."""
     from residency.engine.transport import CpuTransport
@@ -765,6 +776,7 @@ def test_find_cycle_reports_a_cycle():
     assert cycle is not None and cycle[0] == cycle[-1] and "residency.engine.enums" in cycle
 
 
+@pytest.mark.fast
 def test_the_graph_counts_function_level_imports_and_not_type_checking_ones():
     """The reader itself, on a module with all three kinds of import."""
     source = (
@@ -790,6 +802,7 @@ def test_the_graph_counts_function_level_imports_and_not_type_checking_ones():
 _KNOWN_HIDDEN_IMPORTS: dict = {}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "module",
     [pytest.param(m, marks=_KNOWN_HIDDEN_IMPORTS.get(m, ())) for m in sorted(MODULES)],
@@ -808,6 +821,7 @@ def test_no_function_level_or_class_level_imports_of_our_modules(module):
     )
 
 
+@pytest.mark.fast
 def test_imports_go_downward_only_through_the_layers():
     graph = import_graph()
     upward = [
@@ -843,6 +857,7 @@ def test_no_owner_imports_the_facade_directly_or_through_another_module(module):
             pytest.fail(f"{module} reaches {forbidden}: " + " <- ".join(chain))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("module", BELOW_THE_FACADE)
 def test_no_owner_names_the_facade_or_a_phase(module):
     """Calls go downward: below the facade no code names `Scheduler` or reaches a phase's
@@ -856,6 +871,7 @@ def test_no_owner_names_the_facade_or_a_phase(module):
     assert not named, f"{module} names the facade at {named}"
 
 
+@pytest.mark.fast
 def test_the_facade_calls_only_the_public_methods_of_its_owners():
     """The facade asks each owner through its own verbs; an owner's private helpers are its own."""
     private = [
@@ -915,6 +931,7 @@ def _class_sizes() -> dict[str, int]:
     return {f"{module}.{node.name}": span_lines(node) for module, node in _classes()}
 
 
+@pytest.mark.fast
 def test_no_class_is_over_350_lines():
     """Issue 21: every class of residency/ (Residency and Holds were the last over it)."""
     sizes = _class_sizes()
@@ -923,6 +940,7 @@ def test_no_class_is_over_350_lines():
     assert not big, f"classes over 350 lines (class line to last line): {big}"
 
 
+@pytest.mark.fast
 def test_the_class_count_includes_docstrings_comments_and_blank_lines():
     """The counter itself: a class of 2 code lines, a docstring, a comment and a blank line."""
     (node,) = ast.parse('class A:\n    """Doc.\n\n    More."""\n\n    # note\n    x = 1\n').body
@@ -936,11 +954,13 @@ def _facade() -> ast.ClassDef:
     return node
 
 
+@pytest.mark.fast
 def test_the_facade_is_under_300_lines_of_code():
     size = code_lines("residency.engine.scheduler", _facade())
     assert 100 < size < 300, f"Scheduler has {size} lines of code"
 
 
+@pytest.mark.fast
 def test_the_facade_is_not_made_small_by_mixins_or_impl_modules():
     assert Scheduler.__mro__ == (Scheduler, object), Scheduler.__mro__
     impl = [path.name for folder in PACKAGES.values() for path in folder.rglob("*impl*")]
@@ -949,6 +969,7 @@ def test_the_facade_is_not_made_small_by_mixins_or_impl_modules():
     assert set(MODULES) <= set(LAYER_OF)
 
 
+@pytest.mark.fast
 def test_the_facades_methods_are_short():
     """The facade wires and checks; bulk code lives in the owners (none over 40 lines)."""
     methods = [n for n in _facade().body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -1126,6 +1147,7 @@ def _field_cases():
 _KNOWN_GAPS: dict = {}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("owner,field", list(_field_cases()))
 def test_each_changing_field_says_where_it_is_declared_that_the_lock_guards_it(owner, field):
     shape = owner_shape(owner)
@@ -1138,6 +1160,7 @@ def test_each_changing_field_says_where_it_is_declared_that_the_lock_guards_it(o
     )
 
 
+@pytest.mark.fast
 def test_the_field_analysis_finds_the_state_it_must():
     """The reader itself: the fields the docstrings name as guarded are found changing."""
     assert {"_threads", "_queue", "_holder_count"} <= owner_shape("holds").fields_changed_after_init()
@@ -1152,6 +1175,7 @@ def test_the_field_analysis_finds_the_state_it_must():
     assert _says_its_guard(lines, 3) and _says_its_guard(lines, 4)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("owner", sorted(OWNERS))
 def test_each_public_mutator_begins_by_checking_the_lock(owner):
     shape = owner_shape(owner)
@@ -1164,6 +1188,7 @@ def test_each_public_mutator_begins_by_checking_the_lock(owner):
     )
 
 
+@pytest.mark.fast
 def test_the_mutator_analysis_sees_the_known_mutators():
     assert {"push", "take", "give_up", "enqueue", "dequeue", "leave", "join", "pop"} <= (
         owner_shape("holds").public_mutators()
@@ -1205,6 +1230,7 @@ class Broken:
 """
 
 
+@pytest.mark.fast
 def test_a_mutator_without_the_check_and_a_field_without_its_guard_are_caught():
     """The readers themselves, on a deliberately broken owner."""
     (node,) = ast.parse(_BROKEN_OWNER).body
@@ -1220,6 +1246,7 @@ def test_a_mutator_without_the_check_and_a_field_without_its_guard_are_caught():
 # -- the check fires ------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_the_lock_check_is_on_in_the_tests():
     assert residency.engine.locks.CHECKING is True, (
         "RESIDENCY_CHECK_LOCKS=1 must be set before residency is imported (tests/conftest.py)"
@@ -1277,6 +1304,7 @@ def _public_mutator_cases():
             yield pytest.param(owner, method, id=f"{owner}.{method}")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("owner,method", list(_public_mutator_cases()))
 def test_every_public_mutator_called_without_the_lock_raises_and_changes_nothing(
     busy_scheduler, owner, method
@@ -1289,6 +1317,7 @@ def test_every_public_mutator_called_without_the_lock_raises_and_changes_nothing
     assert _snapshot(busy_scheduler) == before
 
 
+@pytest.mark.fast
 def test_named_mutators_without_the_lock_raise_and_change_nothing(busy_scheduler):
     scheduler = busy_scheduler
     group = scheduler["b"]
@@ -1313,6 +1342,7 @@ def test_named_mutators_without_the_lock_raise_and_change_nothing(busy_scheduler
     assert scheduler.current is None and not scheduler["a"].is_resident
 
 
+@pytest.mark.fast
 def test_the_check_is_what_refuses(busy_scheduler, monkeypatch):
     """A deliberately broken variant: with the check off, the unlocked call changes state - so
     the test above fails if a mutator loses its check."""
@@ -1321,6 +1351,7 @@ def test_the_check_is_what_refuses(busy_scheduler, monkeypatch):
     assert busy_scheduler.current is None
 
 
+@pytest.mark.fast
 def test_the_check_fires_on_another_thread_while_this_one_holds_the_lock(busy_scheduler):
     """Held by a different thread is not held: the check asks who owns the lock."""
     errors: list[BaseException] = []
@@ -1340,6 +1371,7 @@ def test_the_check_fires_on_another_thread_while_this_one_holds_the_lock(busy_sc
     assert busy_scheduler.current == "a"
 
 
+@pytest.mark.fast
 def test_a_fresh_interpreter_without_the_variable_does_not_check():
     """The check costs nothing unless asked for (read once, at import)."""
     env = {k: v for k, v in os.environ.items() if k != "RESIDENCY_CHECK_LOCKS"}

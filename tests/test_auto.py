@@ -108,6 +108,7 @@ def _moved(scheduler: Scheduler) -> int:
     return scheduler.transitions.nbytes + scheduler.block_records.nbytes
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("fraction", [0.2, 0.35, 0.5, 0.7, 0.9, 1.3])
 def test_every_budget_runs_bit_identical_moves_what_it_predicts_and_stays_within(fraction):
     probe = Probe()
@@ -219,6 +220,7 @@ def test_a_budget_changed_between_calls_re_plans_and_stays_exact():
             scheduler.close()
 
 
+@pytest.mark.fast
 def test_refused_budgets_and_calls_change_nothing_and_say_what_to_do():
     models = _pipeline(Probe())
     x = torch.randn(2, WIDTH)
@@ -251,6 +253,7 @@ def test_refused_budgets_and_calls_change_nothing_and_say_what_to_do():
         Scheduler("cpu", device_memory_limit=1000, auto=True)
 
 
+@pytest.mark.fast
 def test_a_group_no_plan_fits_is_refused_and_the_others_keep_their_plan():
     models = _pipeline(Probe())
     scheduler = Scheduler("cpu", auto={"device_budget": 6000, "headroom": 0})
@@ -262,6 +265,7 @@ def test_a_group_no_plan_fits_is_refused_and_the_others_keep_their_plan():
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_describe_prints_each_group_and_the_predicted_beside_the_measured():
     models = _pipeline(Probe())
     x = torch.randn(2, WIDTH)
@@ -363,6 +367,7 @@ def _check_auto_plan_on_an_accelerator(fraction: float) -> None:
         scheduler.close()
 
 
+@pytest.mark.fast
 def test_a_group_is_added_between_phases_and_a_removal_during_one_re_plans_at_the_next_call():
     models = _pipeline(Probe())
     x = torch.randn(2, WIDTH)
@@ -392,6 +397,7 @@ def test_a_group_is_added_between_phases_and_a_removal_during_one_re_plans_at_th
             scheduler.close()
 
 
+@pytest.mark.fast
 def test_a_budget_resolves_to_bytes_and_a_fraction_needs_the_free_memory():
     from residency.engine.budget import AutoOptions
 
@@ -408,6 +414,7 @@ def test_a_budget_resolves_to_bytes_and_a_fraction_needs_the_free_memory():
         AutoOptions(device_budget=2048, headroom="2KiB").resolve(free=None)
 
 
+@pytest.mark.fast
 def test_byte_counts_print_in_the_largest_binary_unit_they_reach():
     from residency.engine.budget import format_nbytes, parse_nbytes
 

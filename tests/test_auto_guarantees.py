@@ -75,6 +75,7 @@ def _shape(budget: int) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ..
     return plan.kept, plan.swapped, plan.streamed
 
 
+@pytest.mark.fast
 def test_the_budgets_give_the_shapes_the_sweeps_need():
     kept, swapped, streamed = _shape(PARTLY_KEPT)
     assert kept and swapped and not streamed
@@ -114,6 +115,7 @@ def test_a_registration_that_re_plans(stride):
                  stride=stride("registration")) > 100
 
 
+@pytest.mark.fast
 def test_edits_to_kept_swapped_and_streamed_parts_survive_calls_re_plans_and_close():
     for budget in (PARTLY_KEPT, STREAMING):
         world = _observed(budget)()
@@ -134,6 +136,7 @@ def test_edits_to_kept_swapped_and_streamed_parts_survive_calls_re_plans_and_clo
         world.check_closed()
 
 
+@pytest.mark.fast
 def test_kept_blocks_really_stay_on_the_device_storage_between_phases():
     world = _observed(PARTLY_KEPT)()
     scheduler = world.scheduler
@@ -181,6 +184,7 @@ def _quantized(seed: int) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("fraction", [0.45, 0.8], ids=["streaming", "partly-kept"])
 def test_torchao_int8_blocks_under_an_auto_plan_are_bit_identical_and_move_the_int8_bytes(
         fraction):

@@ -186,6 +186,7 @@ def test_report_without_matplotlib_still_writes_the_summary(tiny_run, tmp_path, 
     assert "plot: skipped: matplotlib is not installed" in capsys.readouterr().out
 
 
+@pytest.mark.fast
 def test_gpu_check_without_an_accelerator_refuses_and_says_how(tmp_path, capsys):
     if gpu_check.torch.accelerator.is_available():
         pytest.skip("an accelerator is present")
@@ -195,6 +196,7 @@ def test_gpu_check_without_an_accelerator_refuses_and_says_how(tmp_path, capsys)
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("argv", "message"), [
     (["--dry-run", "--device", "sim"], "cannot be combined with --device sim"),
     (["--device", "sim", "--sections", "ceiling,nonsense"], "unknown section(s) ['nonsense']"),
@@ -259,6 +261,7 @@ def test_gpu_check_runs_every_section_on_the_simulated_device(tiny_suite, simula
     assert results["must_show"]["layer_next_copy_issued_before_compute"]["met"] is True
 
 
+@pytest.mark.fast
 def test_prefetch_order_reads_the_block_records():
     """`benchmarks.layers.prefetch_order` on a tiny DiT in layer mode: every block's successor
     was issued before it computed; a step run out of order is told apart."""
@@ -347,6 +350,7 @@ def test_simulated_cases_are_skipped_off_the_simulator_saying_how(tiny_run):
     assert "--bench-device=sim" in reason
 
 
+@pytest.mark.fast
 def test_the_commit_comparison_checks_its_arguments_before_running(tmp_path, capsys):
     """benchmarks/compare.py refuses a folder that is not a checkout, and fewer than two rounds
     (no noise figure), before it runs anything."""

@@ -22,6 +22,8 @@ from residency.engine.errors import ConfigError
 
 from _tiny_pipelines import _sd_unet, tiny_flux, tiny_wan22, tiny_wan_expert
 
+pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
+
 
 @dataclasses.dataclass(frozen=True)
 class OffloadPlan:

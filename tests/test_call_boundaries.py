@@ -177,6 +177,7 @@ def test_enable_during_a_call_of_the_plain_pipeline_is_refused_and_changes_nothi
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_disable_then_enable_in_one_callback_are_both_refused_and_change_nothing():
     plain, pipe = tiny_flux(), tiny_flux()
     scheduler = enable_offload(pipe, device="cpu")
@@ -276,6 +277,7 @@ def test_the_boundaries_count_several_calls_and_outputs_stay_bit_identical():
     assert ends == [CallEnd(n, Ending.RETURNED) for n in (1, 2, 3)]  # nothing more to tell
 
 
+@pytest.mark.fast
 def test_a_direct_check_inputs_or_maybe_free_call_is_not_a_pipeline_call():
     pipe = tiny_flux()
     enable_offload(pipe, device="cpu")
@@ -363,6 +365,7 @@ def test_a_raised_call_is_found_by_the_next_start_or_by_disable():
     assert torch.equal(output(pipe, "wan22", 3), output(plain, "wan22", 3))
 
 
+@pytest.mark.fast
 def test_inputs_refused_by_check_inputs_end_the_call_there():
     pipe = tiny_wan22()
     enable_offload(pipe, device="cpu")
@@ -378,6 +381,7 @@ def test_inputs_refused_by_check_inputs_end_the_call_there():
 # -- the boundary wrappers on the pipeline --------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_enable_sets_two_boundaries_on_the_pipeline_and_disable_takes_them_off():
     from diffusers import FluxPipeline
 
@@ -407,6 +411,7 @@ def test_enable_sets_two_boundaries_on_the_pipeline_and_disable_takes_them_off()
         "<CallBoundary 'check_inputs', detached>")
 
 
+@pytest.mark.fast
 def test_a_deep_copy_of_an_offloaded_pipeline_has_no_boundary_and_counts_nothing():
     plain, pipe = tiny_flux(), tiny_flux()
     enable_offload(pipe, device="cpu")
@@ -422,6 +427,7 @@ def test_a_deep_copy_of_an_offloaded_pipeline_has_no_boundary_and_counts_nothing
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_boundaries_compose_with_a_wrapper_set_before_enable():
     plain, pipe = tiny_flux(), tiny_flux()
     seen = []
@@ -441,6 +447,7 @@ def test_boundaries_compose_with_a_wrapper_set_before_enable():
     assert vars(pipe)[CALL_START] is counting  # that very wrapper put back
 
 
+@pytest.mark.fast
 def test_boundaries_compose_with_a_wrapper_set_after_enable():
     plain, pipe = tiny_flux(), tiny_flux()
     enable_offload(pipe, device="cpu")

@@ -23,22 +23,26 @@ def _parse(argv):
     return offload_config_from_args(parser, parser.parse_args(argv))
 
 
+@pytest.mark.fast
 def test_no_flags_means_offloading_off():
     assert _parse([]) is None
 
 
+@pytest.mark.fast
 def test_json_flag_gives_the_config():
     config = _parse(["--diffusion-offload-config",
                      '{"mode": "module", "components": ["dit", "vae"], "pin_memory": false}'])
     assert config == OffloadConfig(mode="module", components=("dit", "vae"), pin_memory=False)
 
 
+@pytest.mark.fast
 def test_legacy_flag_means_module_mode_with_dit_and_text_encoder():
     assert _parse(["--enable-cpu-offload"]) == OffloadConfig(
         mode="module", components=("dit", "text_encoder")
     )
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("components", [["dit", "text_encoder", "vae"], ["dit"]])
 def test_legacy_flag_with_a_module_mode_config_lets_the_config_decide(components):
     config = _parse(["--enable-cpu-offload", "--diffusion-offload-config",
@@ -46,15 +50,18 @@ def test_legacy_flag_with_a_module_mode_config_lets_the_config_decide(components
     assert config.components == tuple(components)
 
 
+@pytest.mark.fast
 def test_json_null_means_offloading_off():
     assert _parse(["--diffusion-offload-config", "null"]) is None
 
 
+@pytest.mark.fast
 def test_layer_mode_parses():
     config = _parse(["--diffusion-offload-config", '{"mode": "layer", "components": ["dit"]}'])
     assert config.mode == "layer"
 
 
+@pytest.mark.fast
 def test_auto_mode_parses_with_its_options():
     config = _parse(["--diffusion-offload-config",
                      '{"mode": "auto", "auto_options": {"device_budget": "20GiB", '
@@ -64,6 +71,7 @@ def test_auto_mode_parses_with_its_options():
                                               phase_order=("text_encoder", "transformer"))
 
 
+@pytest.mark.fast
 def test_flags_join_an_existing_parser_and_its_help():
     parser = argparse.ArgumentParser(prog="generate")
     parser.add_argument("--steps", type=int, default=4)
@@ -99,6 +107,7 @@ AUTO_REFUSALS = [
 ]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -137,6 +146,7 @@ def test_bad_values_are_argparse_errors_with_exit_status_2(argv, message, capsys
 # -- the main job (python -m residency) ---------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_the_main_job_takes_an_auto_config_to_its_scheduler():
     """Parsing only: the flag gives the config, and the synthetic pipeline's scheduler gets its
     options (a run under auto waits for the engine)."""
@@ -148,6 +158,7 @@ def test_the_main_job_takes_an_auto_config_to_its_scheduler():
     scheduler.close()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("config", "message"), AUTO_REFUSALS)
 def test_the_main_job_refuses_a_bad_auto_config_with_exit_status_2(config, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -160,6 +171,7 @@ def test_the_main_job_refuses_a_bad_auto_config_with_exit_status_2(config, messa
     assert re.search(message, error), error
 
 
+@pytest.mark.fast
 def test_the_main_job_refuses_the_legacy_flag_with_an_auto_config(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main_job(["--size", "tiny", "--enable-cpu-offload", FLAG, '{"mode": "auto"}'])

@@ -22,6 +22,7 @@ from residency.vllm_omni.config import (
 from residency.engine.errors import ConfigError, ResidencyError
 
 
+@pytest.mark.fast
 def test_config_error_is_a_residency_error_and_a_value_error():
     with pytest.raises(ResidencyError):
         OffloadConfig.from_dict({})
@@ -29,6 +30,7 @@ def test_config_error_is_a_residency_error_and_a_value_error():
         OffloadConfig.from_dict({})
 
 
+@pytest.mark.fast
 def test_module_mode_parses_with_defaults():
     config = OffloadConfig.from_dict({"mode": "module", "components": ["dit"]})
     assert config.components == ("dit",)
@@ -36,6 +38,7 @@ def test_module_mode_parses_with_defaults():
     assert dict(config.layer_options) == {}
 
 
+@pytest.mark.fast
 def test_components_are_a_set_in_canonical_order():
     config = OffloadConfig.from_dict({"mode": "module", "components": ["vae", "dit", "dit"]})
     assert config.components == ("dit", "vae")
@@ -43,12 +46,14 @@ def test_components_are_a_set_in_canonical_order():
     assert config == OffloadConfig(mode="module", components=("vae", "dit"))
 
 
+@pytest.mark.fast
 def test_pin_memory_null_means_the_default():
     config = OffloadConfig.from_json('{"mode": "module", "components": ["dit"], "pin_memory": null}')
     assert config.pin_memory is True
     assert config == OffloadConfig(mode="module", components=["dit"])
 
 
+@pytest.mark.fast
 def test_json_and_dict_agree():
     text = '{"mode": "module", "components": ["dit", "vae"], "pin_memory": false}'
     assert OffloadConfig.from_json(text) == OffloadConfig.from_dict(json.loads(text))
@@ -57,6 +62,7 @@ def test_json_and_dict_agree():
     )
 
 
+@pytest.mark.fast
 def test_layer_mode_parses_with_options():
     config = OffloadConfig.from_json(
         '{"mode": "layer", "components": ["dit", "text_encoder"],'
@@ -68,6 +74,7 @@ def test_layer_mode_parses_with_options():
     assert config.options_for("text_encoder") == LayerOptions(weight_transfer="allgather")
 
 
+@pytest.mark.fast
 def test_layer_options_default_to_rank_local_with_no_resident_layers():
     config = OffloadConfig(mode="layer", components=("dit", "text_encoder"),
                            layer_options={"dit": {"resident_layers": 3}})
@@ -80,6 +87,7 @@ def test_layer_options_default_to_rank_local_with_no_resident_layers():
         config.options_for("vae")
 
 
+@pytest.mark.fast
 def test_layer_mode_is_runnable():
     for mode in ("layer", "module"):
         config = OffloadConfig(mode=mode, components=("dit",))
@@ -93,6 +101,7 @@ def test_layer_mode_is_runnable():
 # -- module_options (an extension: all-gather of whole components in module mode) --------------
 
 
+@pytest.mark.fast
 def test_module_options_parse_and_say_each_components_transfer():
     config = OffloadConfig.from_json(
         '{"mode": "module", "components": ["dit", "text_encoder", "vae"],'
@@ -108,6 +117,7 @@ def test_module_options_parse_and_say_each_components_transfer():
                                                    "vae": ModuleOptions()})
 
 
+@pytest.mark.fast
 def test_empty_module_options_are_the_default():
     config = OffloadConfig.from_dict({"mode": "module", "components": ["dit"],
                                       "module_options": {}})
@@ -120,6 +130,7 @@ def test_empty_module_options_are_the_default():
                                                                             components=["dit"])
 
 
+@pytest.mark.fast
 def test_weight_transfer_for_reads_layer_options_in_layer_mode():
     config = OffloadConfig.from_dict({
         "mode": "layer", "components": ["dit", "text_encoder"],
@@ -129,6 +140,7 @@ def test_weight_transfer_for_reads_layer_options_in_layer_mode():
     assert dict(config.module_options) == {}
 
 
+@pytest.mark.fast
 def test_weight_transfer_for_refuses_a_component_not_selected():
     config = OffloadConfig(mode="module", components=["dit"],
                            module_options={"dit": {"weight_transfer": "allgather"}})
@@ -137,6 +149,7 @@ def test_weight_transfer_for_refuses_a_component_not_selected():
         config.weight_transfer_for("text_encoder")
 
 
+@pytest.mark.fast
 def test_module_options_are_frozen():
     config = OffloadConfig(mode="module", components=["dit"],
                            module_options={"dit": {"weight_transfer": "allgather"}})
@@ -146,6 +159,7 @@ def test_module_options_are_frozen():
         config.module_options["dit"].weight_transfer = "rank-local"
 
 
+@pytest.mark.fast
 def test_config_is_frozen():
     config = OffloadConfig(mode="module", components=["dit"])
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
@@ -212,6 +226,7 @@ def test_to_dict_from_dict_and_json_round_trip(data):
 # -- every error message ------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -405,6 +420,7 @@ def _surfaces(call, options, message):
         call({"mode": "auto", "components": ["dit"], "auto_options": options})
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("options", "message"), BAD_AUTO_OPTIONS)
 def test_bad_auto_options_surface_with_their_message_from_every_entry(options, message):
     _surfaces(OffloadConfig.from_dict, options, message)
@@ -414,6 +430,7 @@ def test_bad_auto_options_surface_with_their_message_from_every_entry(options, m
     _surfaces(lambda data: OffloadConfig(**data), options, message)
 
 
+@pytest.mark.fast
 def test_auto_mode_parses_with_defaults():
     config = OffloadConfig.from_dict({"mode": "auto"})
     assert config.mode in EXTENSION_MODES
@@ -428,6 +445,7 @@ def test_auto_mode_parses_with_defaults():
     assert OffloadConfig.from_dict({"mode": "auto", "auto_options": None}) == config
 
 
+@pytest.mark.fast
 def test_auto_mode_takes_its_options_components_and_module_options():
     config = OffloadConfig.from_json(
         '{"mode": "auto", "components": ["vae", "dit"], "auto_options": {"device_budget": 0.9,'
@@ -445,6 +463,7 @@ def test_auto_mode_takes_its_options_components_and_module_options():
     assert OffloadConfig(mode="auto", auto_options=given).auto_options is given
 
 
+@pytest.mark.fast
 def test_other_modes_have_no_auto_options():
     for mode in ("module", "layer"):
         config = OffloadConfig.from_dict({"mode": mode, "components": ["dit"],
@@ -453,6 +472,7 @@ def test_other_modes_have_no_auto_options():
         assert "auto_options" not in config.to_dict()
 
 
+@pytest.mark.fast
 def test_the_constructor_requires_components_outside_auto_mode():
     with pytest.raises(ConfigError, match=r"^offload config field 'components' is missing; mode "
                                           r"'module' requires it \(list some of 'dit', "
@@ -463,11 +483,13 @@ def test_the_constructor_requires_components_outside_auto_mode():
         OffloadConfig(mode="sync")
 
 
+@pytest.mark.fast
 def test_not_a_mapping():
     with pytest.raises(ConfigError, match=r"must be an object \(a mapping\), not \['dit'\]"):
         OffloadConfig.from_dict(["dit"])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("text", "where"),
     [
@@ -481,11 +503,13 @@ def test_json_that_does_not_parse_says_where(text, where):
         OffloadConfig.from_json(text)
 
 
+@pytest.mark.fast
 def test_json_must_be_a_string():
     with pytest.raises(ConfigError, match=r"JSON must be a string, not int"):
         OffloadConfig.from_json(3)
 
 
+@pytest.mark.fast
 def test_constructor_validates_like_from_dict():
     with pytest.raises(ConfigError, match=r"field 'components' contains 'unet'"):
         OffloadConfig(mode="module", components=["unet"])
@@ -501,11 +525,13 @@ def test_constructor_validates_like_from_dict():
 # -- the legacy switch --------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_off_unless_asked():
     assert resolve_config(None) is None
     assert resolve_config(None, enable_cpu_offload=False) is None
 
 
+@pytest.mark.fast
 def test_legacy_switch_means_module_mode_with_dit_and_text_encoder():
     # vLLM-Omni 0.30's model-level backend, given the switch alone, swaps every DiT against every
     # encoder (tests/test_config_parity.py pins where its code says so).
@@ -514,6 +540,7 @@ def test_legacy_switch_means_module_mode_with_dit_and_text_encoder():
     )
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "config",
     [
@@ -531,6 +558,7 @@ def test_legacy_switch_with_a_module_mode_config_keeps_the_config(config):
     assert resolved == resolve_config(config)
 
 
+@pytest.mark.fast
 def test_legacy_switch_with_a_layer_mode_config_is_refused():
     with pytest.raises(ConfigError, match=r"enable_cpu_offload=True asks for module mode, but the "
                                           r"offload config given with it is \{'mode': 'layer', "
@@ -540,6 +568,7 @@ def test_legacy_switch_with_a_layer_mode_config_is_refused():
         resolve_config({"mode": "layer", "components": ["dit"]}, enable_cpu_offload=True)
 
 
+@pytest.mark.fast
 def test_legacy_switch_with_an_auto_config_is_refused():
     with pytest.raises(ConfigError, match=r"enable_cpu_offload=True asks for module mode, but the "
                                           r"offload config given with it is \{'mode': 'auto', "
@@ -549,23 +578,27 @@ def test_legacy_switch_with_an_auto_config_is_refused():
         resolve_config('{"mode": "auto"}', enable_cpu_offload=True)
 
 
+@pytest.mark.fast
 def test_json_null_means_offloading_off():
     assert resolve_config("null") is None
     assert resolve_config(" null ", enable_cpu_offload=True) == resolve_config(
         enable_cpu_offload=True)
 
 
+@pytest.mark.fast
 def test_legacy_switch_must_be_a_bool():
     with pytest.raises(ConfigError, match=r"field 'enable_cpu_offload' is 'true' \(str\); "
                                           r"accepted values are true and false"):
         resolve_config(None, enable_cpu_offload="true")
 
 
+@pytest.mark.fast
 def test_resolve_refuses_json_that_is_not_an_object():
     with pytest.raises(ConfigError, match=r"must be an object \(a mapping\), not 5"):
         resolve_config("5")
 
 
+@pytest.mark.fast
 def test_resolve_refuses_other_types():
     with pytest.raises(ConfigError, match=r"must be an OffloadConfig, a mapping or a JSON "
                                           r"string, not int \(5\)"):

@@ -420,6 +420,7 @@ def test_extension_json_text_means_the_object_it_holds(value):
     assert ours(json.dumps(value)) == expected(value)
 
 
+@pytest.mark.fast
 def test_the_known_differences_are_settled():
     verdicts = [ours(value) for value in KNOWN]
     assert verdicts[:2] == [REJECT, REJECT]  # components is required and non-empty
@@ -446,6 +447,7 @@ def test_the_known_differences_are_settled():
     assert (EXTENSION_FIELDS, EXTENSION_MODES) == (("module_options", "auto_options"), ("auto",))
 
 
+@pytest.mark.fast
 def test_the_legacy_switch_alone_offloads_dits_and_encoders_in_vllm_omni():
     """0.30's ``resolve_offload`` reports components {"dit"} for the bare switch, but its model-level
     backend is handed ``components=None`` and then offloads every encoder as well ("the legacy
@@ -465,6 +467,7 @@ def test_the_legacy_switch_alone_offloads_dits_and_encoders_in_vllm_omni():
     assert set(LEGACY_COMPONENTS) == LEGACY_TOPOLOGY
 
 
+@pytest.mark.fast
 def test_the_parser_is_the_pinned_one_and_imports_only_the_standard_library():
     assert VO.__name__ == "_vllm_omni_0_30_0_offloader_config"
     assert VO.OFFLOAD_COMPONENTS == frozenset({"dit", "text_encoder"})

@@ -22,6 +22,8 @@ from residency import (
 from _helpers import in_buffer
 from conftest import CountingTransport, make_block, run_block, twin
 
+pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
+
 
 class TiedLM(nn.Module):
     """Embedding and output head share one Parameter; rotary-style non-persistent buffer."""

@@ -91,6 +91,7 @@ def test_wan22_with_every_component_offloaded():
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_flux_clip_and_t5_share_one_encoder_group():
     plain, pipe = tiny_flux(), tiny_flux()
     scheduler = enable_offload(pipe, device="cpu")
@@ -102,6 +103,7 @@ def test_flux_clip_and_t5_share_one_encoder_group():
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_vae_decode_and_encode_run_in_the_vae_phase():
     plain, pipe = tiny_wan22(), tiny_wan22()
     scheduler = enable_offload(pipe, ALL_COMPONENTS, device="cpu")
@@ -155,6 +157,7 @@ class Probe:
                 assert weight_on_device, f"{label}: weights not in the device storage"
 
 
+@pytest.mark.fast
 def test_inside_each_wan22_forward_exactly_its_group_is_resident():
     pipe = tiny_wan22()
     scheduler = enable_offload(pipe, ALL_COMPONENTS, device="cpu")
@@ -170,6 +173,7 @@ def test_inside_each_wan22_forward_exactly_its_group_is_resident():
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_inside_each_flux_forward_exactly_its_group_is_resident():
     pipe = tiny_flux()
     scheduler = enable_offload(pipe, device="cpu")
@@ -186,6 +190,7 @@ def test_inside_each_flux_forward_exactly_its_group_is_resident():
 # -- the execution device -------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("config", [None, ALL_COMPONENTS], ids=["vae resident", "all offloaded"])
 def test_a_component_is_always_on_the_device_so_execution_device_is_right(config):
     pipe = tiny_wan22()
@@ -230,6 +235,7 @@ def test_disable_offload_restores_the_pipeline_exactly(config):
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_a_second_enable_offload_is_refused_and_changes_nothing():
     pipe = tiny_flux()
     scheduler = enable_offload(pipe, device="cpu")
@@ -244,6 +250,7 @@ def test_a_second_enable_offload_is_refused_and_changes_nothing():
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_accelerates_offload_hook_is_refused_and_changes_nothing():
     accelerate = pytest.importorskip("accelerate")
     pipe = tiny_flux()
@@ -261,6 +268,7 @@ def test_accelerates_offload_hook_is_refused_and_changes_nothing():
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_diffusers_group_offloading_is_refused_and_changes_nothing():
     pipe = tiny_wan22()
     pipe.transformer.enable_group_offload(onload_device=torch.device("cpu"),
@@ -273,6 +281,7 @@ def test_diffusers_group_offloading_is_refused_and_changes_nothing():
     assert offload_scheduler(pipe) is None and module_attributes(pipe) == before
 
 
+@pytest.mark.fast
 def test_a_component_shared_with_an_offloaded_pipeline_is_refused():
     from diffusers import FluxPipeline
 
@@ -295,6 +304,7 @@ def test_a_component_shared_with_an_offloaded_pipeline_is_refused():
     disable_offload(sibling)
 
 
+@pytest.mark.fast
 def test_a_refused_config_changes_nothing():
     pipe = tiny_flux()
     with pytest.raises(ConfigError, match="'module_options' names 'vae', which is not in "
@@ -308,6 +318,7 @@ def test_a_refused_config_changes_nothing():
     assert instance_entry_points(pipe) == []
 
 
+@pytest.mark.fast
 def test_disable_offload_inside_a_phase_is_refused_and_changes_nothing():
     plain, pipe = tiny_flux(), tiny_flux()
     scheduler = enable_offload(pipe, device="cpu")
@@ -323,6 +334,7 @@ def test_disable_offload_inside_a_phase_is_refused_and_changes_nothing():
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_disable_without_enable_is_a_registration_error_saying_how_to_turn_it_on():
     with pytest.raises(RegistrationError) as refused:
         disable_offload(tiny_flux())
@@ -332,6 +344,7 @@ def test_disable_without_enable_is_a_registration_error_saying_how_to_turn_it_on
         "enable_offload(pipe) turns it on; offload_scheduler(pipe) is None while it is off.")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("verb", ["enable_offload", "disable_offload", "describe"])
 def test_what_is_not_a_pipeline_is_a_config_error_saying_what_to_pass(verb):
     linear = torch.nn.Linear(2, 2)
@@ -358,6 +371,7 @@ def test_a_dropped_pipeline_leaves_no_adapter_state_behind():
     assert scheduler() is None  # with its host masters: nothing else held it
 
 
+@pytest.mark.fast
 def test_a_config_that_offloads_no_component_is_refused_and_changes_nothing():
     pipe = Unconditional()
     modules = (pipe.components["transformer"], pipe.components["vae"])
@@ -375,6 +389,7 @@ def test_a_config_that_offloads_no_component_is_refused_and_changes_nothing():
 # -- the adapter's state: its entries, nothing else -----------------------------------------------
 
 
+@pytest.mark.fast
 def test_enable_offload_sets_phase_entries_and_call_boundaries_and_nothing_else():
     plain, pipe = tiny_flux(), tiny_flux()
     pipe_attributes = {name: id(value) for name, value in vars(pipe).items()}
@@ -404,6 +419,7 @@ def test_enable_offload_sets_phase_entries_and_call_boundaries_and_nothing_else(
     assert {name: id(value) for name, value in vars(pipe).items()} == pipe_attributes
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("module", [adapter, pipeline_calls_module], ids=lambda m: m.__name__)
 def test_the_adapter_module_holds_no_registry(module):
     containers = (dict, list, set, weakref.WeakKeyDictionary, weakref.WeakValueDictionary,
@@ -435,6 +451,7 @@ def test_entries_of_a_dropped_pipeline_belong_to_a_sibling_still_holding_them():
 # -- inputs follow the compute device -------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_tensor_arguments_are_sent_to_the_compute_device():
     from residency.adapters.diffusers import _to_device
 
@@ -469,6 +486,7 @@ class Unconditional:
                            "scheduler": object()}
 
 
+@pytest.mark.fast
 def test_a_pipeline_without_encoders_is_accepted_with_one_line_saying_what_it_does(caplog):
     with caplog.at_level("WARNING", logger="residency"):
         scheduler = enable_offload(Unconditional(), device="cpu")

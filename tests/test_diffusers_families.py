@@ -72,6 +72,7 @@ def test_each_family_is_bit_identical_call_by_call(family):
     assert torch.equal(output(pipe, call(2)), output(plain, call(2)))
 
 
+@pytest.mark.fast
 def test_kandinsky_cascade_stages_take_turns_in_order():
     pipe = tiny_kandinsky22()
     scheduler = enable_offload(pipe, device="cpu")
@@ -85,6 +86,7 @@ def test_kandinsky_cascade_stages_take_turns_in_order():
     assert changes[4] == ("unet", "text_encoder")
 
 
+@pytest.mark.fast
 def test_sdxl_default_config_moves_the_unet_and_both_text_encoders():
     pipe = tiny_sdxl()
     scheduler = enable_offload(pipe, device="cpu")  # no config
@@ -120,6 +122,7 @@ def test_sdxl_default_config_moves_the_unet_and_both_text_encoders():
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_describe_says_how_each_component_is_classified():
     assert describe(tiny_sd_controlnet()).splitlines() == [
         "StableDiffusionControlNetPipeline, components ['dit', 'text_encoder']:",
@@ -155,6 +158,7 @@ def test_a_replaced_controlnet_is_refused_at_the_next_phase_change_changing_noth
     disable_offload(pipe)
 
 
+@pytest.mark.fast
 def test_a_component_registered_after_enabling_is_refused():
     pipe = tiny_sd_ip_adapter(load=False)
     encoder = pipe.image_encoder

@@ -23,6 +23,7 @@ def test_the_committed_table_is_the_generated_one():
     )
 
 
+@pytest.mark.fast
 def test_every_tested_pipeline_is_in_the_table():
     names = {cls.__name__ for cls in pipeline_classes()}
     assert set(TESTED) <= names and len(names) > 200

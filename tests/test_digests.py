@@ -70,12 +70,14 @@ class AtenCalls(TorchDispatchMode):
 
 # --- unchanged, determinism, shapes ---------------------------------------------------------------
 
+@pytest.mark.fast
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 255, 256, 257, 1000, 1024])
 def test_an_unchanged_buffer_reports_nothing(nbytes):
     buffer = random_bytes(nbytes)
     assert remembered(buffer).changed_windows(buffer) == []
 
 
+@pytest.mark.fast
 def test_the_same_bytes_give_the_same_digests_in_any_buffer(intra_op_threads):
     buffer = random_bytes(3 * 2**20 + 5)
     layout = DigestLayout.for_device(buffer.device)
@@ -85,6 +87,7 @@ def test_the_same_bytes_give_the_same_digests_in_any_buffer(intra_op_threads):
     assert torch.equal(window_digests(buffer, layout), window_digests(copy, layout))
 
 
+@pytest.mark.fast
 def test_digests_are_small_and_one_row_per_window():
     layout = DigestLayout.for_device(torch.device("cpu"))
     digests = window_digests(random_bytes(5 * 2**20 + 3), layout)
@@ -93,12 +96,14 @@ def test_digests_are_small_and_one_row_per_window():
     assert digests.numel() * 8 < 0.01 * 6 * layout.window_nbytes
 
 
+@pytest.mark.fast
 def test_an_empty_buffer_has_no_windows():
     empty = torch.empty(0, dtype=torch.uint8)
     assert window_digests(empty, SMALL).shape == (0, SMALL.digest_words)
     assert remembered(empty).changed_windows(empty) == []
 
 
+@pytest.mark.fast
 def test_the_last_partial_window_counts_its_own_bytes_not_the_padding(intra_op_threads):
     buffer = random_bytes(2 * 256 + 3)
     zeros_beyond = torch.cat([buffer, torch.zeros(256 - 3, dtype=torch.uint8)])
@@ -108,6 +113,7 @@ def test_the_last_partial_window_counts_its_own_bytes_not_the_padding(intra_op_t
     assert detector.changed_windows(buffer) == [(512, 515)]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("tail", [8, 1024, 1024 + 8, 4096 - 8, 5000])
 def test_a_short_last_window_digests_as_its_zero_padded_full_window(tail, intra_op_threads):
     """Only the rows a short window fills are summed (the layer-mode case: blocks far smaller than
@@ -131,6 +137,7 @@ def test_every_single_bit_flip_is_detected_in_its_window(nbytes):
     assert detector.changed_windows(buffer) == []
 
 
+@pytest.mark.fast
 def test_bit_flips_at_the_default_window_boundaries(intra_op_threads):
     layout = DigestLayout.for_device(torch.device("cpu"))
     window = layout.window_nbytes
@@ -164,6 +171,7 @@ def test_swaps_of_two_different_elements_anywhere_in_a_window_are_detected(dtype
             swap(elements, i, j)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("dtype", ELEMENT_DTYPES)
 def test_swaps_of_neighbours_same_row_and_same_column_in_the_default_layout(dtype,
                                                                           intra_op_threads):
@@ -189,6 +197,7 @@ def test_swaps_of_neighbours_same_row_and_same_column_in_the_default_layout(dtyp
         swap(elements, i, j)
 
 
+@pytest.mark.fast
 def test_a_swap_across_a_window_boundary_reports_both_windows_as_one_range(intra_op_threads):
     buffer = random_bytes(256 * 4)
     words = buffer.view(torch.float64)
@@ -197,6 +206,7 @@ def test_a_swap_across_a_window_boundary_reports_both_windows_as_one_range(intra
     assert detector.changed_windows(buffer) == [(0, 512)]
 
 
+@pytest.mark.fast
 def test_swapping_x_and_minus_x_is_detected():
     """Sign-only differences (2**63 between the words) defeat odd-weighted sums modulo 2**64."""
     buffer = torch.zeros(256 * 2, dtype=torch.uint8)
@@ -210,6 +220,7 @@ def test_swapping_x_and_minus_x_is_detected():
     assert detector.changed_windows(buffer) == [(0, 256)]
 
 
+@pytest.mark.fast
 def test_each_window_digests_as_that_window_alone():
     """All windows are summed in one pair of calls; each one's digest is its own bytes'."""
     buffer = random_bytes(256 * 7 + 100)
@@ -221,6 +232,7 @@ def test_each_window_digests_as_that_window_alone():
 
 # --- cost: a bounded number of calls per buffer ---------------------------------------------------
 
+@pytest.mark.fast
 @pytest.mark.parametrize("intra_op_threads", [2], indirect=True)
 @pytest.mark.parametrize("layout, windows", [(SMALL, 3), (SMALL, 64), (SMALL, 4096),
                                              (DigestLayout.for_device(torch.device("cpu")), 24)])
@@ -249,6 +261,7 @@ def test_with_several_threads_a_check_costs_the_same_few_sums_whatever_the_windo
 
 # --- edits the version counter cannot see ---------------------------------------------------------
 
+@pytest.mark.fast
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_an_edit_through_data_of_a_typed_view_is_detected(dtype):
     buffer = random_bytes(256 * 8)
@@ -259,6 +272,7 @@ def test_an_edit_through_data_of_a_typed_view_is_detected(dtype):
     assert detector.changed_windows(buffer) == [window_range(2, buffer.numel())]
 
 
+@pytest.mark.fast
 def test_several_changed_chunks_give_merged_ranges_in_order():
     buffer = random_bytes(256 * 6 + 10)
     detector = remembered(buffer)
@@ -267,6 +281,7 @@ def test_several_changed_chunks_give_merged_ranges_in_order():
     assert detector.changed_windows(buffer) == [(256, 768), (1280, 1546)]
 
 
+@pytest.mark.fast
 def test_the_reference_is_the_last_remembered_state():
     buffer = random_bytes(256 * 2)
     detector = remembered(buffer)
@@ -277,6 +292,7 @@ def test_the_reference_is_the_last_remembered_state():
     assert detector.changed_windows(buffer) == [(0, 256)]
 
 
+@pytest.mark.fast
 def test_the_documented_blind_spot_is_a_rectangle_of_cancelling_changes():
     """What the module docstring says can escape: four words, +d/-d in two rows and two columns."""
     buffer = torch.zeros(256, dtype=torch.int64).view(torch.uint8)
@@ -289,11 +305,13 @@ def test_the_documented_blind_spot_is_a_rectangle_of_cancelling_changes():
 
 # --- misuse ---------------------------------------------------------------------------------------
 
+@pytest.mark.fast
 def test_changed_chunks_before_remember_raises():
     with pytest.raises(RuntimeError, match="remember"):
         ChangeDetector(SMALL).changed_windows(random_bytes(256))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("bad, error", [
     (torch.zeros(8, dtype=torch.float32), TypeError),
     (torch.zeros(2, 8, dtype=torch.uint8), TypeError),
@@ -308,18 +326,21 @@ def test_a_buffer_that_is_not_aligned_contiguous_bytes_is_refused(bad, error):
         ChangeDetector(SMALL).remember(bad)
 
 
+@pytest.mark.fast
 def test_a_buffer_of_another_length_is_refused():
     detector = remembered(random_bytes(512))
     with pytest.raises(ValueError, match="remember"):
         detector.changed_windows(random_bytes(256))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("window_nbytes, columns", [(0, 4), (256, 0), (100, 4), (256, 64)])
 def test_a_layout_that_does_not_tile_a_window_is_refused(window_nbytes, columns):
     with pytest.raises(ValueError):
         DigestLayout(window_nbytes=window_nbytes, columns=columns)
 
 
+@pytest.mark.fast
 def test_forget_drops_the_reference_and_repr_says_so():
     buffer = random_bytes(600)
     detector = remembered(buffer)

@@ -23,6 +23,8 @@ from residency.engine.errors import ConfigError, RegistrationError, UnknownGroup
 from _helpers import on_device, on_host_master
 from conftest import make_block, run_block
 
+pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
+
 WIDTH = 16
 PHASES = ("text_encoder", "transformer", "transformer_2", "vae")
 

@@ -19,6 +19,8 @@ from residency import Scheduler
 
 from conftest import twin
 
+pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
+
 
 def make_model(seed: int = 0, width: int = 64) -> nn.Sequential:
     torch.manual_seed(seed)

@@ -17,6 +17,7 @@ def _run(script: str, argv: list[str], monkeypatch) -> None:
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("script", "argv", "printed"),
     [

@@ -84,6 +84,7 @@ def link_distributions(names: set[str], into: Path) -> None:
                 target.symlink_to(site / top)
 
 
+@pytest.mark.fast
 def test_the_closure_follows_the_metadata():
     closure = extra_closure("diffusers")
     assert {"torch", "attrs", "diffusers", "transformers", "accelerate", "safetensors",

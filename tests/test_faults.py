@@ -155,6 +155,7 @@ def small_and_big(transport):
 # -- the device runs out of memory during an onload --------------------------------------------
 
 
+@pytest.mark.fast
 def test_out_of_memory_on_onload_names_the_group_and_bytes_and_leaves_it_offloaded(
     small_and_big, transport
 ):
@@ -179,6 +180,7 @@ def test_out_of_memory_on_onload_names_the_group_and_bytes_and_leaves_it_offload
     assert_runs_correctly(scheduler, "a", modules["a"], plain["a"], inputs["a"])
 
 
+@pytest.mark.fast
 def test_out_of_memory_in_a_nested_phase_brings_the_outer_group_back(small_and_big, transport):
     scheduler, modules, plain, inputs = small_and_big
     with scheduler.resident("a"):
@@ -198,6 +200,7 @@ def test_out_of_memory_in_a_nested_phase_brings_the_outer_group_back(small_and_b
 _LIMIT = 8 * 2**10
 
 
+@pytest.mark.fast
 def test_device_memory_limit_refuses_a_group_that_cannot_fit_and_changes_nothing():
     small, big = make_block(16, seed=1), make_block(64, seed=2)
     plain_small = twin(small)
@@ -215,6 +218,7 @@ def test_device_memory_limit_refuses_a_group_that_cannot_fit_and_changes_nothing
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_device_memory_limit_still_holds_after_refresh_grows_a_group():
     """A group that grows (LoRA) and is refreshed must not get more device memory than the limit."""
     block = make_block(16, seed=1)
@@ -238,6 +242,7 @@ def test_device_memory_limit_still_holds_after_refresh_grows_a_group():
 # -- KeyboardInterrupt between the copy and the re-pointing ------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("where", ["interrupt_after_copy", "interrupt_in_wait"])
 def test_keyboard_interrupt_during_a_load_leaves_the_group_cleanly_offloaded(
     small_and_big, transport, where
@@ -256,6 +261,7 @@ def test_keyboard_interrupt_during_a_load_leaves_the_group_cleanly_offloaded(
     assert_runs_correctly(scheduler, "a", modules["a"], plain["a"], inputs["a"])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("where", ["interrupt_after_copy", "interrupt_in_wait"])
 def test_keyboard_interrupt_during_a_nested_load_brings_the_outer_group_back(
     small_and_big, transport, where
@@ -272,6 +278,7 @@ def test_keyboard_interrupt_during_a_nested_load_brings_the_outer_group_back(
     assert_runs_correctly(scheduler, "b", modules["b"], plain["b"], inputs["b"])
 
 
+@pytest.mark.fast
 def test_keyboard_interrupt_during_write_back_loses_no_change(small_and_big, transport):
     scheduler, modules, plain, inputs = small_and_big
     with scheduler.resident("a"), torch.no_grad():
@@ -299,6 +306,7 @@ def _pinning_warnings(caught):
     ]
 
 
+@pytest.mark.fast
 def test_failed_pinning_falls_back_to_pageable_memory_with_one_warning(transport):
     transport.pinning_fails = True
     block = make_block(32, seed=1)
@@ -315,6 +323,7 @@ def test_failed_pinning_falls_back_to_pageable_memory_with_one_warning(transport
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_failed_pinning_warns_once_per_scheduler_not_once_per_group(transport):
     transport.pinning_fails = True
     blocks = [make_block(32, seed=i) for i in range(3)]
@@ -353,6 +362,7 @@ def two_groups(scheduler):
     return scheduler, modules, plain
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("retype", [_to_half, _to_double], ids=["half", "to_float64"])
 @pytest.mark.parametrize("while_", ["offloaded", "resident"])
 def test_a_dtype_change_is_adopted_at_the_next_phase_change(two_groups, retype, while_, caplog):
@@ -378,6 +388,7 @@ def test_a_dtype_change_is_adopted_at_the_next_phase_change(two_groups, retype, 
     assert len(adopted) == 1 and "group 'a' changed (the " in adopted[0], adopted
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("while_", ["offloaded", "resident"])
 def test_moving_a_module_to_the_device_it_is_on_is_harmless(two_groups, while_):
     scheduler, modules, plain = two_groups
@@ -447,6 +458,7 @@ def _load_with_assign(block):
     block.load_state_dict(state, assign=True)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "change",
     [_inject_lora, _add_parameter, _replace_parameter, _load_with_assign],
@@ -484,6 +496,7 @@ def _tensors_of(module: nn.Module) -> list[torch.Tensor]:
             if t is not None]
 
 
+@pytest.mark.fast
 def test_refresh_is_refused_inside_the_groups_own_phase(two_groups):
     scheduler, modules, _ = two_groups
     with scheduler.resident("a"):
@@ -497,6 +510,7 @@ def test_refresh_is_refused_inside_the_groups_own_phase(two_groups):
 # -- misuse ------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_phases_exited_out_of_order_are_refused_and_change_nothing(two_groups):
     scheduler, modules, plain = two_groups
     outer, inner = scheduler.resident("a"), scheduler.resident("b")
@@ -513,6 +527,7 @@ def test_phases_exited_out_of_order_are_refused_and_change_nothing(two_groups):
     assert_runs_correctly(scheduler, "b", modules["b"], plain["b"], torch.randn(2, 32))
 
 
+@pytest.mark.fast
 def test_a_phase_entered_twice_is_refused(two_groups):
     scheduler, _, _ = two_groups
     phase = scheduler.resident("a")
@@ -530,6 +545,7 @@ def test_a_phase_entered_twice_is_refused(two_groups):
         assert scheduler.current == "b"
 
 
+@pytest.mark.fast
 def test_a_phase_exited_on_another_thread_is_refused(two_groups):
     scheduler, _, _ = two_groups
     phase = scheduler.resident("a")
@@ -554,6 +570,7 @@ def test_a_phase_exited_on_another_thread_is_refused(two_groups):
         assert scheduler.current == "b"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("action", ["refresh", "remove"])
 def test_refresh_or_remove_of_a_group_whose_phase_is_suspended_is_refused_or_consistent(
     two_groups, action
@@ -581,6 +598,7 @@ def test_refresh_or_remove_of_a_group_whose_phase_is_suspended_is_refused_or_con
         assert_runs_correctly(scheduler, "a", modules["a"], plain["a"], x)
 
 
+@pytest.mark.fast
 def test_a_closed_scheduler_refuses_every_call_and_leaves_modules_on_the_host():
     scheduler = Scheduler("cpu")
     modules = {"a": make_block(seed=1), "b": make_block(seed=2), "v": make_block(seed=3)}
@@ -618,6 +636,7 @@ def test_a_closed_scheduler_refuses_every_call_and_leaves_modules_on_the_host():
             assert not any(b.data_ptr() <= pointer < b.data_ptr() + b.numel() for b in buffers)
 
 
+@pytest.mark.fast
 def test_close_while_a_phase_is_active_is_refused_and_changes_nothing(scheduler):
     modules = {name: make_block(seed=i) for i, name in enumerate(["a", "b", "c"])}
     plain = {name: twin(m) for name, m in modules.items()}
@@ -632,6 +651,7 @@ def test_close_while_a_phase_is_active_is_refused_and_changes_nothing(scheduler)
         assert_runs_correctly(scheduler, name, modules[name], plain[name], torch.randn(2, 32))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("change", [_to_half, _inject_lora], ids=["half", "lora_injection"])
 def test_close_after_a_module_changed_behind_the_schedulers_back_still_closes(change):
     """close() is not refused for a change: it returns what it can, keeps the user's tensors."""
@@ -656,6 +676,7 @@ def test_close_after_a_module_changed_behind_the_schedulers_back_still_closes(ch
     assert torch.equal(run_block(modules["a"], x), run_block(plain["a"], x))
 
 
+@pytest.mark.fast
 def test_the_same_module_added_twice_is_refused_and_changes_nothing(scheduler):
     block, fresh = make_block(seed=1), make_block(seed=2)
     plain = twin(block)

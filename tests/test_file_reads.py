@@ -73,6 +73,7 @@ def test_every_saved_region_of_a_fresh_load_is_found_at_its_file_offset(saved: P
         assert on_file == region_bytes(inventory, region)
 
 
+@pytest.mark.fast
 def test_non_persistent_buffers_are_not_in_a_file(saved: Path):
     module = load(saved).transformer
     inventory, found = sources_of(module)
@@ -81,6 +82,7 @@ def test_non_persistent_buffers_are_not_in_a_file(saved: Path):
     assert all(found[region] is None for region in unsaved)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("how", ["in place", "through .data"])
 def test_an_edited_tensor_is_not_the_files_bytes(saved: Path, how: str):
     module = load(saved).transformer
@@ -94,6 +96,7 @@ def test_an_edited_tensor_is_not_the_files_bytes(saved: Path, how: str):
                       FileSource)
 
 
+@pytest.mark.fast
 def test_an_edit_of_a_single_byte_on_a_tensors_last_page_is_seen(saved: Path):
     module = load(saved).vae
     weight = max(module.parameters(), key=lambda p: p.numel())
@@ -103,6 +106,7 @@ def test_an_edit_of_a_single_byte_on_a_tensors_last_page_is_seen(saved: Path):
     assert found[region_of(inventory, weight)] is None
 
 
+@pytest.mark.fast
 def test_a_file_replaced_or_truncated_since_it_was_mapped_is_not_a_source(saved: Path, tmp_path):
     import shutil
 
@@ -117,6 +121,7 @@ def test_a_file_replaced_or_truncated_since_it_was_mapped_is_not_a_source(saved:
         assert found and all(source is None for source in found)
 
 
+@pytest.mark.fast
 def test_memory_that_is_no_file_is_not_a_source():
     module = torch.nn.Linear(64, 64)
     _, found = sources_of(module)
@@ -138,6 +143,7 @@ def offloaded(folder: Path, config=ALL, **kwargs):
     return pipe
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["as-saved", "bfloat16"])
 def test_from_pretrained_gives_the_plain_pipelines_tensors(saved: Path, dtype):
     kwargs = {} if dtype is None else {"dtype": dtype}
@@ -165,6 +171,7 @@ def test_a_call_is_bit_identical_to_the_plain_pipelines(saved: Path):
     assert scheduler.transitions.count > 0
 
 
+@pytest.mark.fast
 def test_an_edit_before_offloading_is_kept(saved: Path):
     from residency.adapters.diffusers import enable_offload
 
@@ -187,6 +194,7 @@ def rchar() -> int:
     raise AssertionError("no rchar in /proc/self/io")
 
 
+@pytest.mark.fast
 def test_the_masters_are_read_from_the_files(saved: Path):
     weights = sum(path.stat().st_size for path in saved.rglob("*.safetensors"))
     before = rchar()
@@ -199,6 +207,7 @@ def test_the_masters_are_read_from_the_files(saved: Path):
     assert_same_tensors(pipe.transformer, plain.transformer, "transformer")
 
 
+@pytest.mark.fast
 def test_from_pretrained_checks_before_it_loads(saved: Path, tmp_path: Path):
     from diffusers import DiffusionPipeline
 
@@ -252,6 +261,7 @@ def source_for(path: Path, offset: int = 0) -> FileSource:
                       size=info.st_size, mtime_ns=info.st_mtime_ns)
 
 
+@pytest.mark.fast
 def test_the_reader_reads_ranges_in_pieces_on_its_threads(tmp_path: Path,
                                                           no_earlier_reads):
     from residency.engine.file_reads import FileReader
@@ -270,6 +280,7 @@ def test_the_reader_reads_ranges_in_pieces_on_its_threads(tmp_path: Path,
     assert not read_threads()
 
 
+@pytest.mark.fast
 def test_a_file_replaced_or_truncated_since_it_was_found_is_refused(tmp_path: Path, no_earlier_reads):
     from residency import WeightFileError
     from residency.engine.file_reads import FileReader
@@ -304,6 +315,7 @@ def test_a_file_replaced_or_truncated_since_it_was_found_is_refused(tmp_path: Pa
     assert not chunk.any() and not read_threads()
 
 
+@pytest.mark.fast
 def test_a_short_read_says_the_file_was_truncated(tmp_path: Path, no_earlier_reads):
     from residency import WeightFileError
     from residency.engine.file_reads import FileReader
@@ -365,6 +377,7 @@ def test_an_interrupt_anywhere_in_a_pack_with_file_reads_keeps_the_weights(saved
     assert points > 50
 
 
+@pytest.mark.fast
 def test_the_progress_of_a_master_read_from_files_says_reading(caplog):
     import logging
 

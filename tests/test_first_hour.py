@@ -45,6 +45,7 @@ def test_a_size_larger_than_the_host_is_refused_naming_both_figures(capsys, monk
     assert "] build:" not in err
 
 
+@pytest.mark.fast
 def test_a_size_that_fits_is_taken(monkeypatch):
     monkeypatch.setattr(checks, "available_host_memory", lambda: 64 * 2**30)
     parser = residency.app.main.build_parser()
@@ -52,6 +53,7 @@ def test_a_size_that_fits_is_taken(monkeypatch):
     assert checks.check_arguments(parser, args) == torch.device("cpu")
 
 
+@pytest.mark.fast
 def test_a_component_without_its_weight_file_is_refused_by_name(capsys, saved_wan22, tmp_path):
     folder = tmp_path / "wan"
     shutil.copytree(saved_wan22, folder)
@@ -65,6 +67,7 @@ def test_a_component_without_its_weight_file_is_refused_by_name(capsys, saved_wa
     assert "Traceback" not in err
 
 
+@pytest.mark.fast
 def test_a_missing_component_folder_is_refused(capsys, saved_wan22, tmp_path):
     folder = tmp_path / "wan"
     shutil.copytree(saved_wan22, folder)
@@ -74,6 +77,7 @@ def test_a_missing_component_folder_is_refused(capsys, saved_wan22, tmp_path):
            "folder vae/ is missing" in err
 
 
+@pytest.mark.fast
 def test_unknown_call_arguments_are_refused_listing_the_accepted(capsys, saved_wan22):
     err = refused(capsys, "--pipeline", str(saved_wan22), "--steps", "1",
                   "--call-args", '{"bogus_arg": 1, "max_sequence_length": 8}')
@@ -82,6 +86,7 @@ def test_unknown_call_arguments_are_refused_listing_the_accepted(capsys, saved_w
     assert "Traceback" not in err
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("name", "message"), [
     ("timeline.txt", "--plot {path}: give a file name ending in .png, .svg, .pdf"),
     ("missing/timeline.png", "--plot {path}: cannot write there"),
@@ -92,6 +97,7 @@ def test_a_bad_plot_path_is_refused(capsys, tmp_path, name, message):
     assert message.format(path=path) in err
 
 
+@pytest.mark.fast
 def test_a_budget_no_plan_fits_is_refused_before_the_first_run(capsys):
     config = '{"mode": "auto", "auto_options": {"device_budget": "1KiB"}}'
     with pytest.raises(SystemExit) as exit_info:
@@ -102,6 +108,7 @@ def test_a_budget_no_plan_fits_is_refused_before_the_first_run(capsys):
     assert "run without offloading" not in err and "warm-up" not in err
 
 
+@pytest.mark.fast
 def test_the_version_comes_from_the_metadata(capsys):
     from importlib import metadata
 
@@ -112,6 +119,7 @@ def test_the_version_comes_from_the_metadata(capsys):
                                        f"(torch {torch.__version__})\n")
 
 
+@pytest.mark.fast
 def test_the_console_script_names_itself(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/venv/bin/residency"])
     assert program_name(None) == "residency"
@@ -120,6 +128,7 @@ def test_the_console_script_names_itself(monkeypatch):
     assert program_name(None) == "python -m residency"
 
 
+@pytest.mark.fast
 def test_help_lists_the_interrupted_status(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -146,6 +155,7 @@ def test_ctrl_c_on_two_ranks_prints_one_line_and_leaves_no_segment():
     assert set(os.listdir("/dev/shm")) <= before
 
 
+@pytest.mark.fast
 def test_the_host_memory_hint_gives_units(tmp_path):
     scheduler = residency.Scheduler("cpu", host={"memory_limit": "64KiB",
                                                  "spill_directory": tmp_path})

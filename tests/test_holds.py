@@ -21,7 +21,7 @@ from residency.engine.enums import PhaseStatus
 from conftest import make_block, run_block, twin
 
 # Every test here runs twice: with the default GIL switch interval and with 1 us (conftest.py).
-pytestmark = pytest.mark.usefixtures("switch_interval")
+pytestmark = [pytest.mark.fast, pytest.mark.usefixtures("switch_interval")]
 
 #: How long a step on another thread may take before the test fails (never reached when green).
 JOIN_SECONDS = 20

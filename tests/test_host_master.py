@@ -17,6 +17,8 @@ from residency.engine.memory import HostMaster
 from residency.engine.tensors import take_inventory
 from residency.engine.transport import CpuTransport
 
+pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
+
 
 def _model() -> nn.Sequential:
     torch.manual_seed(3)

@@ -10,6 +10,8 @@ import pytest
 from residency import ConfigError, Scheduler
 from residency.engine.host_options import HostOptions, as_host_options
 
+pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
+
 
 def test_the_default_is_every_master_in_memory_without_a_cache():
     options = as_host_options(None)

@@ -121,6 +121,7 @@ def _run(scheduler, groups, x):
         return outputs
 
 
+@pytest.mark.fast
 def test_a_master_beyond_the_limit_is_a_shared_mapping_of_an_unnamed_file_of_ours(tmp_path):
     groups = _groups()
     scheduler = _scheduler(tmp_path, groups)
@@ -140,6 +141,7 @@ def test_a_master_beyond_the_limit_is_a_shared_mapping_of_an_unnamed_file_of_our
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_the_limit_holds_while_phases_run_and_outputs_are_bit_identical(tmp_path):
     groups = _groups()
     x = torch.randn(3, WIDTH)
@@ -156,6 +158,7 @@ def test_the_limit_holds_while_phases_run_and_outputs_are_bit_identical(tmp_path
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_the_file_that_followed_last_time_is_read_ahead(tmp_path):
     groups = _groups(3)
     scheduler = _scheduler(tmp_path, groups, limit_groups=3.5)  # the room holds both files
@@ -173,6 +176,7 @@ def test_the_file_that_followed_last_time_is_read_ahead(tmp_path):
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_edits_survive_dropping_the_pages(tmp_path):
     groups = _groups()
     x = torch.randn(2, WIDTH)
@@ -218,6 +222,7 @@ class _BlockModel(nn.Module):
         return self.head(x)
 
 
+@pytest.mark.fast
 def test_a_layer_mode_group_streams_file_backed_blocks_within_the_limit(tmp_path):
     model = _BlockModel()
     reference = twin(model)
@@ -267,6 +272,7 @@ def test_on_an_accelerator_a_file_backed_master_is_pageable_and_exact(tmp_path, 
 # -- typed errors ---------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_a_missing_spill_directory_is_refused(tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(ConfigError) as raised:
@@ -281,6 +287,7 @@ def test_a_missing_spill_directory_is_refused(tmp_path):
         residency.Scheduler("cpu", host={"memory_limit": MiB, "spill_directory": file})
 
 
+@pytest.mark.fast
 def test_a_spill_directory_that_cannot_be_written_is_refused(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -306,6 +313,7 @@ def test_a_spill_directory_that_cannot_be_written_is_refused(tmp_path):
                             "user may write")
 
 
+@pytest.mark.fast
 def test_a_group_larger_than_the_paging_room_is_refused_and_nothing_changes(tmp_path):
     groups = _groups(2)
     scheduler = residency.Scheduler("cpu", host={"memory_limit": 150_000,
@@ -337,6 +345,7 @@ def test_a_group_larger_than_the_paging_room_is_refused_and_nothing_changes(tmp_
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_a_file_the_disk_refuses_is_a_typed_error_at_add(tmp_path):
     groups = _groups(2)
     scheduler = _scheduler(tmp_path, groups[:1])

@@ -46,6 +46,7 @@ def installed_version(name: str) -> str | None:
         return None
 
 
+@pytest.mark.fast
 def test_constraints_pin_the_direct_dependencies():
     pinned = pins()
     for name in ["torch", "attrs", "pytest", "pytest-benchmark", "hypothesis", "diffusers",
@@ -54,6 +55,7 @@ def test_constraints_pin_the_direct_dependencies():
         assert name in pinned, f"{name} is a dependency of the project but not pinned"
 
 
+@pytest.mark.fast
 def test_installed_packages_match_the_pinned_set():
     drifted = []
     for name, version in pins().items():

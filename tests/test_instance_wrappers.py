@@ -18,6 +18,8 @@ from torch import nn
 from residency.engine.instance_wrappers import MAX_CHAIN, InstanceWrapper, chain, unreachable
 from residency.engine.layers import _BlockForward
 
+pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
+
 
 class Counting(InstanceWrapper):
     """Appends each call's first argument to `attached` (a list), then runs what it wraps."""

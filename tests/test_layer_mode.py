@@ -323,6 +323,7 @@ def test_wan22_experts_take_turns_with_a_text_encoder_bit_identically_one_expert
     assert groups == set(experts)
 
 
+@pytest.mark.fast
 def test_flux_streams_its_double_then_single_blocks_in_order_bit_identically(schedulers):
     model = tiny_flux_transformer(num_layers=2, num_single_layers=3)
     reference = copy.deepcopy(model)
@@ -345,6 +346,7 @@ def test_flux_streams_its_double_then_single_blocks_in_order_bit_identically(sch
         check_all_offloaded(scheduler, "dit")
 
 
+@pytest.mark.fast
 def test_a_wan_transformer_refused_by_finding_streams_by_its_repeated_blocks_bit_identically(
     schedulers,
 ):
@@ -367,6 +369,7 @@ def test_a_wan_transformer_refused_by_finding_streams_by_its_repeated_blocks_bit
         check_all_offloaded(scheduler, "dit")
 
 
+@pytest.mark.fast
 def test_a_layer_groups_repr_counts_the_whole_group_then_the_part_outside_its_blocks(schedulers):
     model = ProbeDiT(depth=4, width=256)
     scheduler = layer_scheduler(schedulers, model)
@@ -386,6 +389,7 @@ def test_a_layer_groups_repr_counts_the_whole_group_then_the_part_outside_its_bl
 # -- 2 and 3. resident_layers, and the device bytes at every block ---------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("resident_layers", [0, 1, 5], ids=["none-kept", "one-kept", "all-kept"])
 def test_resident_layers_keeps_the_leading_blocks_and_streams_the_rest(
     schedulers, resident_layers
@@ -416,6 +420,7 @@ def test_resident_layers_keeps_the_leading_blocks_and_streams_the_rest(
         assert scheduler.block_records.copies == 0
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("resident_layers", [0, 1, 5], ids=["none-kept", "one-kept", "all-kept"])
 def test_device_bytes_at_every_block_stay_within_the_rest_plus_two_slots(
     schedulers, resident_layers
@@ -489,6 +494,7 @@ def check_device_bytes(scheduler: Scheduler) -> int:
     return scheduler.device_nbytes
 
 
+@pytest.mark.fast
 def test_device_nbytes_is_the_sum_of_the_device_storages_that_exist(schedulers):
     model, encoder = tiny_wan_expert(num_layers=4), nn.Sequential(nn.Linear(16, 64),
                                                                   nn.Linear(64, 16))
@@ -521,6 +527,7 @@ def test_device_nbytes_is_the_sum_of_the_device_storages_that_exist(schedulers):
 # -- 4. records: prefetch ahead, the ring ----------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_each_streamed_block_has_a_profiler_range_and_the_trace_shows_block_records(
     schedulers, tmp_path
 ):
@@ -539,6 +546,7 @@ def test_each_streamed_block_has_a_profiler_range_and_the_trace_shows_block_reco
     assert (tmp_path / "trace.json").stat().st_size > 0
 
 
+@pytest.mark.fast
 def test_records_prefetch_each_next_block_before_this_ones_compute_and_the_last_the_first(
     schedulers,
 ):
@@ -581,6 +589,7 @@ def test_records_prefetch_each_next_block_before_this_ones_compute_and_the_last_
         check_stream(scheduler, "dit")
 
 
+@pytest.mark.fast
 def test_gradients_and_an_optimizer_step_through_layer_mode_match_the_reference(schedulers):
     """With autograd on, the graph keeps each block's slot bytes for the backward: the slot is
     not overwritten (a fresh buffer is taken), gradients are bit-identical, and an SGD step on
@@ -610,6 +619,7 @@ def test_gradients_and_an_optimizer_step_through_layer_mode_match_the_reference(
 # -- 5. out of order -------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_blocks_run_out_of_order_are_bit_identical_and_run_on_their_own_weights(schedulers):
     model = tiny_wan_expert(num_layers=4)
     reference = copy.deepcopy(model)
@@ -637,6 +647,7 @@ def test_blocks_run_out_of_order_are_bit_identical_and_run_on_their_own_weights(
     assert same_state(model, reference)
 
 
+@pytest.mark.fast
 def test_a_block_never_computes_with_another_blocks_weights_in_either_slot(schedulers):
     """Each ProbeBlock notes its weight inside its forward: its own bytes, in a slot, and the
     two blocks of a nested call sit in different slots."""
@@ -671,6 +682,7 @@ def test_a_block_never_computes_with_another_blocks_weights_in_either_slot(sched
         assert slot_of(inner) != slot_of(outer), "nested blocks share a slot"
 
 
+@pytest.mark.fast
 def test_three_blocks_nested_is_refused_and_leaves_the_stream_consistent(schedulers):
     model = ProbeDiT(depth=4)
     reference = copy.deepcopy(model)
@@ -693,6 +705,7 @@ def test_three_blocks_nested_is_refused_and_leaves_the_stream_consistent(schedul
 # -- 6. an exception inside a block ----------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("failing", [0, 1, 3], ids=["first", "middle", "last"])
 def test_an_exception_inside_a_block_leaves_every_block_offloaded_or_parked(schedulers, failing):
     model = ProbeDiT(depth=4)
@@ -750,6 +763,7 @@ EDITS = {"in-place": scale_in_place, "through-data": scale_through_data,
 TARGETS = {"kept-block": (1, 0), "parked-first-block": (0, 0), "offloaded-block": (0, 2)}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("edit", list(EDITS))
 @pytest.mark.parametrize("where", list(TARGETS))
 def test_an_edit_to_a_block_between_forwards_survives_swaps_and_close(schedulers, edit, where):
@@ -787,6 +801,7 @@ def test_an_edit_to_a_block_between_forwards_survives_swaps_and_close(schedulers
     assert same_state(model, reference)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("end", ["close", "remove", "swap"])
 def test_a_data_edit_to_the_parked_first_block_survives_without_another_forward(schedulers, end):
     model = tiny_wan_expert(num_layers=3)
@@ -805,6 +820,7 @@ def test_a_data_edit_to_the_parked_first_block_survives_without_another_forward(
     assert torch.equal(run_wan(model, wan_inputs(1)), run_wan(reference, wan_inputs(1)))
 
 
+@pytest.mark.fast
 def test_an_edit_between_explicit_block_calls_reaches_the_parked_next_block(schedulers):
     """Calling block 0 parks block 1 in its slot; a ``.data`` edit of block 1 made before
     calling it is what block 1 computes with, and is kept."""
@@ -824,6 +840,7 @@ def test_an_edit_between_explicit_block_calls_reaches_the_parked_next_block(sche
     assert same_state(model, reference)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("target", [0, 2], ids=["first-block", "middle-block"])
 def test_an_edit_a_block_makes_inside_its_own_forward_survives(schedulers, target):
     model = ProbeDiT(depth=4)
@@ -846,6 +863,7 @@ def test_an_edit_a_block_makes_inside_its_own_forward_survives(schedulers, targe
     assert same_state(model, reference)
 
 
+@pytest.mark.fast
 def test_without_edit_detection_a_version_counted_edit_to_the_parked_block_survives(schedulers):
     model = ProbeDiT(depth=3)
     reference = copy.deepcopy(model)
@@ -864,6 +882,7 @@ def test_without_edit_detection_a_version_counted_edit_to_the_parked_block_survi
     assert same_state(model, reference)
 
 
+@pytest.mark.fast
 def test_without_edit_detection_mark_dirty_keeps_a_data_edit_to_the_parked_block(schedulers):
     model = ProbeDiT(depth=3)
     reference = copy.deepcopy(model)
@@ -898,6 +917,7 @@ def casting_dit(depth: int = 4) -> ProbeDiT:
     return model
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("target", [0, 2], ids=["parked-first-block", "offloaded-block"])
 def test_a_block_retyped_between_forwards_is_repacked_and_bit_identical(schedulers, target):
     model = casting_dit()
@@ -921,6 +941,7 @@ def test_a_block_retyped_between_forwards_is_repacked_and_bit_identical(schedule
     assert same_state(model, reference)
 
 
+@pytest.mark.fast
 def test_a_block_left_retyped_by_its_eviction_is_back_in_a_master_at_once(schedulers):
     model = casting_dit()
     scheduler = layer_scheduler(schedulers, model)
@@ -932,6 +953,7 @@ def test_a_block_left_retyped_by_its_eviction_is_back_in_a_master_at_once(schedu
     check_stream(scheduler, "dit")
 
 
+@pytest.mark.fast
 def test_a_diffusers_cache_disabled_while_registered_leaves_the_blocks_streaming(schedulers):
     from diffusers.hooks import FirstBlockCacheConfig
 
@@ -952,6 +974,7 @@ def test_a_diffusers_cache_disabled_while_registered_leaves_the_blocks_streaming
     assert computed == [0, 1, 2], "the blocks no longer stream"
 
 
+@pytest.mark.fast
 def test_a_diffusers_cache_enabled_and_disabled_after_registration_keeps_streaming(schedulers):
     from diffusers.hooks import FirstBlockCacheConfig
 
@@ -974,6 +997,7 @@ def test_a_diffusers_cache_enabled_and_disabled_after_registration_keeps_streami
     assert [r.index for r in scheduler.block_records if r.kind == "compute"] == [0, 1, 2]
 
 
+@pytest.mark.fast
 def test_outside_its_phase_with_another_group_current_a_layer_mode_model_streams_nothing(
     schedulers,
 ):
@@ -1110,6 +1134,7 @@ def test_regional_compilation_of_each_block_is_bit_identical_and_compiles_once(
 # -- 9. removal, refresh, deep copies --------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("how", ["remove", "close", "remove-while-current"])
 def test_removing_the_group_takes_every_block_wrapper_off(schedulers, how):
     model = tiny_wan_expert(num_layers=3)
@@ -1136,6 +1161,7 @@ def test_removing_the_group_takes_every_block_wrapper_off(schedulers, how):
         assert torch.equal(run_wan(model, wan_inputs(2)), run_wan(reference, wan_inputs(2)))
 
 
+@pytest.mark.fast
 def test_a_forward_set_on_a_block_before_or_after_registration_is_kept_on_removal(schedulers):
     model = ProbeDiT(depth=3)
     reference = copy.deepcopy(model)
@@ -1166,6 +1192,7 @@ def test_a_forward_set_on_a_block_before_or_after_registration_is_kept_on_remova
     assert len(calls) == 4
 
 
+@pytest.mark.fast
 def test_refresh_of_a_layer_mode_group_does_not_stack_block_wrappers(schedulers):
     model = tiny_wan_expert(num_layers=3)
     reference = copy.deepcopy(model)
@@ -1224,6 +1251,7 @@ def test_a_deep_copy_made_in_layer_mode_is_a_plain_model_with_its_own_weights(sc
 # -- 10. mixed modes -------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_a_module_mode_encoder_phase_leaves_no_block_in_a_slot_and_releases_the_slots(schedulers):
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -1254,6 +1282,7 @@ def test_a_module_mode_encoder_phase_leaves_no_block_in_a_slot_and_releases_the_
             check_stream(scheduler, "dit")
 
 
+@pytest.mark.fast
 def test_layer_mode_fits_a_device_memory_limit_that_refuses_module_mode(schedulers):
     model = tiny_wan_expert(num_layers=5)
     reference = copy.deepcopy(model)
@@ -1285,6 +1314,7 @@ def check_untouched(scheduler: Scheduler, model: nn.Module, addresses: list[int]
         model(probe_input())
 
 
+@pytest.mark.fast
 def test_layers_with_the_resident_policy_is_refused(schedulers):
     model = ProbeDiT()
     addresses = ptrs(model.state_dict(keep_vars=True).values())
@@ -1296,6 +1326,7 @@ def test_layers_with_the_resident_policy_is_refused(schedulers):
     check_untouched(scheduler, model, addresses)
 
 
+@pytest.mark.fast
 def test_a_block_plan_of_a_model_outside_the_group_is_refused(schedulers):
     model, stranger = ProbeDiT(), ProbeDiT(seed=1)
     addresses = ptrs(model.state_dict(keep_vars=True).values())
@@ -1307,6 +1338,7 @@ def test_a_block_plan_of_a_model_outside_the_group_is_refused(schedulers):
     assert not any("forward" in m.__dict__ for m in stranger.modules())
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("layers", [
     "yes",
     [object()],
@@ -1322,6 +1354,7 @@ def test_layers_given_something_other_than_true_or_model_blocks_is_refused(sched
     check_untouched(scheduler, model, addresses)
 
 
+@pytest.mark.fast
 def test_layers_of_a_module_mode_group_is_a_phase_error(schedulers):
     scheduler = schedulers()
     group = scheduler.add("dit", ProbeDiT())
@@ -1331,6 +1364,7 @@ def test_layers_of_a_module_mode_group_is_a_phase_error(schedulers):
         group.layers()
 
 
+@pytest.mark.fast
 def test_a_model_without_repeated_blocks_is_refused_by_the_planner(schedulers):
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     addresses = ptrs(model.state_dict(keep_vars=True).values())
@@ -1356,6 +1390,7 @@ class OnlyBlocks(nn.Module):
         return x
 
 
+@pytest.mark.fast
 def test_a_model_whose_weights_are_all_in_its_blocks_streams(schedulers):
     model = OnlyBlocks()
     reference = copy.deepcopy(model)
@@ -1475,6 +1510,7 @@ def test_the_main_job_runs_layer_mode_bit_identically():
     assert "output: bit-identical to the run without offloading" in done.stdout
 
 
+@pytest.mark.fast
 def test_the_synthetic_tiny_pipeline_streams_its_one_block_experts_bit_identically():
     """The tiny size has one block per expert: each occupies one slot, and the outputs match."""
     from residency.app.synthetic import SyntheticWan22

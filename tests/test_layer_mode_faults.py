@@ -20,6 +20,8 @@ from residency.engine.enums import ResidencyState
 
 from _helpers import in_a_slot, same_state, swap_away
 
+pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
+
 RESIDENT, OFFLOADED = ResidencyState.RESIDENT, ResidencyState.OFFLOADED
 WIDTH = 16
 

@@ -106,6 +106,7 @@ def test_a_config_that_offloads_the_vae_swaps_it_in_last(capsys):
     assert "bit-identical" in out
 
 
+@pytest.mark.fast
 def test_a_null_config_runs_without_offloading_and_says_so(tmp_path: Path, capsys):
     trace = tmp_path / "trace.json"
     assert main(["--size", "tiny", "--steps", "2", "--diffusion-offload-config", "null",
@@ -122,6 +123,7 @@ def test_a_null_config_runs_without_offloading_and_says_so(tmp_path: Path, capsy
     assert not [e for e in events if e.get("cat") in ("transfer", "residency")]
 
 
+@pytest.mark.fast
 def test_a_null_config_still_checks_the_arguments_first(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--diffusion-offload-config", "null", "--device", "cuda:99"])
@@ -140,6 +142,7 @@ def test_the_residency_loggers_notes_are_printed_while_the_job_runs(capsys):
     assert "after the job" not in capsys.readouterr().err
 
 
+@pytest.mark.fast
 def test_a_bad_config_is_a_usage_error_with_the_config_message(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--size", "tiny", "--diffusion-offload-config",
@@ -190,6 +193,7 @@ def test_pipeline_flag_runs_a_saved_sdxl(tmp_path: Path):
     timeline_row(done.stdout, "text_encoder -> unet")
 
 
+@pytest.mark.fast
 def test_pipeline_flag_on_a_folder_without_a_model_exits_2(tmp_path: Path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--pipeline", str(tmp_path)])
@@ -197,6 +201,7 @@ def test_pipeline_flag_on_a_folder_without_a_model_exits_2(tmp_path: Path, capsy
     assert f"--pipeline {tmp_path}: no model_index.json there" in capsys.readouterr().err
 
 
+@pytest.mark.fast
 def test_the_console_script_runs_main(capsys):
     scripts = entry_points(group="console_scripts", name="residency")
     if not scripts:
@@ -212,6 +217,7 @@ def test_the_console_script_runs_main(capsys):
 # -- transfers in torch.profiler ------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_transfers_are_named_ranges_in_a_profiler_trace(tmp_path: Path):
     pipe = SyntheticWan22.build("tiny")
     pipe.offload = Scheduler.from_pipeline(pipe, MODULE_MODE, device="cpu")
@@ -229,6 +235,7 @@ def test_transfers_are_named_ranges_in_a_profiler_trace(tmp_path: Path):
 # -- the synthetic pipeline -----------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_synthetic_builds_are_deterministic_and_leave_the_global_rng_alone():
     state = torch.random.get_rng_state()
     first, second = SyntheticWan22.build("tiny", seed=3), SyntheticWan22.build("tiny", seed=3)
@@ -240,6 +247,7 @@ def test_synthetic_builds_are_deterministic_and_leave_the_global_rng_alone():
     assert torch.equal(first("a cat", steps=2), second("a cat", steps=2))
 
 
+@pytest.mark.fast
 def test_synthetic_offloaded_run_is_bit_identical_and_phases_are_exclusive():
     plain, pipe = SyntheticWan22.build("tiny"), SyntheticWan22.build("tiny")
     scheduler = Scheduler.from_pipeline(pipe, MODULE_MODE, device="cpu")
@@ -255,6 +263,7 @@ def test_synthetic_offloaded_run_is_bit_identical_and_phases_are_exclusive():
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_the_a14b_size_has_wan22s_parameter_counts():
     with torch.device("meta"):
         pipe = SyntheticWan22(SIZES["a14b"])
@@ -277,6 +286,7 @@ def record(source, target, nbytes, start, seconds, written=0):
                             load_seconds=seconds, thread="MainThread")
 
 
+@pytest.mark.fast
 def test_timeline_rows_number_time_and_total_each_transition_of_the_run():
     records = [record(None, "a", 2_000_000, 10.0, 0.002), record("a", "b", 2_000_000, 10.5, 0.004),
                record("b", None, 0, 11.0, 0.001, written=512)]
@@ -291,6 +301,7 @@ def test_timeline_rows_number_time_and_total_each_transition_of_the_run():
     assert "floor" not in text  # a single timing is never set against the floor
 
 
+@pytest.mark.fast
 def test_trace_shows_when_each_group_was_resident(tmp_path: Path):
     records = [record(None, "a", 100, 1.0, 0.1), record("a", "b", 100, 2.0, 0.1)]
     trace = write_trace(tmp_path / "t.json", records)
@@ -315,12 +326,14 @@ def refused(capsys, *argv: str) -> str:
     return err
 
 
+@pytest.mark.fast
 def test_a_device_that_is_not_there_is_a_usage_error(capsys):
     err = refused(capsys, "--size", "tiny", "--device", "cuda:99")
     assert "--device cuda:99: there is no such device on this machine (available: cpu" in err
     assert "--device 'gpu0' is not a device name" in refused(capsys, "--device", "gpu0")
 
 
+@pytest.mark.fast
 def test_an_unwritable_trace_path_is_refused_before_the_run(tmp_path: Path, capsys):
     missing = tmp_path / "no such folder" / "trace.json"
     err = refused(capsys, "--size", "tiny", "--trace", str(missing))
@@ -329,6 +342,7 @@ def test_an_unwritable_trace_path_is_refused_before_the_run(tmp_path: Path, caps
     assert not missing.parent.exists()
 
 
+@pytest.mark.fast
 def test_a_folder_that_is_not_a_diffusers_model_is_refused(tmp_path: Path, capsys):
     (tmp_path / "model_index.json").write_text('{"name": "not a pipeline"}')
     err = refused(capsys, "--pipeline", str(tmp_path))
@@ -344,6 +358,7 @@ def saved_sdxl(tmp_path_factory) -> Path:
     return save_tiny_sdxl(tmp_path_factory.mktemp("saved") / "sdxl")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_a_damaged_weight_file_is_refused_in_one_line_before_any_work(
         saved_sdxl: Path, tmp_path: Path, capsys, damage: str):
@@ -382,6 +397,7 @@ def test_a_crash_exits_3_with_the_traceback_and_a_summary(tmp_path: Path):
         "(traceback above); exit status 3")
 
 
+@pytest.mark.fast
 def test_help_documents_the_exit_statuses_and_every_option(capsys):
     parser = build_parser()
     undocumented = [action.option_strings for action in parser._actions
@@ -416,6 +432,7 @@ def test_nproc_runs_the_job_on_ranks_that_share_host_masters():
     assert "output: bit-identical to the run without offloading" in done.stdout
 
 
+@pytest.mark.fast
 def test_nproc_with_a_diffusers_folder_is_refused_before_any_work(tmp_path, capsys):
     (tmp_path / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
     with pytest.raises(SystemExit) as exit_info:

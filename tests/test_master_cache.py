@@ -396,6 +396,7 @@ def test_a_cache_directory_that_cannot_be_made_warns_once_and_the_run_goes_on(wa
     assert_same(outputs(pipe, scheduler), outputs(load(wan)))
 
 
+@pytest.mark.fast
 def test_a_dead_writers_temporary_file_is_removed_by_the_next_write(wan, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -412,6 +413,7 @@ def test_a_dead_writers_temporary_file_is_removed_by_the_next_write(wan, tmp_pat
 # -- (f) interrupts -----------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_an_interrupt_anywhere_in_writing_leaves_no_file_or_a_whole_one(wan, tmp_path):
     module, inventory, key = _keyed(wan, "text_encoder", CPU_ALIGNMENT)
     expected = weights_of(module)

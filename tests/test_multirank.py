@@ -162,6 +162,7 @@ def test_no_segment_is_left_behind(tmp_path):
     assert after <= before
 
 
+@pytest.mark.fast
 def test_a_process_group_without_torch_distributed_is_refused_with_what_to_do():
     from residency import ConfigError, Scheduler
 
@@ -263,6 +264,7 @@ def test_ranks_entering_different_groups_raise_on_every_rank(tmp_path):
         assert "'a'" in result["message"] and "'b'" in result["message"]
 
 
+@pytest.mark.fast
 def test_allgather_without_ranks_to_share_is_refused():
     from residency import RegistrationError, Scheduler
 

@@ -89,18 +89,21 @@ def test_a_bad_node_key_on_one_rank_is_refused_on_every_rank(tmp_path):
         assert facts["seconds"] < 5
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("key", ["", "   ", 3])
 def test_an_unusable_node_key_argument_is_refused(key):
     with pytest.raises(ConfigError, match="node key from node_key is .*non-empty string"):
         resolve_node_key(key)
 
 
+@pytest.mark.fast
 def test_the_node_view_needs_torch_distributed():
     assert not dist.is_initialized()  # the test process never joins a group
     with pytest.raises(ConfigError, match=r"call torch\.distributed\.init_process_group"):
         node_view()
 
 
+@pytest.mark.fast
 def test_a_node_view_checks_itself():
     with pytest.raises(ConfigError, match="rank 5 is not among its node's ranks"):
         NodeView(node_key="h", rank=5, world_size=8, node_ranks=(0, 1), node_index=0, node_count=1)

@@ -23,6 +23,8 @@ from residency.engine.errors import ConfigError, PhaseError, RegistrationError, 
 from _vllm_omni import wheel_source
 from conftest import make_block, run_block
 
+pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
+
 WIDTH = 16
 
 

@@ -85,6 +85,7 @@ def assert_first_still_works(first) -> None:
 # -- add --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("group", ["a", "r"], ids=["exclusive", "resident-policy"])
 def test_a_module_of_another_open_scheduler_is_refused_with_the_owner_named(first, second, group):
     scheduler, modules, _ = first
@@ -102,6 +103,7 @@ def test_a_module_of_another_open_scheduler_is_refused_with_the_owner_named(firs
     assert_first_still_works(first)
 
 
+@pytest.mark.fast
 def test_a_module_of_another_scheduler_is_refused_while_resident_there_too(first, second):
     scheduler, modules, _ = first
     with scheduler.resident("a"):
@@ -113,6 +115,7 @@ def test_a_module_of_another_scheduler_is_refused_while_resident_there_too(first
     assert_first_still_works(first)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("part", ["submodule", "parent", "among others"])
 def test_a_submodule_or_a_parent_of_an_owned_module_is_refused(first, second, part):
     _, modules, _ = first
@@ -132,6 +135,7 @@ def test_a_submodule_or_a_parent_of_an_owned_module_is_refused(first, second, pa
     second.add("free", free)
 
 
+@pytest.mark.fast
 def test_the_same_scheduler_names_no_other_scheduler(first):
     scheduler, modules, _ = first
     with pytest.raises(RegistrationError, match="already belongs to group 'a'") as refused:
@@ -143,6 +147,7 @@ def test_the_same_scheduler_names_no_other_scheduler(first):
 # -- what frees a module ----------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_after_the_owner_is_closed_the_module_can_be_added(first, second):
     scheduler, modules, plain = first
     with pytest.raises(RegistrationError, match="another scheduler"):
@@ -158,6 +163,7 @@ def test_after_the_owner_is_closed_the_module_can_be_added(first, second):
         Scheduler("cpu").add("y", modules["a"])  # now the second one owns it
 
 
+@pytest.mark.fast
 def test_after_the_group_is_removed_the_module_can_be_added(first, second):
     scheduler, modules, _ = first
     scheduler.remove("a")
@@ -167,6 +173,7 @@ def test_after_the_group_is_removed_the_module_can_be_added(first, second):
         second.add("y", modules["r"])  # the other group stays owned
 
 
+@pytest.mark.fast
 def test_a_refresh_keeps_the_module_owned(first, second):
     scheduler, modules, _ = first
     scheduler.refresh("a")
@@ -195,6 +202,7 @@ def test_a_scheduler_dropped_without_close_frees_its_modules(second):
         assert torch.equal(run_block(block, x), run_block(plain, x))
 
 
+@pytest.mark.fast
 def test_a_failed_add_gives_its_modules_back(second, monkeypatch):
     block = make_block(16, seed=4)
 
@@ -224,6 +232,7 @@ def test_the_map_keeps_no_module_alive(second):
 # -- two schedulers at once -------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_two_schedulers_adding_one_module_at_once_one_wins(monkeypatch):
     """Force the race: both schedulers' checks pass before either claims (a barrier after the
     check).  Exactly one may register the module."""
@@ -267,6 +276,7 @@ def test_two_schedulers_adding_one_module_at_once_one_wins(monkeypatch):
 # -- from_pipeline and the diffusers adapter ---------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_from_pipeline_refuses_a_pipeline_whose_module_another_scheduler_owns(second):
     pipe = SyntheticWan22.build("tiny")
     second.add("mine", pipe.transformer_2)
@@ -287,6 +297,7 @@ def test_from_pipeline_refuses_a_pipeline_whose_module_another_scheduler_owns(se
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_the_diffusers_adapter_refuses_a_component_another_scheduler_owns(second):
     pytest.importorskip("diffusers")
     from residency.adapters.diffusers import disable_offload, enable_offload
@@ -322,6 +333,7 @@ def _refused_plan(how: str):
     return pipe, pipe.transformer_2, lambda: enable_offload(pipe, device="cpu")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("how", ["from_pipeline", "enable_offload"])
 def test_a_plan_refused_for_another_schedulers_module_moves_no_tensor(second, how):
     pipe, owned, call = _refused_plan(how)
@@ -339,6 +351,7 @@ def test_a_plan_refused_for_another_schedulers_module_moves_no_tensor(second, ho
 # -- the one rule of shared bytes (residency.engine.subclasses.overlapping_runs) -------------------------
 
 
+@pytest.mark.fast
 def test_the_one_rule_groups_overlapping_bytes_of_one_storage_only():
     from residency.engine.subclasses import extent, first_shared, overlapping_runs
 
@@ -360,6 +373,7 @@ def test_the_one_rule_groups_overlapping_bytes_of_one_storage_only():
     assert first_shared(extents, ["a", "a", "a", "b", "b", "b"]) is None  # 4 holds no bytes
 
 
+@pytest.mark.fast
 def test_meta_tensors_share_bytes_only_with_themselves():
     from residency.engine.subclasses import extent, first_shared
 
@@ -368,6 +382,7 @@ def test_meta_tensors_share_bytes_only_with_themselves():
     assert first_shared([extent(one), extent(one)], ["a", "b"]) == (0, 1)
 
 
+@pytest.mark.fast
 def test_a_view_of_an_offloaded_groups_host_master_is_refused(first, second):
     scheduler, modules, _ = first
     stolen = modules["a"][0].weight.detach()[:2]  # reads the group's host master
@@ -384,6 +399,7 @@ def test_a_view_of_an_offloaded_groups_host_master_is_refused(first, second):
     assert_first_still_works(first)
 
 
+@pytest.mark.fast
 def test_a_view_of_a_resident_groups_device_storage_is_refused(first):
     scheduler, modules, _ = first
     with scheduler.resident("a"):

@@ -45,6 +45,7 @@ def residues(module: nn.Module, boundary: int = 64) -> dict[str, int]:
     return {name: t.data_ptr() % boundary for name, t in module.state_dict(keep_vars=True).items()}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("offset", [8, 24, 40, 56])
 def test_on_a_cpu_device_each_tensor_keeps_its_address_modulo_64(offset: int):
     model = nn.Sequential(misaligned_linear(offset), nn.GELU(), misaligned_linear(offset + 16))
@@ -62,6 +63,7 @@ def test_on_a_cpu_device_each_tensor_keeps_its_address_modulo_64(offset: int):
     assert residues(model) == loaded
 
 
+@pytest.mark.fast
 def test_a_cpu_device_run_is_bit_identical_whatever_the_alignment():
     model = nn.Sequential(misaligned_linear(8), nn.GELU(), misaligned_linear(40))
     plain = twin(model)
@@ -78,6 +80,7 @@ def test_a_cpu_device_run_is_bit_identical_whatever_the_alignment():
                 assert torch.equal(model(x), plain(x))
 
 
+@pytest.mark.fast
 def test_accelerator_alignment_puts_every_region_on_a_512_byte_boundary():
     model = nn.Sequential(misaligned_linear(8), misaligned_linear(24), nn.LayerNorm(24))
     inventory = take_inventory([model], alignment=ACCELERATOR_ALIGNMENT, chunk_nbytes=4096)
@@ -89,6 +92,7 @@ def test_accelerator_alignment_puts_every_region_on_a_512_byte_boundary():
     assert all(base % 512 == 0 for base in bases)
 
 
+@pytest.mark.fast
 def test_cpu_alignment_keeps_each_regions_address_modulo_64_in_the_layout():
     model = nn.Sequential(misaligned_linear(8), misaligned_linear(56))
     wanted = [t.data_ptr() % 64 for t in model.state_dict(keep_vars=True).values()]
@@ -100,6 +104,7 @@ def test_cpu_alignment_keeps_each_regions_address_modulo_64_in_the_layout():
     assert all(base % 64 == 0 for base in bases)
 
 
+@pytest.mark.fast
 def test_the_alignment_follows_the_device():
     assert alignment_for(torch.device("cpu")) == CPU_ALIGNMENT
     assert alignment_for(torch.device("cuda", 0)) == ACCELERATOR_ALIGNMENT

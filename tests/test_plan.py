@@ -46,6 +46,7 @@ class Stack(nn.Module):
 # -- the plan as data --------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_module_mode_plans_keep_or_swap_the_own_part():
     swapped = Plan.for_group("dit", Policy.EXCLUSIVE, ())
     kept = Plan.for_group("vae", Policy.RESIDENT, ())
@@ -56,6 +57,7 @@ def test_module_mode_plans_keep_or_swap_the_own_part():
     assert kept.describe() == "vae: own part kept"
 
 
+@pytest.mark.fast
 def test_a_layer_mode_plan_streams_every_block_but_the_kept_ones():
     model = Stack(depth=4)
     blocks = model_blocks(model, path="dit", resident_layers=1)
@@ -66,6 +68,7 @@ def test_a_layer_mode_plan_streams_every_block_but_the_kept_ones():
     assert plan.describe() == "dit: own part swapped; 3 parts streamed through the block slots"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("parts, message", [
     ((), r"a plan for group 'g' begins with the group's own part, named 'g'; it begins with "
          r"'nothing'"),
@@ -84,6 +87,7 @@ def test_a_plan_no_owner_can_carry_out_is_refused_with_what_to_do(parts, message
         Plan("g", parts, exclusive=exclusive)
 
 
+@pytest.mark.fast
 def test_an_auto_plan_places_blocks_apart_kept_swapped_or_streamed():
     blocks = model_blocks(Stack(depth=4), path="dit")
     first = Plan.for_group("dit", Policy.EXCLUSIVE, (blocks,), apart=True)
@@ -105,6 +109,7 @@ def test_an_auto_plan_places_blocks_apart_kept_swapped_or_streamed():
 # -- carried out -------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_each_group_carries_its_plan_and_its_streams_hold_the_plans_streamed_parts():
     encoder, dit, vae = Stack(2), Stack(4), Stack(1)
     expected = {name: m(torch.ones(2, 8)) for name, m in
@@ -225,6 +230,7 @@ def test_no_layer_mode_branch_outside_the_plan_and_stream_files():
         "\n".join(offenders)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("source", [
     "if group.blocks is not None:\n    pass\n",
     "x = 1 if group.stream.parts else 2\n",
@@ -236,11 +242,13 @@ def test_the_branch_reader_finds_each_kind_of_layer_mode_branch(source):
     assert layer_mode_branches(source), source
 
 
+@pytest.mark.fast
 def test_the_branch_reader_leaves_plan_reads_that_are_not_branches():
     source = ("inventory = packer.inventory(roots, allow_empty=plan.streams)\n"
               "if prefetched.plan.mode != group.plan.mode:\n    pass\n")
     assert layer_mode_branches(source) == []
 
 
+@pytest.mark.fast
 def test_the_plan_and_stream_files_exist():
     assert all((ROOT / path).is_file() for path in PLAN_AND_STREAM_FILES)

@@ -12,6 +12,8 @@ from residency.engine.errors import DeviceMemoryError
 from residency.engine.plan import Part, Plan, Where
 from residency.engine.planner import Workload, choose, predict
 
+pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
+
 
 def _workloads(rng: random.Random, groups: int) -> list[Workload]:
     made = []

@@ -130,6 +130,7 @@ def test_from_pretrained_returns_before_the_reads_and_a_call_is_bit_identical(sa
     assert no_reading_thread_left()
 
 
+@pytest.mark.fast
 def test_background_reads_can_be_switched_off(saved: Path):
     from residency.adapters.diffusers import offload_scheduler
 
@@ -245,6 +246,7 @@ def test_a_lora_merged_by_peft_while_the_reads_go_on_is_kept(saved: Path, monkey
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_a_group_changed_before_its_first_load_is_re_packed_and_its_reads_dropped(
         saved: Path, monkeypatch):
     gate = Gate("transformer_2")
@@ -261,6 +263,7 @@ def test_a_group_changed_before_its_first_load_is_re_packed_and_its_reads_droppe
     assert no_reading_thread_left()
 
 
+@pytest.mark.fast
 def test_a_file_truncated_before_its_read_is_a_typed_error(saved: Path, monkeypatch, tmp_path):
     import shutil
 
@@ -312,6 +315,7 @@ def test_a_file_replaced_before_its_read_leaves_the_loaded_weights(saved, monkey
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_a_removed_group_is_not_read_and_keeps_its_file_views(saved: Path, monkeypatch):
     gate = Gate("transformer")
     pipe, scheduler = two_experts(saved, monkeypatch, gate)
@@ -325,6 +329,7 @@ def test_a_removed_group_is_not_read_and_keeps_its_file_views(saved: Path, monke
     assert still_on_its_files(pipe.transformer)
 
 
+@pytest.mark.fast
 def test_only_groups_on_weight_files_are_read_behind(saved: Path, tmp_path: Path):
     pipe = load(saved)
     scheduler = Scheduler("cpu", host={"background_reads": True})
@@ -338,6 +343,7 @@ def test_only_groups_on_weight_files_are_read_behind(saved: Path, tmp_path: Path
     cached.close()
 
 
+@pytest.mark.fast
 def test_measuring_the_floor_of_a_master_still_arriving_is_refused(saved: Path, monkeypatch):
     from residency.app.timeline import measure_floor
 
@@ -372,6 +378,7 @@ def test_a_phase_waiting_for_its_reads_says_how_far_they_are(saved, monkeypatch,
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_background_reads_must_be_a_flag():
     with pytest.raises(ConfigError) as error:
         Scheduler("cpu", host={"background_reads": "on"})

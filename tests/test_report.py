@@ -126,6 +126,7 @@ def test_a_quiet_machine_gets_no_warning(capsys, monkeypatch, reading):
 # -- the repeated changes: medians, spread, the noise rule ----------------------------------------
 
 
+@pytest.mark.fast
 def test_samples_give_the_median_and_the_min_max_spread():
     samples = Samples([0.004, 0.001, 0.002, 0.009, 0.003])
     assert samples.median == 0.003 and samples.spread == (0.001, 0.009)
@@ -135,6 +136,7 @@ def test_samples_give_the_median_and_the_min_max_spread():
         Samples([])
 
 
+@pytest.mark.fast
 def test_a_changes_ratio_is_each_repeat_over_the_floors_median():
     big = change("a", "b", 2 * MIN_FLOOR_BYTES, [0.004, 0.002, 0.003], [0.001, 0.0012, 0.0009])
     assert big.change == "a -> b" and big.comparable
@@ -148,6 +150,7 @@ def test_a_changes_ratio_is_each_repeat_over_the_floors_median():
                                            "run made again 3 times after it")
 
 
+@pytest.mark.fast
 def test_the_runs_ratio_weighs_each_change_by_how_often_the_run_made_it():
     once = change("a", "b", MIN_FLOOR_BYTES, [0.002], [0.001])              # x2, once
     thrice = change("b", "a", MIN_FLOOR_BYTES, [0.004], [0.001], count=3)   # x4, three times
@@ -160,6 +163,7 @@ def test_the_runs_ratio_weighs_each_change_by_how_often_the_run_made_it():
     assert "the run's loads" not in format_changes(ChangeCosts(changes=(noise,)))
 
 
+@pytest.mark.fast
 def test_x_floor_is_left_out_for_small_loads_and_short_floors_and_the_legend_says_what_they_took():
     shown = change("a", "big", MIN_FLOOR_BYTES, [2 * MIN_FLOOR_SECONDS], [MIN_FLOOR_SECONDS])
     small = change("big", "small", 9 * 1024, [0.0015], [0.004])                 # under 1 MiB
@@ -179,6 +183,7 @@ def test_x_floor_is_left_out_for_small_loads_and_short_floors_and_the_legend_say
     assert "left out" not in only_shown and NOT_MEANINGFUL not in only_shown.splitlines()[2]
 
 
+@pytest.mark.fast
 def test_the_legend_names_the_changes_not_made_again_and_the_groups_never_loaded():
     first = change(None, "a", MIN_FLOOR_BYTES, [0.002], [0.001])
     text = format_changes(ChangeCosts(
@@ -194,6 +199,7 @@ def test_the_legend_names_the_changes_not_made_again_and_the_groups_never_loaded
     assert "the floors were measured while the reads of c from their weight files went on" in text
 
 
+@pytest.mark.fast
 def test_measure_changes_makes_each_change_of_the_run_again_beside_its_floor():
     scheduler = Scheduler("cpu")
     for name in ("a", "b"):
@@ -244,6 +250,7 @@ def test_wait_for_reads_gives_up_on_reads_that_make_no_progress():
 # -- the run's table: the total line --------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_the_total_line_gives_bytes_seconds_and_written_bytes_and_no_single_run_ratio():
     records = [record(None, "a", 2 * 2**20, 10.0, 0.002), record("a", "b", 2**20, 10.5, 0.004),
                record("b", None, 0, 11.0, 0.001, written=512)]
@@ -276,6 +283,7 @@ def test_the_report_has_no_placeholder_dashes_and_no_fixed_cost_claim(capsys, mo
 # -- device bytes ---------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_device_bytes_are_reported_with_and_without_offloading():
     assert format_device_bytes(plain=2**30, storage_peak=2**29, allocator_peak=None,
                                device=CPU) == (
@@ -343,6 +351,7 @@ def test_plot_writes_a_png_of_the_timeline(tmp_path: Path, capsys, monkeypatch):
     assert ("matplotlib.pyplot" in sys.modules) == pyplot_before  # no pyplot state left
 
 
+@pytest.mark.fast
 def test_write_plot_draws_ratios_and_left_out_changes_in_the_format_its_name_asks(tmp_path):
     records = [record(None, "a", 2**20, 1.0, 0.002), record("a", "b", 2**20, 1.1, 0.004)]
     spans = [timeline.PhaseSpan(name=n, start=s, end=s + 0.05, enter_seconds=0.0,
@@ -357,6 +366,7 @@ def test_write_plot_draws_ratios_and_left_out_changes_in_the_format_its_name_ask
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.fast
 def test_without_matplotlib_the_plot_is_refused_with_the_extra_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     with pytest.raises(PlotError) as error:
@@ -368,6 +378,7 @@ def test_without_matplotlib_the_plot_is_refused_with_the_extra_to_install(tmp_pa
     assert not (tmp_path / "t.png").exists()
 
 
+@pytest.mark.fast
 def test_a_samples_figure_prints_in_milliseconds_with_three_digits():
     assert [timeline._ms(s) for s in (1.24, 0.0235, 0.00124, 0.000152)] == \
         ["1240", "23.5", "1.24", "0.152"]

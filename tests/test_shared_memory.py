@@ -203,6 +203,7 @@ def test_a_missing_shared_memory_directory_is_refused_on_every_rank(tmp_path):
                         "need a shared-memory directory (/dev/shm on Linux)")
 
 
+@pytest.mark.fast
 def test_share_segment_needs_a_gloo_node_group():
     with pytest.raises(RegistrationError, match=r"Pass residency\.multirank\.node\.node_view\(\)\.group"):
         share_segment(4096, None)

@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from residency import Scheduler
@@ -12,6 +13,7 @@ from conftest import make_block, run_block, twin
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.fast
 def test_swap_round_trip_is_bit_identical(scheduler: Scheduler):
     a, b = make_block(seed=1), make_block(seed=2)
     plain_a, plain_b = twin(a), twin(b)
@@ -26,6 +28,7 @@ def test_swap_round_trip_is_bit_identical(scheduler: Scheduler):
     assert torch.equal(out_b, run_block(plain_b, x))
 
 
+@pytest.mark.fast
 def test_the_quickstart_example_runs(capsys):
     runpy.run_path(str(ROOT / "examples" / "quickstart.py"), run_name="__main__")
     assert "outputs bit-identical to the model never offloaded" in capsys.readouterr().out

@@ -189,6 +189,7 @@ def _users(storage: torch.UntypedStorage) -> int:
     return _use_count(storage._cdata) - 1
 
 
+@pytest.mark.fast
 def test_offload_all_frees_the_shared_device_storage(scheduler):
     soak = Soak(scheduler, width=32)
     for name in soak.names:
@@ -202,6 +203,7 @@ def test_offload_all_frees_the_shared_device_storage(scheduler):
     soak.check_weights()
 
 
+@pytest.mark.fast
 def test_a_device_buffer_replaced_by_a_bigger_one_is_freed(scheduler):
     small, big = make_block(16, seed=1), make_block(64, seed=2)
     plain_small, plain_big = twin(small), twin(big)

@@ -127,6 +127,7 @@ def _inside(tensor, group) -> bool:
 TOKENS = torch.tensor([1, 4, 2, 7])
 
 
+@pytest.mark.fast
 def test_an_unattached_split_model_runs_with_offloading_off():
     model = SplitTransformer()
     assert isinstance(model.scheduler, NoOffload)
@@ -139,6 +140,7 @@ def test_an_unattached_split_model_runs_with_offloading_off():
     assert out.shape == (4, WIDTH)
 
 
+@pytest.mark.fast
 def test_parts_become_exclusive_groups_and_shared_tensors_stay_resident():
     pipe = SplitPipeline()
     scheduler = Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
@@ -165,6 +167,7 @@ def test_parts_become_exclusive_groups_and_shared_tensors_stay_resident():
     scheduler.close()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("model_cls", [SplitTransformer, NestedSplit])
 def test_one_part_on_the_device_at_a_time_and_outputs_bit_identical(model_cls):
     pipe = _pipeline_with(model_cls)
@@ -213,6 +216,7 @@ def test_on_the_accelerator_parts_take_turns_and_outputs_are_bit_identical():
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_with_dit_unselected_the_whole_model_stays_resident_and_part_names_still_work():
     pipe = SplitPipeline()
     plain = copy.deepcopy(pipe)
@@ -227,6 +231,7 @@ def test_with_dit_unselected_the_whole_model_stays_resident_and_part_names_still
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_offloading_off_attaches_a_no_offload():
     pipe = SplitPipeline()
     scheduler = Scheduler.from_pipeline(pipe)
@@ -234,6 +239,7 @@ def test_offloading_off_attaches_a_no_offload():
     assert pipe.transformer.scheduler is scheduler
 
 
+@pytest.mark.fast
 def test_a_copy_of_an_attached_model_is_detached():
     pipe = SplitPipeline()
     scheduler = Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
@@ -259,6 +265,7 @@ def _split_class(name: str, parts: dict, base: type = SplitTransformer) -> type:
     return type(name, (base,), {"_split_parts": parts})
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("parts", "message"),
     [
@@ -292,6 +299,7 @@ def _tie_two_parts(model):
     model.head.bias = model.reasoner[0].bias
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("tie", "message"),
     [
@@ -316,6 +324,7 @@ def test_a_tensor_tied_across_groups_of_a_split_model_is_refused(tie, message):
     assert isinstance(pipe.transformer.scheduler, NoOffload)
 
 
+@pytest.mark.fast
 def test_tensors_tied_inside_the_shared_region_are_fine():
     pipe = SplitPipeline()
     plain = copy.deepcopy(pipe)
@@ -329,6 +338,7 @@ def test_tensors_tied_inside_the_shared_region_are_fine():
     scheduler.close()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("resident_path", "message"),
     [
@@ -346,6 +356,7 @@ def test_a_listed_module_inside_a_split_model_is_refused(resident_path, message)
         Scheduler.from_pipeline(pipe, CONFIG, device="cpu")
 
 
+@pytest.mark.fast
 def test_the_plan_names_the_shared_group_and_the_parts_it_excludes():
     model = SplitTransformer()
     plan = group_components("P", {"transformer": model}, {}, {}, {},
@@ -370,6 +381,7 @@ class PartsOnly(SplitModel, nn.Module):
         self.reasoner, self.generator = make_block(WIDTH, seed=30), make_block(WIDTH, seed=31)
 
 
+@pytest.mark.fast
 def test_a_split_model_with_no_tensor_outside_its_parts_has_no_shared_group():
     model = PartsOnly()
     plan = group_components("P", {"transformer": model}, {}, {}, {},
@@ -382,6 +394,7 @@ def test_a_split_model_with_no_tensor_outside_its_parts_has_no_shared_group():
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_apply_plan_removes_the_shared_group_too_when_a_later_registration_fails():
     pipe = SplitPipeline()
     plain = copy.deepcopy(pipe)
@@ -414,6 +427,7 @@ class TwoSplitPipeline(SplitPipeline):
         self.transformer_2 = SplitTransformer()
 
 
+@pytest.mark.fast
 def test_two_split_models_with_the_same_part_names_are_refused_when_their_parts_swap():
     with pytest.raises(ConfigError, match=r"TwoSplitPipeline: two groups would be named "
                                           r"'reasoner' \(the second from path "
@@ -421,6 +435,7 @@ def test_two_split_models_with_the_same_part_names_are_refused_when_their_parts_
         Scheduler.from_pipeline(TwoSplitPipeline(), CONFIG, device="cpu")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("config", [None, {"mode": "module", "components": ["text_encoder"]}])
 def test_two_resident_split_models_may_share_part_names(config):
     pipe = TwoSplitPipeline()
@@ -434,6 +449,7 @@ def test_two_resident_split_models_may_share_part_names(config):
         scheduler.close()
 
 
+@pytest.mark.fast
 def test_a_part_name_that_is_also_a_module_path_is_refused():
     with pytest.raises(ConfigError, match=r"P: 'reasoner' would lead to two groups, "
                                           r"'transformer' and 'text_encoder'; give split-model "

@@ -441,6 +441,7 @@ def test_random_phase_sequences_lose_and_mix_up_nothing(switch_interval):
         )
 
 
+@pytest.mark.fast
 def test_the_observer_reads_and_reports(switch_interval):
     """The observer itself: it reads while phases change, and a problem it saw fails `stop`."""
     machine = ObservedPhaseMachine()
@@ -500,6 +501,7 @@ _EDITS = pytest.mark.parametrize(
 )
 
 
+@pytest.mark.fast
 @_EDITS
 def test_an_edit_made_while_a_group_is_prefetched_is_not_lost(edit):
     scheduler, modules, plain = _two_groups()
@@ -517,6 +519,7 @@ def test_an_edit_made_while_a_group_is_prefetched_is_not_lost(edit):
     scheduler.close()
 
 
+@pytest.mark.fast
 @_EDITS
 def test_an_edit_made_while_a_group_is_prefetched_survives_the_cancel(edit):
     scheduler, modules, plain = _two_groups()
@@ -543,6 +546,7 @@ class SharedStorage(nn.Module):
         self.register_buffer("first_row", self.weight.detach()[0])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("while_", ["resident", "offloaded"])
 def test_new_storage_for_one_of_two_tensors_sharing_storage_leaves_the_other_alone(while_):
     """Eager semantics: after ``weight.data = new`` the old view keeps the old values.
@@ -569,6 +573,7 @@ def test_new_storage_for_one_of_two_tensors_sharing_storage_leaves_the_other_alo
     scheduler.close()
 
 
+@pytest.mark.fast
 def test_new_storage_with_other_strides_keeps_its_layout():
     """``weight.data = w.T.contiguous().T``: same shape and values, other strides.
 

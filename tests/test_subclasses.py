@@ -174,6 +174,7 @@ def _swaps(scheduler, name, run, reference, steps: int = 3) -> None:
 # -- torchao: traceable wrapper subclasses ----------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_torchao_int8_dit_is_bit_identical_across_swaps_and_moves_the_int8_bytes(scheduler):
     model, reference = _dit(), _dit()
     x = _tokens()
@@ -191,6 +192,7 @@ def test_torchao_int8_dit_is_bit_identical_across_swaps_and_moves_the_int8_bytes
     assert model[1].qkv.weight is host_wrapper  # the CPU device keeps the wrapper itself
 
 
+@pytest.mark.fast
 def test_torchao_inner_tensors_live_in_the_device_buffer_while_resident_and_in_the_master_after(
     scheduler,
 ):
@@ -207,6 +209,7 @@ def test_torchao_inner_tensors_live_in_the_device_buffer_while_resident_and_in_t
         assert not any(_inside(t, buffer) for t in inner)
 
 
+@pytest.mark.fast
 def test_torchao_inventory_lists_inner_tensors_with_where_they_are_reached_from():
     model = _dit(depth=1)
     inventory = take_inventory([model])
@@ -219,6 +222,7 @@ def test_torchao_inventory_lists_inner_tensors_with_where_they_are_reached_from(
                if isinstance(s, InnerSlot))
 
 
+@pytest.mark.fast
 def test_edits_through_inner_tensors_while_resident_survive_eviction(scheduler):
     model, reference = _dit(), _dit()
     x = _tokens()
@@ -237,6 +241,7 @@ def test_edits_through_inner_tensors_while_resident_survive_eviction(scheduler):
     _swaps(scheduler, "dit", lambda s: model(x + s), lambda s: reference(x + s))
 
 
+@pytest.mark.fast
 def test_torchao_int8_flux_transformer_is_bit_identical_across_swaps(scheduler):
     transformer, reference = _flux(), _flux()
     group = scheduler.add("transformer", transformer)
@@ -247,6 +252,7 @@ def test_torchao_int8_flux_transformer_is_bit_identical_across_swaps(scheduler):
     assert group.nbytes == stored < 0.75 * dequantized  # norms and embeddings stay bf16
 
 
+@pytest.mark.fast
 def test_torchao_float8_weight_only_is_bit_identical(scheduler):
     from torchao.quantization import Float8WeightOnlyConfig
 
@@ -302,6 +308,7 @@ def _nested(seed: int = 0) -> nn.Linear:
     return linear
 
 
+@pytest.mark.fast
 def test_nested_wrappers_move_every_leaf_and_stay_bit_identical(scheduler):
     model, reference = _nested(), _nested()
     x = torch.randn(4, 16)
@@ -319,6 +326,7 @@ def test_nested_wrappers_move_every_leaf_and_stay_bit_identical(scheduler):
             assert all(_in_master(t, group) for t in leaves)
 
 
+@pytest.mark.fast
 def test_a_wrapper_gets_a_twin_for_another_device_and_its_own_slot_back():
     """The accelerator path's slot swaps, on the CPU: the twin for a device is rebuilt once around
     the same inner tensors (a CPU tensor cannot be re-pointed to another device type here, so the
@@ -346,6 +354,7 @@ def test_a_wrapper_gets_a_twin_for_another_device_and_its_own_slot_back():
     assert model[1].qkv.weight is not host_wrapper
 
 
+@pytest.mark.fast
 def test_groups_without_subclasses_have_no_wrapper_work():
     inventory = take_inventory([nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))])
     assert inventory.wrappers is None
@@ -375,6 +384,7 @@ def test_wrappers_on_an_accelerator_are_device_twins_while_resident():
 # -- diffusers GGUF: a Parameter subclass over plain storage -----------------------------------------
 
 
+@pytest.mark.fast
 def test_gguf_quantized_model_is_bit_identical_and_keeps_its_parameters(scheduler):
     from diffusers.quantizers.gguf.utils import GGUFParameter
 
@@ -424,6 +434,7 @@ def _quant_state_bytes(state) -> int:
     return stored
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_bitsandbytes_layers_are_bit_identical_with_their_quantization_state(scheduler, kind):
     model, reference = _bnb_model(kind), _bnb_model(kind)
@@ -445,6 +456,7 @@ def test_bitsandbytes_layers_are_bit_identical_with_their_quantization_state(sch
     assert group.nbytes == stored < 0.4 * (64 * 64 + 64 * 32) * 4
 
 
+@pytest.mark.fast
 def test_bitsandbytes_int8_registered_before_its_first_forward(scheduler):
     """CB/SCB sit on the Int8Params then, and move to the module's state during the phase."""
     import bitsandbytes as bnb
@@ -459,6 +471,7 @@ def test_bitsandbytes_int8_registered_before_its_first_forward(scheduler):
     assert model[0].state.SCB is scb and _in_master(scb, group)
 
 
+@pytest.mark.fast
 def test_bitsandbytes_nf4_repacked_while_resident_is_not_silently_lost(scheduler):
     """A first eval forward while resident may re-pack the nf4 weight to a new shape (older
     bitsandbytes; 0.50 quantizes on the move to the CPU already): the next phase change then
@@ -513,6 +526,7 @@ def _copying_two_tensor():
     return CopyingTwoTensor(torch.zeros(4, 4), torch.ones(4, 4))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "make, where, expected",
     [

@@ -1191,6 +1191,7 @@ def test_every_ordering_call_has_a_row():
                        + "\n  ".join(stale))
 
 
+@pytest.mark.fast
 def test_each_row_names_the_test_that_removes_it():
     """A row's tests remove that very call (an audit: it fails 20 of 20 removed; an experiment
     marked harmless_removal: right bits either way), with the removal the row states; a row with
@@ -1235,6 +1236,7 @@ def test_each_removal_replaces_exactly_one_node_of_the_source_as_loaded():
         assert code.co_qualname == live.__code__.co_qualname
 
 
+@pytest.mark.fast
 def test_a_removal_takes_out_the_one_call_for_the_block_only():
     """On the CPU: with `DeviceBuffers.free_all`'s release removed, offload_all keeps the buffer;
     outside the block it frees it again."""
@@ -1254,6 +1256,7 @@ def test_a_removal_takes_out_the_one_call_for_the_block_only():
     assert not buffer_after_offload_all()
 
 
+@pytest.mark.fast
 def test_places_count_the_calls_of_a_name_in_one_function_in_source_order():
     tree = ast.parse("def f(s):\n    s.release(); s.wait()\n    def g():\n        s.release()\n"
                      "    s.release(s.tolist())\n    s.copy_(s, non_blocking=True)\n"
@@ -1264,6 +1267,7 @@ def test_places_count_the_calls_of_a_name_in_one_function_in_source_order():
         ("x.py", "f", "tolist", 1): 5, ("x.py", "f", "copy_", 1): 7}
 
 
+@pytest.mark.fast
 def test_a_site_that_is_not_in_the_source_is_refused_by_name():
     with pytest.raises(LookupError, match=r"PartsApart.drop_unkept `release` #3: no such call"):
         removed_code(Site(_APART, "PartsApart.drop_unkept", "release", 3))

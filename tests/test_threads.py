@@ -46,6 +46,7 @@ def frequent_switches(switch_interval):
     sys.setswitchinterval(interval)
 
 
+@pytest.mark.fast
 def test_the_switch_interval_is_the_one_asked_for(switch_interval):
     """The two runs of this module really differ (the 1 us run is not the default again)."""
     assert sys.getswitchinterval() == switch_interval
@@ -224,6 +225,7 @@ class _Expected(Exception):
     """Raised inside phases on purpose."""
 
 
+@pytest.mark.fast
 def test_a_thread_that_ended_inside_a_phase_raises_deadlock_error_instead_of_hanging(scheduler):
     groups = Groups(scheduler, count=2)
 
@@ -257,6 +259,7 @@ def test_a_thread_that_ended_inside_a_phase_raises_deadlock_error_instead_of_han
     assert len(groups.exclusive_resident()) == 1
 
 
+@pytest.mark.fast
 def test_the_same_group_joins_a_dead_holder_but_another_group_is_not_wedged(scheduler):
     groups = Groups(scheduler, count=2)
     run_threads({"forgetful": lambda: scheduler.resident("g0").__enter__()})

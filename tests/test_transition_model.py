@@ -13,6 +13,8 @@ import pytest
 
 from _benchmarks import ROOT, import_benchmarks
 
+pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
+
 (tm,) = import_benchmarks("transition_model")
 GB = 1e9
 

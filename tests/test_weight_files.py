@@ -41,6 +41,7 @@ def test_a_saved_pipeline_passes_and_every_weight_file_is_listed(folder: Path):
     assert check_weight_files(str(folder)) == expected  # a str folder too
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_a_damaged_file_is_refused_with_its_name_the_problem_and_what_to_do(
         folder: Path, damage: str):
@@ -51,6 +52,7 @@ def test_a_damaged_file_is_refused_with_its_name_the_problem_and_what_to_do(
     assert isinstance(error.value, ResidencyError) and isinstance(error.value, ValueError)
 
 
+@pytest.mark.fast
 def test_a_folder_that_is_not_there_is_refused(tmp_path: Path):
     missing = tmp_path / "no such model"
     with pytest.raises(WeightFileError) as error:
@@ -60,6 +62,7 @@ def test_a_folder_that_is_not_there_is_refused(tmp_path: Path):
                                 "the Hub)")
 
 
+@pytest.mark.fast
 def test_only_the_component_subfolders_are_checked(folder: Path):
     """from_pretrained reads neither the folder's own top level (a single-file checkpoint beside
     the components) nor hidden folders (``.cache/huggingface`` of a Hub download)."""
@@ -74,6 +77,7 @@ def test_only_the_component_subfolders_are_checked(folder: Path):
         check_weight_files(folder)
 
 
+@pytest.mark.fast
 def test_edge_cases_that_are_whole(tmp_path: Path):
     """No tensors at all; a zero-element tensor; a sub-byte dtype filling whole bytes; metadata;
     a header padded with spaces (as safetensors itself pads to 8 bytes)."""
@@ -93,6 +97,7 @@ def test_edge_cases_that_are_whole(tmp_path: Path):
             assert len(list(opened.keys())) == (3 if path.name == "mixed.safetensors" else 0)
 
 
+@pytest.mark.fast
 def test_only_the_headers_are_read(tmp_path: Path):
     """A header describing 16 GiB of tensors in a sparse file: the check passes at once."""
     (tmp_path / "dit").mkdir()
@@ -118,6 +123,7 @@ def _bytes_read() -> int:
     return int(next(line.split()[1] for line in lines if line.startswith("rchar:")))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("damage", [name for name in DAMAGES
                                     if "index" not in name and name != "unreadable"])
 def test_what_the_check_refuses_the_safetensors_library_refuses_too(folder: Path, damage: str):
@@ -130,6 +136,7 @@ def test_what_the_check_refuses_the_safetensors_library_refuses_too(folder: Path
             pass
 
 
+@pytest.mark.fast
 def test_the_check_needs_nothing_but_the_standard_library():
     """It reads bytes and JSON itself: safetensors, torch, diffusers need not be installed."""
     import ast
