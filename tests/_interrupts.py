@@ -10,9 +10,12 @@ an operation on a fresh world, then, for each point it chooses, repeats the oper
 modules with the interrupt at that point, catches it, and runs the checks under a watchdog
 (`bounded`): a later phase that waits forever is a failure, not a hung test.
 
-Which points (`points_to_interrupt`), by the run's ``--sweep`` option: ``ci`` (the default) takes
-every `stride`-th point the caller gives; ``full`` takes every point.  Each sweep prints how many
-distinct (file, line) pairs the operation executes and how many of them it interrupted.
+Which points (`points_to_interrupt`), by the run's ``--sweep`` option: ``full`` takes every point;
+``ci`` (the default) takes every `stride`-th point the caller gives and, unless the sweep says
+``every_line=False``, the first and the last execution of each distinct (file, line) the
+operation executes - so a regression on any one line (two statements of a state change split by
+a new line, say) is caught without the full sweep.  Each sweep prints how many points and
+distinct lines the operation has, how many it interrupted, and how many lines it missed.
 
 `consistent(scheduler)` reads the owners' own state (holds, registry, placement, each group and
 its block stream) and lists every disagreement: the one checker every interrupt test uses.
@@ -138,21 +141,23 @@ def sweep(
     check: Callable[[object], None],
     *,
     stride: int = 1,
+    every_line: bool = True,
     limit: int = 5,
     after: Callable[[object], None] = lambda world: None,
 ) -> int:
-    """Count `operation`'s points on `build()`, then interrupt it at every `stride`-th point of a
+    """Count `operation`'s points on `build()`, then interrupt it at each chosen point of a
     fresh `build()`, run `after(world)` on this thread (what the caller's own ``with`` would do
     next), then `check(world)` under the watchdog.  Returns the number of points;
-    raises an AssertionError listing the first `limit` failing points.  Which points: the
-    module docstring (`points_to_interrupt`)."""
+    raises an AssertionError listing the first `limit` failing points.  Which points: every
+    `stride`-th and, with `every_line`, each line's first and last execution (the module
+    docstring, `points_to_interrupt`)."""
     world = build()
     counter = Interrupter()
     counter.run(lambda: operation(world))
     after(world)
     bounded(lambda: check(world))
     failures = []
-    points = points_to_interrupt(counter, stride)
+    points = points_to_interrupt(counter, stride, every_line)
     for at in points:
         world = build()
         interrupter = Interrupter(at)
@@ -168,20 +173,33 @@ def sweep(
             if len(failures) >= limit:
                 break
     covered = {counter.lines[at - 1] for at in points}
-    print(f"\ninterrupt sweep ({_sweep}): {counter.count} points on {len(set(counter.lines))} "
-          f"lines, {len(points)} interrupted on {len(covered)} lines, {len(failures)} failing")
+    lines = set(counter.lines)
+    print(f"\ninterrupt sweep ({_sweep}): {counter.count} points on {len(lines)} lines, "
+          f"{len(points)} interrupted on {len(covered)} lines ({len(lines) - len(covered)} "
+          f"missed), {len(failures)} failing")
     assert not failures, (f"{len(failures)}{'+' if len(failures) >= limit else ''} of "
                           f"{counter.count} points fail:\n" + "\n".join(failures))
     return counter.count
 
 
-def points_to_interrupt(counter: Interrupter, stride: int) -> list[int]:
+def points_to_interrupt(counter: Interrupter, stride: int, every_line: bool = True) -> list[int]:
     """The points a sweep interrupts, after `counter` counted the operation: all of them under
-    ``--sweep=full``, else every `stride`-th.
+    ``--sweep=full``; else every `stride`-th and, with `every_line`, the first and the last
+    point of each distinct (file, line) in `counter.lines`.
 
-        points_to_interrupt(counter, 7)   # [1, 8, 15, ...]
+        points_to_interrupt(counter, 7, every_line=False)   # [1, 8, 15, ...]
     """
-    return list(range(1, counter.count + 1, 1 if full_sweep() else stride))
+    if full_sweep():
+        return list(range(1, counter.count + 1))
+    points = set(range(1, counter.count + 1, stride))
+    if every_line:
+        first: dict[tuple[str, int], int] = {}
+        last: dict[tuple[str, int], int] = {}
+        for point, line in enumerate(counter.lines, start=1):
+            first.setdefault(line, point)
+            last[line] = point
+        points |= set(first.values()) | set(last.values())
+    return sorted(points)
 
 
 # -- the one consistency checker -------------------------------------------------------------------

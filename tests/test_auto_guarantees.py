@@ -17,7 +17,8 @@ from residency.engine.plan import Where
 from _interrupts import assert_consistent, sweep
 from test_interrupts import World, _entered
 
-#: The strides of the sweeps (``pytest --sweep=full``: every point).
+#: The strides of the sweeps (``pytest --sweep=full``: every point).  Each line's first and
+#: last execution is not added in CI: 850-1800 more points a sweep at ~50 ms each.
 STRIDES = {"phase-change": 7, "replan": 31, "registration": 29}
 
 
@@ -93,7 +94,8 @@ def test_a_phase_change_under_an_auto_plan(budget, stride):
         with world.scheduler.resident("t"):
             world.run("t")
 
-    assert sweep(_observed(budget), change, World.check, stride=stride("phase-change")) > 100
+    assert sweep(_observed(budget), change, World.check, stride=stride("phase-change"),
+                 every_line=False) > 100
 
 
 def test_a_re_plan_for_a_new_budget(stride):
@@ -103,7 +105,8 @@ def test_a_re_plan_for_a_new_budget(stride):
         world.scheduler.set_device_budget(STREAMING)
         world.scheduler.set_device_budget(MOSTLY_KEPT)
 
-    assert sweep(_observed(PARTLY_KEPT), replan, World.check, stride=stride("replan")) > 100
+    assert sweep(_observed(PARTLY_KEPT), replan, World.check, stride=stride("replan"),
+                 every_line=False) > 100
 
 
 def test_a_registration_that_re_plans(stride):
@@ -112,7 +115,7 @@ def test_a_registration_that_re_plans(stride):
         world.add("t")
 
     assert sweep(lambda: AutoWorld().add("a"), add, World.check,
-                 stride=stride("registration")) > 100
+                 stride=stride("registration"), every_line=False) > 100
 
 
 @pytest.mark.fast

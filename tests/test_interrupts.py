@@ -5,9 +5,11 @@ own code while the operation runs on fresh tiny models, then repeats it on fresh
 KeyboardInterrupt raised from a ``sys.settrace`` callback at each point, catches it, and checks,
 under a watchdog: the owners agree (`consistent`); every group can be entered again and computes
 bit-identically (`torch.equal`) with its never-offloaded twin; an edit made inside a phase before
-the interrupted step is on the host after ``close``.  Registration, a phase change with an edit,
-a phase exit and a layer-mode step are swept at every point; the rest at a fixed stride (every
-point with ``pytest --sweep=full``).  Two threads: a second thread waits for (or holds)
+the interrupted step is on the host after ``close``.  A phase change with an edit, a phase exit
+and entering while another thread holds are swept at every point; the rest at a fixed stride and,
+for those in `EVERY_LINE`, at each line's first and last execution (every point with ``pytest
+--sweep=full``; see `_interrupts.points_to_interrupt`).  The phase change and the layer-mode step
+are swept on the accelerator too.  Two threads: a second thread waits for (or holds)
 another group while the first is interrupted.  Last, a bounded soak with real SIGINTs.
 """
 
@@ -37,14 +39,24 @@ from _interrupts import (
     tiny_mlp,
 )
 
-#: The strides of the sweeps that do not interrupt every point (``--sweep=full``: all).
-STRIDES = {"registration-resident": 7, "registration-layers": 13, "leaving-layers": 10,
-           "prefetch": 3, "refresh": 41, "close": 11, "enable": 1999, "disable": 211}
+#: The strides of the sweeps that do not interrupt every point (``--sweep=full``: all).  Those
+#: in `EVERY_LINE` also interrupt each line at its first and last execution; the others are too
+#: costly for CI that way (thousands of points at 50-150 ms each, more on the simulated
+#: accelerator) and keep to their stride.
+STRIDES = {"registration-module": 7, "registration-resident": 50, "registration-layers": 13,
+           "layer-step": 5, "leaving-layers": 10, "prefetch": 20, "refresh": 41, "close": 50,
+           "enable": 1999, "disable": 211, "accelerator-change": 20, "accelerator-step": 40}
+EVERY_LINE = {"registration-module", "registration-resident", "layer-step", "prefetch", "close"}
 
 
 @pytest.fixture
 def stride():
     return lambda operation: 1 if operation is None else STRIDES[operation]
+
+
+def lines(operation: str | None) -> bool:
+    """Whether the sweep of `operation` interrupts every line at its first and last execution."""
+    return operation is None or operation in EVERY_LINE
 
 
 class World:
@@ -53,12 +65,12 @@ class World:
     A twin is a copy of a model's state run through a module never registered
     (``torch.func.functional_call``): cheap to make for every injection point."""
 
-    def __init__(self, names=("a", "b"), *, wait_timeout=10.0):
-        self.scheduler = Scheduler("cpu", wait_timeout=wait_timeout)
-        self.models = {name: _fresh(name) for name in names}
+    def __init__(self, names=("a", "b"), *, wait_timeout=10.0, device="cpu"):
+        self.scheduler = Scheduler(device, wait_timeout=wait_timeout)
+        self.models = {name: _fresh(name).to(device) for name in names}
         self.twins = {name: {key: t.detach().clone() for key, t in m.state_dict().items()}
                       for name, m in self.models.items()}
-        self.x = _INPUT
+        self.x = _INPUT.to(device)
 
     def add(self, *names: str) -> World:
         for name in names:
@@ -120,22 +132,23 @@ def _entered(world: World, name: str):
 
 
 @pytest.mark.parametrize(("name", "sweep_kind"), [
-    ("b", None), ("r", "registration-resident"), ("t", "registration-layers")])
+    ("b", "registration-module"), ("r", "registration-resident"), ("t", "registration-layers")])
 def test_registration(name, sweep_kind, stride):
-    """Add a module-mode group (every point), a resident-policy one, a layer-mode one."""
+    """Add a module-mode group, a resident-policy one, a layer-mode one."""
     def build():
         return World(("a", name)).add("a")
 
     def add(world):
         world.add(name)
 
-    assert sweep(build, add, World.check, stride=stride(sweep_kind)) > 1000
+    assert sweep(build, add, World.check, stride=stride(sweep_kind),
+                 every_line=lines(sweep_kind)) > 1000
 
 
-def _edited_then_in(name: str, layered=False):
+def _edited_then_in(name: str, layered=False, device="cpu"):
     def build():
         names = ("a", "t") if layered else ("a", "b")
-        world = World(names).add(*names)
+        world = World(names, device=device).add(*names)
         with world.scheduler.resident(name):
             world.run(name)
             world.edit(name)
@@ -143,13 +156,24 @@ def _edited_then_in(name: str, layered=False):
     return build
 
 
+def _change(world: World) -> None:
+    with world.scheduler.resident("b"):
+        world.run("b")
+
+
 def test_phase_change_with_an_edit():
     """Evict "a" holding an edit (found by digests), load "b", run, leave."""
-    def change(world):
-        with world.scheduler.resident("b"):
-            world.run("b")
+    assert sweep(_edited_then_in("a"), _change, World.check) > 100
 
-    assert sweep(_edited_then_in("a"), change, World.check) > 100
+
+@pytest.mark.gpu
+def test_phase_change_with_an_edit_on_an_accelerator(stride):
+    """As above on the accelerator (copy stream, events, device digests): each line at its first
+    and last execution, and every 20th point (~90 ms a point on the simulated device, in the
+    accelerator child that runs beside the CPU tests)."""
+    device = torch.accelerator.current_accelerator()
+    assert sweep(_edited_then_in("a", device=device), _change, World.check,
+                 stride=stride("accelerator-change")) > 100
 
 
 def test_phase_exit_gives_the_outer_group_back():
@@ -174,16 +198,27 @@ def test_phase_exit_gives_the_outer_group_back():
     assert sweep(build, leave, World.check, after=after) > 50
 
 
-def test_layer_mode_step():
+def _step(world: World) -> None:
+    with world.scheduler.resident("t"):
+        world.run("t")
+    with world.scheduler.resident("a"):
+        world.run("a")
+
+
+def test_layer_mode_step(stride):
     """A step of a layer-mode group whose parked first block and outer part were edited between
     steps, then a phase change to a module-mode group."""
-    def step(world):
-        with world.scheduler.resident("t"):
-            world.run("t")
-        with world.scheduler.resident("a"):
-            world.run("a")
+    assert sweep(_edited_then_in("t", layered=True), _step, World.check,
+                 stride=stride("layer-step")) > 200
 
-    assert sweep(_edited_then_in("t", layered=True), step, World.check) > 200
+
+@pytest.mark.gpu
+def test_layer_mode_step_on_an_accelerator(stride):
+    """As above on the accelerator: two block slots, the copy stream one block ahead; each line
+    at its first and last execution, and every 40th point."""
+    device = torch.accelerator.current_accelerator()
+    assert sweep(_edited_then_in("t", layered=True, device=device), _step, World.check,
+                 stride=stride("accelerator-step")) > 200
 
 
 # -- two threads ----------------------------------------------------------------------------------
@@ -252,7 +287,8 @@ def test_leaving_while_another_thread_waits(layered, stride):
         world.check()
 
     kind = "leaving-layers" if layered else None
-    assert sweep(build, leave, check, after=after, stride=stride(kind)) > 20
+    assert sweep(build, leave, check, after=after, stride=stride(kind),
+                 every_line=lines(kind)) > 20
 
 
 def test_entering_while_another_thread_holds():
@@ -326,7 +362,7 @@ def test_refresh(stride):
         world.scheduler.refresh("a")
         world.scheduler.refresh("t")
 
-    assert sweep(build, refresh, World.check, stride=stride("refresh")) > 50
+    assert sweep(build, refresh, World.check, stride=stride("refresh"), every_line=False) > 50
 
 
 def test_close(stride):
@@ -382,7 +418,7 @@ class Pipeline:
 def test_enable_offload(stride):
     pytest.importorskip("diffusers")
     assert sweep(Pipeline, lambda p: enable_offload(p.pipe), Pipeline.check,
-                 stride=stride("enable")) > 1000
+                 stride=stride("enable"), every_line=False) > 1000
 
 
 def test_disable_offload(stride):
@@ -402,7 +438,7 @@ def test_disable_offload(stride):
         assert torch.equal(pipeline.call(pipeline.pipe), pipeline.call(pipeline.twin))
 
     assert sweep(build, lambda p: disable_offload(p.pipe), check,
-                 stride=stride("disable")) > 100
+                 stride=stride("disable"), every_line=False) > 100
 
 
 # -- real SIGINTs -----------------------------------------------------------------------------------
