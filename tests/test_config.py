@@ -239,9 +239,12 @@ def test_to_dict_from_dict_and_json_round_trip(data):
          r"some of 'dit', 'text_encoder', 'vae'\), for example \{\"mode\": \"module\", "
          r"\"components\": \[\"dit\", \"text_encoder\"\]\}"),
         ({"mode": "modul", "components": ["dit"]},
-         r"field 'mode' is 'modul'; accepted modes are 'module', 'layer'"),
+         r"field 'mode' is 'modul'; accepted modes are 'module', 'layer', 'auto'\. Did you mean "
+         r"'module'\?$"),
+        ({"mode": "layers", "components": ["dit"]},
+         r"field 'mode' is 'layers'; accepted modes are .*\. Did you mean 'layer'\?$"),
         ({"mode": None, "components": ["dit"]},
-         r"field 'mode' is None; accepted modes are 'module', 'layer'"),
+         r"field 'mode' is None; accepted modes are 'module', 'layer', 'auto'\.$"),
         ({"mode": "module", "compnents": ["dit"]},
          r"unknown field 'compnents'; accepted fields are 'mode', 'components', "
          r"'layer_options', 'module_options', 'auto_options', 'pin_memory'\. Did you mean "
@@ -377,7 +380,8 @@ def test_to_dict_from_dict_and_json_round_trip(data):
         ({"mode": "auto", "components": ["dit"], "module_options": {"vae": {}}},
          r"field 'module_options' names 'vae', which is not in components \['dit'\]"),
         ({"mode": "Auto", "components": ["dit"]},
-         r"field 'mode' is 'Auto'; accepted modes are 'module', 'layer', 'auto'$"),
+         r"field 'mode' is 'Auto'; accepted modes are 'module', 'layer', 'auto'\. Did you mean "
+         r"'auto'\?$"),
     ],
 )
 def test_bad_config_messages_name_field_value_and_accepted(data, message):
@@ -479,7 +483,7 @@ def test_the_constructor_requires_components_outside_auto_mode():
                                           r"'text_encoder', 'vae'\), for example"):
         OffloadConfig(mode="module")
     with pytest.raises(ConfigError, match=r"^offload config field 'mode' is 'sync'; accepted "
-                                          r"modes are 'module', 'layer', 'auto'$"):
+                                          r"modes are 'module', 'layer', 'auto'\.$"):
         OffloadConfig(mode="sync")
 
 

@@ -578,10 +578,14 @@ def test_a_closed_scheduler_refuses_use_and_modules_stay_usable():
     scheduler.close()
     x = torch.randn(2, 32)
     assert torch.equal(run_block(block, x), run_block(plain, x))
-    with pytest.raises(SchedulerClosedError, match="this scheduler was closed"):
+    closed = ("this scheduler was closed; its modules are back in host memory. Create a new "
+              "Scheduler and add the modules again to keep offloading")
+    with pytest.raises(SchedulerClosedError) as refused:
         scheduler.resident("a").__enter__()
-    with pytest.raises(SchedulerClosedError):
+    assert str(refused.value) == closed
+    with pytest.raises(SchedulerClosedError) as refused:
         scheduler.add("b", make_block())
+    assert str(refused.value) == closed
 
 
 def test_every_error_is_a_residency_error():

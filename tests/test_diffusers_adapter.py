@@ -28,7 +28,7 @@ from residency.adapters.diffusers import (
     offload_scheduler,
 )
 
-from residency import ConfigError, PhaseError, RegistrationError, Scheduler
+from residency import ConfigError, PhaseError, RegistrationError, Scheduler, SchedulerClosedError
 
 ALL_COMPONENTS = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
 
@@ -88,6 +88,26 @@ def test_wan22_with_every_component_offloaded():
         assert torch.equal(frames(pipe, seed), frames(plain, seed))
     assert scheduler["vae"].exclusive
     assert ("transformer_2", "vae") in [(r.from_group, r.to_group) for r in scheduler.transitions]
+    disable_offload(pipe)
+
+
+@pytest.mark.fast
+def test_the_scheduler_of_a_disabled_pipeline_points_to_enable_offload():
+    """After disable_offload, the scheduler it closed advises enable_offload(pipe), the verb a
+    diffusers user needs, not a new Scheduler; enabling again works."""
+    plain, pipe = tiny_flux(), tiny_flux()
+    scheduler = enable_offload(pipe, device="cpu")
+    disable_offload(pipe)
+    for refused_call in (lambda: scheduler.resident("transformer").__enter__(),
+                         lambda: scheduler.add("extra", torch.nn.Linear(2, 2))):
+        with pytest.raises(SchedulerClosedError) as refused:
+            refused_call()
+        assert str(refused.value) == (
+            "this scheduler was closed; its modules are back in host memory. Offloading was "
+            "disabled on this FluxPipeline (disable_offload); call enable_offload(pipe) to "
+            "offload it again, and use the scheduler that call returns")
+    assert enable_offload(pipe, device="cpu") is not scheduler
+    assert torch.equal(images(pipe, 0), images(plain, 0))
     disable_offload(pipe)
 
 

@@ -359,9 +359,12 @@ def disable_offload(pipe: object) -> None:
 
 
 def _close(owner: str, scheduler: Scheduler) -> None:
-    """Close `scheduler`, refused (changing nothing) while one of its phases is active."""
+    """Close `scheduler`, refused (changing nothing) while one of its phases is active; its later
+    refusals advise ``enable_offload(pipe)``, not a new Scheduler."""
     try:
-        scheduler.close()
+        scheduler.close(reopen=(
+            f"Offloading was disabled on this {owner} (disable_offload); call "
+            "enable_offload(pipe) to offload it again, and use the scheduler that call returns"))
     except PhaseError:
         raise PhaseError(
             f"cannot disable offloading on this {owner} while one of its phases is active (a "

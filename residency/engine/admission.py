@@ -85,7 +85,7 @@ class Admission:
 
     def _reserve(self, claim: Claim) -> None:
         """Check a claim against everything registered and reserve it."""
-        check_open(self._holds.closed)
+        check_open(self._holds)
         self._registry.check_claimable(claim)
         self._placement.check_budget(
             claim.name, self._registry.needs(claim.name, claim.policy, claim.device_need))
@@ -127,7 +127,7 @@ class Admission:
     def _enroll(self, group: Residency, claim: Claim, aliases: Iterable[str]) -> Residency:
         """Register a packed group and give it its place (an always-resident one loads now);
         undone on any exception."""
-        check_open(self._holds.closed)
+        check_open(self._holds)
         try:
             self._registry.enroll(group, aliases)
             self._placement.admit(group)
@@ -212,10 +212,9 @@ def _abandon_reads(group: Residency) -> None:
         part.host_master.abandon_reads()
 
 
-def check_open(closed: bool) -> None:
-    """Refuse a verb of a closed scheduler."""
-    if closed:
+def check_open(holds: Holds) -> None:
+    """Refuse a verb of a closed scheduler, with the advice its `close` left (`Holds.reopen`)."""
+    if holds.closed:
         raise SchedulerClosedError(
-            "this scheduler was closed; its modules are back in host memory. Create a new "
-            "Scheduler and add the modules again to keep offloading"
+            f"this scheduler was closed; its modules are back in host memory. {holds.reopen}"
         )

@@ -36,7 +36,8 @@ Fields (every one guarded by the scheduler lock; `Holds` is their one mutator):
 * a thread's ``held``: the group it holds, or None.  Invariant: every held group is the placement's
   current group (a hold is granted only after the placement made the group current).
 * ``closed``: set by `close`; then no hold is granted and waiters raise.  The scheduler's one
-  closed flag: the facade reads it to refuse its verbs.
+  closed flag: the facade reads it to refuse its verbs.  ``reopen`` is what those refusals tell
+  the user to do instead (set before ``closed``, by the same `close`).
 
 * ``_queue``: tickets of threads waiting for a group, oldest first.  Invariant: a thread waits on
   at most one ticket and holds nothing while it waits.
@@ -62,7 +63,10 @@ from residency.engine.locks import CHECKING, check_held
 from residency.engine.placement import Placement
 from residency.engine.registry import Registry
 
-__all__ = ["Holds", "ThreadHolds", "Ticket"]
+__all__ = ["Holds", "REOPEN", "ThreadHolds", "Ticket"]
+
+#: What a closed scheduler's refusals advise by default (`Holds.close` takes another).
+REOPEN = "Create a new Scheduler and add the modules again to keep offloading"
 
 #: How often a waiting thread looks for holders whose threads have ended (seconds).
 _DEAD_HOLDER_POLL = 0.05
@@ -130,6 +134,8 @@ class Holds:
         self._queue: collections.deque[Ticket] = collections.deque()  # guarded by the lock
         #: Set by `close`: no more holds are granted, and waiters raise.
         self.closed = False  # guarded by the lock
+        #: What a refusal after `close` advises (an adapter names its own verb).
+        self.reopen = REOPEN  # guarded by the lock
 
     # -- queries (the lock held) ---------------------------------------------------------------
 
@@ -373,10 +379,12 @@ class Holds:
                 self._restore(entry, previous, error)
             raise
 
-    def close(self) -> None:
-        """Grant no more holds; waiters wake up to `SchedulerClosedError`."""
+    def close(self, reopen: str = "") -> None:
+        """Grant no more holds; waiters wake up to `SchedulerClosedError`, advised to `reopen`
+        (default `REOPEN`)."""
         if CHECKING:
             check_held(self._lock)
+        self.reopen = reopen or REOPEN
         self.closed = True
         self._wakeup.notify_all()
 
@@ -410,7 +418,7 @@ class Holds:
         deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
         while not self._may_proceed(ticket, self._placement.current):
             if self.closed:
-                raise _closed_while_waiting()
+                raise _closed_while_waiting(self.reopen)
             self.collect_abandoned()
             self._release_dead_holders(ticket.group, self._placement.current)
             if deadline is not None and time.monotonic() >= deadline:
@@ -444,10 +452,9 @@ class Holds:
         raise _dead_holders(wanted, current, dead)
 
 
-def _closed_while_waiting() -> SchedulerClosedError:
+def _closed_while_waiting(reopen: str) -> SchedulerClosedError:
     return SchedulerClosedError(
-        "the scheduler was closed while this phase waited for its group; create a new "
-        "Scheduler and add the modules again to keep offloading"
+        f"the scheduler was closed while this phase waited for its group. {reopen}"
     )
 
 

@@ -270,7 +270,7 @@ class Scheduler:
             scheduler.add("shared", model, policy="resident", exclude=[model.reasoner, model.generator])
             scheduler.add("transformer", dit, layers=model_blocks(dit, resident_layers=2))
         """
-        check_open(self._holds.closed)
+        check_open(self._holds)
         policy = parse_policy(policy)
         check_name(name, ())
         check_flag("detect_edits", detect_edits)
@@ -297,7 +297,7 @@ class Scheduler:
         The modules' current tensors are packed into a fresh host master; the group ends offloaded
         (resident-policy groups are placed again).  Phases of the group are refused meanwhile.
         """
-        check_open(self._holds.closed)
+        check_open(self._holds)
         group = self._admission.refresh(name)
         self._plan_again(f"group {name!r} refreshed")
         return group
@@ -308,7 +308,7 @@ class Scheduler:
         Refused while a phase of the group is active.  Tensors the user re-typed or re-shaped
         while the group was resident are left as the user made them (moved to the host).
         """
-        check_open(self._holds.closed)
+        check_open(self._holds)
         group = locked(self._lock, self._admission.remove, name, "remove")
         self._plan_again(f"group {name!r} removed")
         return group
@@ -320,17 +320,17 @@ class Scheduler:
             locked(self._lock, self._auto.plan_again, self._registry, reason,
                    not self._holds.has_holders())
 
-    def close(self) -> None:
+    def close(self, *, reopen: str = "") -> None:
         """Return every group's weights to host memory and release device storage.
 
-        The modules stay usable on the host; the scheduler refuses further use.  Refused
-        (changing nothing) while any phase is active.  If a group cannot be evicted (a write-back
-        the ranks disagree on), the error propagates with the groups not yet closed still
-        registered: fix the cause and close again.
+        The modules stay usable on the host; later calls are refused, advising `reopen` (default:
+        a new Scheduler).  Refused (changing nothing) while any phase is active.  If a group cannot
+        be evicted (a write-back the ranks disagree on), the error propagates with the groups not
+        yet closed still registered: fix the cause and close again.
         """
-        locked(self._lock, self._close)
+        locked(self._lock, self._close, reopen)
 
-    def _close(self) -> None:
+    def _close(self, reopen: str) -> None:
         if self._holds.closed:
             return
         self._admission.check_no_holders("close the scheduler")
@@ -339,15 +339,15 @@ class Scheduler:
         for group in self._registry:
             self._admission.remove(group, "close the scheduler with")
         try:  # repeatable: an interrupted step is done again
-            self._close_owners()
+            self._close_owners(reopen)
         except BaseException:
-            self._close_owners()
+            self._close_owners(reopen)
             raise
 
-    def _close_owners(self) -> None:
+    def _close_owners(self, reopen: str) -> None:
         self._placement.release_shared()
         self._registry.close()
-        self._holds.close()  # the one closed flag; waiters wake up to SchedulerClosedError
+        self._holds.close(reopen)  # the one closed flag; waiters wake up to SchedulerClosedError
 
     def __enter__(self) -> Scheduler:
         return self
@@ -358,7 +358,7 @@ class Scheduler:
     # -- reading -----------------------------------------------------------------------------
 
     def __getitem__(self, name: str) -> Residency:
-        check_open(self._holds.closed)
+        check_open(self._holds)
         return self._registry.lookup(name)
 
     def __contains__(self, name: object) -> bool:
@@ -408,7 +408,7 @@ class Scheduler:
 
             scheduler.set_device_budget("20GiB")
         """
-        check_open(self._holds.closed)
+        check_open(self._holds)
         if self._auto is None:
             raise ConfigError("set_device_budget is for an auto scheduler; create it with "
                               "Scheduler(auto={'device_budget': ...})")
@@ -443,7 +443,7 @@ class Scheduler:
         """
         group = self._registry.get(name)
         if group is None:
-            check_open(self._holds.closed)
+            check_open(self._holds)
             group = self._registry.lookup(name)
         return Phase(self, group)
 
@@ -452,7 +452,7 @@ class Scheduler:
 
         Resident-policy groups stay.  Refused (changing nothing) while any phase is active.
         """
-        check_open(self._holds.closed)
+        check_open(self._holds)
         locked(self._lock, self._offload_all)
 
     def _offload_all(self) -> None:
@@ -474,7 +474,7 @@ class Scheduler:
         or no room).  The prefetched group's tensors keep reading the host master until its
         phase begins.
         """
-        check_open(self._holds.closed)
+        check_open(self._holds)
         return locked(self._lock, self._prefetch, name)
 
     def _prefetch(self, name: str) -> bool:
@@ -482,7 +482,7 @@ class Scheduler:
 
     def _enter(self, phase: Phase) -> Residency:
         if self._holds.closed:
-            check_open(True)
+            check_open(self._holds)
         if self._auto is not None:
             self._auto.entering(phase.group, self._placement.current, self._registry,
                                 not self._holds.has_holders())

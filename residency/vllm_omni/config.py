@@ -94,7 +94,8 @@ def _to_mode(mode: object) -> object:
 def _check_mode(_instance: object, _attribute: object, mode: object) -> None:
     if not isinstance(mode, str) or mode not in MODES:
         raise ConfigError(
-            f"offload config field 'mode' is {mode!r}; accepted modes are {_accepted(MODES)}"
+            f"offload config field 'mode' is {mode!r}; accepted modes are {_accepted(MODES)}."
+            f"{_did_you_mean(mode, MODES)}"
         )
 
 
