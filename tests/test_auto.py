@@ -279,8 +279,8 @@ def test_describe_prints_each_group_and_the_predicted_beside_the_measured():
     assert lines[0].startswith("auto plan (first call observed): budget ")
     assert [line.split(":")[0].strip() for line in lines[1:5]] == list(
         ("text_encoder", "high_noise", "low_noise", "vae"))
-    assert "2 entries" not in lines[1] and "1 entries, 1 passes per call" in lines[1]
-    assert "1 entries, 2 passes per call" in lines[2]
+    assert "2 entries" not in lines[1] and "1 entry, 1 pass per call" in lines[1]
+    assert "1 entry, 2 passes per call" in lines[2]
     assert lines[5].startswith("  predicted per call: ")
     assert lines[-1].startswith("  measured call 2: ")
 

@@ -538,3 +538,18 @@ def test_disable_offload_returns_every_component_to_its_accelerator():
                for t in [*c.parameters(), *c.buffers()]]
     assert {t.device.type for t in tensors} == {device.type}
     assert torch.equal(frames(pipe, 1), frames(plain, 1))
+
+
+@pytest.mark.fast
+def test_the_ten_line_example_in_the_docs_prints_the_groups_the_code_gives():
+    """docs/diffusers.md's "diffusers in ten lines" prints ``list(scheduler)`` in a comment: the
+    order the adapter adds Wan2.2's groups (the order a call uses them)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "diffusers.md").read_text()
+    printed = re.search(r"print\(list\(scheduler\)\)\s+# (\[.*\])", text).group(1)
+    pipe = tiny_wan22()
+    scheduler = enable_offload(pipe, device="cpu")
+    assert repr(list(scheduler)) == printed
+    disable_offload(pipe)

@@ -164,3 +164,88 @@ def test_the_host_memory_hint_gives_units(tmp_path):
     assert "Raise memory_limit to at least" in str(raised.value)
     assert "KiB, e.g. \"memory_limit\": \"1MiB\")" in str(raised.value)
     scheduler.close()
+
+
+# -- --threads ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--threads", "0"], "argument --threads: 0 is not at least 1"),
+    (["--threads", "4096"], "--threads 4096 asks for 4096 threads; this process may use "),
+    (["--threads", "2", "--nproc", "4096"], "--threads 2 on each of 4096 ranks asks for 8192 "
+                                            "threads"),
+])
+def test_a_thread_count_the_cores_cannot_take_is_refused(capsys, argv, message):
+    assert message in refused(capsys, "--size", "tiny", *argv)
+
+
+@pytest.mark.fast
+def test_threads_sets_torchs_intra_op_threads_for_the_job(capsys, monkeypatch):
+    """--threads 1 on a process torch gave two threads: the job runs on one, and says so."""
+    from residency.app import timeline
+
+    monkeypatch.setattr(timeline, "load_average", lambda: 0.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["--size", "tiny", "--steps", "2", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "; 1 intra-op thread; load average 0.00 on " in header
+
+
+@pytest.mark.fast
+def test_the_load_warning_suggests_threads_1_only_when_torch_runs_more():
+    from residency.app.timeline import MachineLoad
+
+    two = MachineLoad(threads=2, load_average=4.2, cores=2).warning()
+    assert two.endswith(
+        "read the medians of the repeated phase changes below, and their spread; each of "
+        "torch's operations here waits for all 2 of its intra-op threads, and a thread behind "
+        "another process stalls it: --threads 1 runs each on one thread and steadies the figures")
+    one = MachineLoad(threads=1, load_average=4.2, cores=2).warning()
+    assert one.endswith("and their spread") and "--threads" not in one
+
+
+@pytest.mark.fast
+def test_counts_read_right_in_one_and_many():
+    from residency.engine.budget import counted
+
+    assert [counted(1, "step"), counted(2, "step"), counted(0, "block")] == [
+        "1 step", "2 steps", "0 blocks"]
+    assert [counted(1, "entry", "entries"), counted(3, "pass", "passes")] == ["1 entry", "3 passes"]
+
+
+@pytest.mark.fast
+def test_a_one_step_run_says_one_step(capsys, monkeypatch):
+    from residency.app import timeline
+
+    monkeypatch.setattr(timeline, "load_average", lambda: 0.0)
+    assert main(["--size", "tiny", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "size 'tiny', 1 step" in out and "1 steps" not in out
+
+
+# -- a pipeline call that fails without offloading ----------------------------------------------
+
+
+def test_a_size_the_model_cannot_take_says_diffusers_own_call_failed(capsys, saved_wan22):
+    """Wan takes heights that are multiples of 16: at 24 the run without offloading fails in
+    WanPipeline's own call; the job says so, suggests the sizes, and exits 4 (listed in --help)."""
+    argv = ["--pipeline", str(saved_wan22), "--steps", "1", *WAN_CALL]
+    argv[argv.index("--height") + 1] = "24"
+    assert main(argv) == 4
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(
+        "python -m residency: the run without offloading failed in WanPipeline.__call__ "
+        "(diffusers' own code; nothing was offloaded yet): ValueError: ")
+    assert last.endswith(
+        "The model may not take this size: give --height and --width (and --num-frames for "
+        "video) that it was trained for, as its model card or the pipeline's defaults say; exit "
+        "status 4")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "4    --pipeline: the run without offloading failed" in capsys.readouterr().out

@@ -339,8 +339,8 @@ def test_flux_streams_its_double_then_single_blocks_in_order_bit_identically(sch
             ours = model(**flux_inputs(seed))[0]
         assert torch.equal(ours, reference(**flux_inputs(seed))[0])
         computed = [r.block for r in scheduler.block_records if r.kind == "compute"]
-        assert computed == [f"FluxTransformer2DModel.transformer_blocks.{i}" for i in range(2)] + [
-            f"FluxTransformer2DModel.single_transformer_blocks.{i}" for i in range(3)]
+        assert computed == [f"dit.transformer_blocks.{i}" for i in range(2)] + [
+            f"dit.single_transformer_blocks.{i}" for i in range(3)]
         check_stream(scheduler, "dit")
         swap_away(scheduler)
         check_all_offloaded(scheduler, "dit")
@@ -363,7 +363,7 @@ def test_a_wan_transformer_refused_by_finding_streams_by_its_repeated_blocks_bit
             ours = run_wan(model, wan_inputs(seed))
         assert torch.equal(ours, run_wan(reference, wan_inputs(seed))), f"call {seed}"
         computed = [r.block for r in scheduler.block_records if r.kind == "compute"]
-        assert computed == [f"WanTransformer3DModel.blocks.{i}" for i in range(2)]
+        assert computed == [f"dit.blocks.{i}" for i in range(2)]
         check_stream(scheduler, "dit")
         swap_away(scheduler)
         check_all_offloaded(scheduler, "dit")
@@ -538,11 +538,11 @@ def test_each_streamed_block_has_a_profiler_range_and_the_trace_shows_block_reco
     with torch.profiler.profile() as profile, scheduler.resident("dit"):
         model(probe_input())
     ranges = sorted(e.name for e in profile.events() if e.name.startswith("residency::block"))
-    assert ranges == [f"residency::block dit.ProbeDiT.blocks.{i}" for i in range(3)]
+    assert ranges == [f"residency::block dit.dit.blocks.{i}" for i in range(3)]
     trace = chrome_trace(scheduler.transitions, blocks=scheduler.block_records,
                          path=tmp_path / "trace.json")
     instants = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "block"]
-    assert "prefetch ProbeDiT.blocks.1" in instants and "compute ProbeDiT.blocks.0" in instants
+    assert "prefetch dit.blocks.1" in instants and "compute dit.blocks.0" in instants
     assert (tmp_path / "trace.json").stat().st_size > 0
 
 
@@ -1527,3 +1527,56 @@ def test_the_synthetic_tiny_pipeline_streams_its_one_block_experts_bit_identical
         assert set(computed) == {("transformer", 0), ("transformer_2", 0)}
     finally:
         scheduler.close()
+
+
+@pytest.mark.fast
+def test_layer_mode_of_the_vae_alone_warns_that_it_is_swapped_whole_as_module_mode_would(caplog):
+    """{"mode": "layer", "components": ["vae"]}: nothing streams; one warning says what happens
+    instead, and the call is bit-identical."""
+    from residency.adapters.diffusers import disable_offload, enable_offload
+
+    plain, pipe = tiny_wan22(), tiny_wan22()
+    with caplog.at_level("INFO", logger="residency"):
+        scheduler = enable_offload(pipe, {"mode": "layer", "components": ["vae"]}, device="cpu")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        'WanPipeline: layer mode streams the blocks of DiTs and text encoders, and the config '
+        'selects only the VAE: it is swapped whole, exactly as {"mode": "module", "components": '
+        '["vae"]} does; add "dit" to stream the DiTs']
+    assert scheduler["vae"].exclusive and not scheduler["vae"].streams
+    assert torch.equal(pipe(**wan22_call(seed=0)).frames, plain(**wan22_call(seed=0)).frames)
+    disable_offload(pipe)
+
+
+@pytest.mark.fast
+def test_layer_mode_with_the_vae_among_dits_notes_it_once(caplog):
+    from residency.adapters.diffusers import disable_offload, enable_offload
+
+    pipe = tiny_wan22()
+    with caplog.at_level("INFO", logger="residency"):
+        enable_offload(pipe, {"mode": "layer", "components": ["dit", "vae"]}, device="cpu")
+    assert caplog.messages.count("WanPipeline: the VAE is swapped whole in layer mode (layer mode "
+                                 "streams the blocks of DiTs and text encoders only)") == 1
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    disable_offload(pipe)
+
+
+@pytest.mark.fast
+def test_a_block_is_named_alike_in_layer_mode_and_under_an_auto_plan():
+    """One name per block in every mode: the group's own name, then the block's path."""
+    from residency.adapters.diffusers import disable_offload, enable_offload
+
+    names = {}
+    for mode, config in (("layer", {"mode": "layer", "components": ["dit"]}),
+                         ("auto", {"mode": "auto", "components": ["dit"],
+                                   "auto_options": {"device_budget": "1GiB"}})):
+        pipe = tiny_wan22()
+        scheduler = enable_offload(pipe, config, device="cpu")
+        names[mode] = [part.name for part in scheduler["transformer_2"].plan.parts[1:]]
+        disable_offload(pipe)
+    assert names["layer"] == names["auto"] == ["transformer_2.blocks.0"]
+    scheduler = Scheduler("cpu", auto={"device_budget": "1GiB"})
+    scheduler.add("dit", tiny_wan_expert(num_layers=2))
+    assert [part.name for part in scheduler["dit"].plan.parts[1:]] == ["dit.blocks.0",
+                                                                       "dit.blocks.1"]
+    scheduler.close()

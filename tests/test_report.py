@@ -288,29 +288,41 @@ def test_device_bytes_are_reported_with_and_without_offloading():
     assert format_device_bytes(plain=2**30, storage_peak=2**29, allocator_peak=None,
                                device=CPU) == (
         "device bytes: 1.0 GiB without offloading (the model's weights), 512.0 MiB at most in "
-        "the scheduler's storages with offloading")
+        "the scheduler's storages (packed loads, with their padding) with offloading")
     assert format_device_bytes(plain=3 * 2**30, storage_peak=2**29, allocator_peak=2**30,
                                device=torch.device("cuda")) == (
         "device bytes: 3.0 GiB without offloading (allocator peak: weights and activations), "
         "1.0 GiB (allocator peak: weights and activations; 512.0 MiB at most in the "
-        "scheduler's storages) with offloading")
+        "scheduler's storages (packed loads, with their padding)) with offloading")
     assert format_device_bytes(plain=None, storage_peak=2**29, allocator_peak=None,
                                device=CPU) == (
-        "device bytes: with offloading 512.0 MiB at most in the scheduler's storages; without: "
-        "not measured (--no-check)")
+        "device bytes: with offloading 512.0 MiB at most in the scheduler's storages (packed "
+        "loads, with their padding); without: not measured (--no-check)")
 
 
 def test_the_job_reports_the_device_bytes_the_run_without_offloading_held(capsys, monkeypatch):
+    """Each size says what it counts, and they add up: the groups' weights are the model's bytes;
+    each timeline row moves its group's packed load; the storages hold the largest exclusive load
+    beside the resident ones."""
     quiet(monkeypatch)
     lines = report_of(capsys, "--size", "tiny", "--steps", "2")
-    groups = lines.index("groups:")
-    model = sum(int(float(line.split()[2]) * 1024) for line in lines[groups + 1: groups + 5])
+    header = next(i for i, line in enumerate(lines) if line.startswith("groups: "))
+    assert lines[header] == ("groups: policy        weights  a load moves (packed, with "
+                             "alignment padding)")
+    rows = [line.split() for line in lines[header + 1: header + 5]]
+    weights = {row[0]: float(row[2]) for row in rows}
+    loads = {row[0]: (row[1], float(row[4])) for row in rows}
     line = next(line for line in lines if line.startswith("device bytes: "))
     plain = re.match(r"device bytes: ([\d.]+) KiB without offloading \(the model's weights\), "
-                     r"([\d.]+) KiB at most in the scheduler's storages with offloading$", line)
+                     r"([\d.]+) KiB at most in the scheduler's storages \(packed loads, with "
+                     r"their padding\) with offloading$", line)
     assert plain, line
-    assert float(plain[1]) == pytest.approx(model / 1024, abs=0.2)  # the whole model
-    assert float(plain[2]) < float(plain[1])  # one expert at a time
+    assert float(plain[1]) == pytest.approx(sum(weights.values()), abs=0.2)  # the whole model
+    exclusive = max(nbytes for policy, nbytes in loads.values() if policy == "exclusive")
+    resident = sum(nbytes for policy, nbytes in loads.values() if policy == "resident")
+    assert float(plain[2]) == pytest.approx(exclusive + resident, abs=0.2)
+    timeline = [line.split() for line in lines if re.match(r"  \d+ +[\d.]+  \S+ -> \S+", line)]
+    assert timeline and all(float(row[5]) == loads[row[4]][1] for row in timeline)
 
 
 @pytest.mark.gpu
@@ -325,8 +337,8 @@ def test_on_an_accelerator_the_report_compares_allocator_peaks_and_times_each_ch
     line = next(line for line in lines if line.startswith("device bytes: "))
     peaks = re.match(r"device bytes: ([\d.]+) KiB without offloading \(allocator peak: weights "
                      r"and activations\), ([\d.]+) KiB \(allocator peak: weights and "
-                     r"activations; [\d.]+ KiB at most in the scheduler's storages\) with "
-                     r"offloading$", line)
+                     r"activations; [\d.]+ KiB at most in the scheduler's storages \(packed "
+                     r"loads, with their padding\)\) with offloading$", line)
     assert peaks, line
     assert next(line for line in lines if line.startswith("run without offloading: ")) \
         .endswith(", one run each)")  # the ratio is kept on an accelerator, and says so

@@ -24,6 +24,7 @@ import torch
 
 from residency.adapters.weight_files import check_weight_files
 from residency.app.synthetic import SIZES, weight_nbytes
+from residency.app.timeline import usable_cores
 from residency.engine.budget import format_nbytes
 from residency.engine.errors import WeightFileError
 from residency.engine.transport import default_device
@@ -45,6 +46,7 @@ JOB_CALL_ARGUMENTS = ("prompt", "num_inference_steps", "output_type", "generator
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
     """Refuse (exit status 2, through `parser`) what would fail later; returns the device."""
     device = _check_device(parser, args.device)
+    _check_threads(parser, args.threads, args.nproc)
     if args.trace is not None:
         _check_writable(parser, "--trace", args.trace, "trace.json")
     if args.plot is not None:
@@ -57,6 +59,18 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     else:
         _check_host_memory(parser, args.size, args.nproc, device)
     return device
+
+
+def _check_threads(parser: argparse.ArgumentParser, threads: int | None, nproc: int) -> None:
+    """At most one intra-op thread per core this process may use, all ranks together."""
+    if threads is None:
+        return
+    cores = usable_cores()
+    if threads * nproc > cores:
+        ranks = f" on each of {nproc} ranks" if nproc > 1 else ""
+        parser.error(f"--threads {threads}{ranks} asks for {threads * nproc} threads; this "
+                     f"process may use {cores} cores: give at most {max(cores // nproc, 1)}, "
+                     "or 1 on a machine other processes load")
 
 
 def _check_device(parser: argparse.ArgumentParser, text: str | None) -> torch.device:

@@ -17,8 +17,10 @@ diffusers model whose every component has whole weight files - no tensor read - 
 takes the call's arguments, the config validates); a plan the config cannot fit is refused
 before the first run.  Exit status (`EPILOG`): 0 when the outputs are identical, 1 when they
 differ, 2 for bad arguments or a refused configuration, 3 when the run crashed (an unexpected
-exception: its traceback, then a one-line summary, go to stderr), 130 when interrupted (Ctrl-C:
-one line on stderr).  Progress lines go to stderr as the run goes, and so do the library's notes
+exception: its traceback, then a one-line summary, go to stderr), 4 when ``--pipeline``'s run
+without offloading failed in the pipeline's own call (the model does not take the arguments:
+the line says so and suggests the sizes to give), 130 when interrupted (Ctrl-C: one line on
+stderr).  Progress lines go to stderr as the run goes, and so do the library's notes
 (logger ``residency``, INFO and up).
 """
 
@@ -56,7 +58,7 @@ from residency.adapters.diffusers import (
     offload_scheduler,
 )
 from residency.vllm_omni.config import OffloadConfig
-from residency.engine.budget import format_nbytes
+from residency.engine.budget import counted, format_nbytes
 from residency.engine.errors import ResidencyError
 from residency.engine.scheduler import Scheduler
 from residency.app.checks import PLOT_SUFFIXES, check_arguments
@@ -86,12 +88,15 @@ DEFAULT_CONFIG = OffloadConfig(mode="module", components=("dit", "text_encoder")
 NOT_GIVEN = object()
 DEFAULT_PROMPT = "a cat walking on the moon"
 #: Exit statuses, as `--help` lists them.
-EXIT_OK, EXIT_DIFFERS, EXIT_USAGE, EXIT_CRASHED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_DIFFERS, EXIT_USAGE, EXIT_CRASHED, EXIT_PLAIN_FAILED, EXIT_INTERRUPTED = (
+    0, 1, 2, 3, 4, 130)
 EPILOG = """exit status:
   0    the outputs are bit-identical (or not compared: --no-check, or null: offloading off)
   1    the outputs differ
   2    bad usage: an argument, the offload config or the pipeline was refused (nothing was run)
   3    crashed: an unexpected error; its traceback and a one-line summary are on stderr
+  4    --pipeline: the run without offloading failed in the pipeline's own call (nothing was
+       offloaded): the model does not take these arguments; try --height/--width/--num-frames
   130  interrupted (Ctrl-C): one line on stderr; no shared-memory segment is left behind"""
 #: How long a job interrupted on several ranks waits for them to leave before it kills them.
 RANKS_LEAVE_S = 30.0
@@ -103,8 +108,9 @@ class Run:
 
     title: str
     scheduler: Scheduler
-    #: (name, policy, bytes) of each group, in registration order.
-    groups: list[tuple[str, str, int]]
+    #: (name, policy, weight bytes, bytes a load of its own part moves: the packed layout, with
+    #: alignment padding) of each group, in registration order.
+    groups: list[tuple[str, str, int, int]]
     records: list
     #: Layer mode: the block records of the run, and a line per streaming group.
     block_records: list
@@ -159,6 +165,10 @@ def build_parser(prog: str = "python -m residency") -> argparse.ArgumentParser:
                         version=f"residency {_version()} (torch {torch.__version__})")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip the run without offloading (for models that do not fit)")
+    parser.add_argument("--threads", metavar="N", type=_positive, default=None,
+                        help="torch's intra-op threads for the job (default: torch's own, one "
+                        "per core); on a machine other processes load, 1 keeps each small "
+                        "operation from waiting for a descheduled thread")
     parser.add_argument("--nproc", metavar="N", type=_positive, default=1,
                         help="run the synthetic job on N ranks of this host (torch.distributed "
                         "via torchrun, gloo): the ranks share one host master per group, each "
@@ -212,6 +222,8 @@ def _checked_run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int
     args = parser.parse_args(argv)
     config = _offload_config(parser, args)
     device = check_arguments(parser, args)
+    if args.threads is not None:  # every rank sets its own: _launch_ranks passes the flag on
+        torch.set_num_threads(args.threads)
     if args.nproc > 1:
         return _launch_ranks(args.nproc, sys.argv[1:] if argv is None else argv)
     try:
@@ -223,6 +235,8 @@ def _checked_run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int
             return _run_and_report(args, config, device)
     except ResidencyError as error:
         parser.exit(EXIT_USAGE, f"{parser.prog}: error: {error}\n")
+    except PlainRunFailed as failed:  # not ours: the pipeline's own call, nothing offloaded
+        return _plain_run_failed(parser, failed)
     except Exception as error:  # an unexpected failure: say so, with its own exit status
         traceback.print_exc()
         summary = str(error).splitlines()[0] if str(error) else ""
@@ -438,7 +452,7 @@ def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torc
         scheduler, recorder=recorder, spans=recorder.spans, output=output, expected=expected,
         plain_seconds=plain_seconds, offloaded_seconds=seconds, device=device,
         plain_device_bytes=plain_device_bytes,
-        title=f"synthetic Wan2.2-T2V-A14B-shaped pipeline, size {args.size!r}, {args.steps} steps",
+        title=f"synthetic Wan2.2-T2V-A14B-shaped pipeline, size {args.size!r}, {counted(args.steps, 'step')}",
     )
 
 
@@ -474,7 +488,10 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
                                  if isinstance(module, torch.nn.Module)
                                  for t in module.state_dict().values())
         start = time.perf_counter()
-        expected = _generate(plain, args)
+        try:
+            expected = _generate(plain, args)
+        except Exception as error:  # in diffusers' code: the arguments do not suit the model
+            raise PlainRunFailed(type(plain).__name__) from error
         plain_seconds = time.perf_counter() - start
         del plain
         _release_device_memory(device)
@@ -491,10 +508,28 @@ def _run_pipeline(args: argparse.Namespace, config: OffloadConfig, device: torch
         scheduler, recorder=None, spans=spans, output=output, expected=expected,
         plain_seconds=plain_seconds, offloaded_seconds=seconds, device=device,
         plain_device_bytes=plain_device_bytes,
-        title=f"{type(pipe).__name__} from {args.pipeline}, {args.steps} steps",
+        title=f"{type(pipe).__name__} from {args.pipeline}, {counted(args.steps, 'step')}",
     )
     disable_offload(pipe)
     return run
+
+
+class PlainRunFailed(Exception):
+    """The run without offloading raised inside the pipeline's own call (its class name is the
+    argument, the error its cause): before anything was offloaded, so not the library's."""
+
+
+def _plain_run_failed(parser: argparse.ArgumentParser, failed: PlainRunFailed) -> int:
+    """The traceback, then one line: where it failed, why, what to try; `EXIT_PLAIN_FAILED`."""
+    error = failed.__cause__
+    traceback.print_exception(error)
+    summary = str(error).splitlines()[0] if str(error) else ""
+    print(f"{parser.prog}: the run without offloading failed in {failed.args[0]}.__call__ "
+          f"(diffusers' own code; nothing was offloaded yet): {type(error).__name__}: {summary}. "
+          "The model may not take this size: give --height and --width (and --num-frames for "
+          "video) that it was trained for, as its model card or the pipeline's defaults say; "
+          f"exit status {EXIT_PLAIN_FAILED}", file=sys.stderr)
+    return EXIT_PLAIN_FAILED
 
 
 def _generate(pipe, args: argparse.Namespace) -> torch.Tensor:
@@ -603,7 +638,7 @@ def _run_without_offloading(args: argparse.Namespace, device: torch.device) -> i
         report = _progress(f"pipeline {args.pipeline}")
         report("loading, then the run without offloading")
         pipe = _load_pipeline(args.pipeline).to(device)
-        title = f"{type(pipe).__name__} from {args.pipeline}, {args.steps} steps"
+        title = f"{type(pipe).__name__} from {args.pipeline}, {counted(args.steps, 'step')}"
         start = time.perf_counter()
         output = _generate(pipe, args)
     else:
@@ -612,7 +647,7 @@ def _run_without_offloading(args: argparse.Namespace, device: torch.device) -> i
         recorder = PhaseRecorder(Scheduler.from_pipeline(pipe, None, device=device))  # NoOffload
         pipe.offload = recorder
         title = (f"synthetic Wan2.2-T2V-A14B-shaped pipeline, size {args.size!r}, "
-                 f"{args.steps} steps")
+                 f"{counted(args.steps, 'step')}")
         start = time.perf_counter()
         output = pipe(args.prompt, steps=args.steps, seed=args.seed,
                       progress=_progress("run without offloading")).cpu()
@@ -645,7 +680,8 @@ def _finish(scheduler: Scheduler, *, recorder: PhaseRecorder | None, device: tor
     peak = recorder.peak_device_bytes if recorder is not None else 0
     peak = max(peak, scheduler.device_nbytes)
     allocator_peak = _allocator_peak(device)
-    groups = [(name, scheduler[name].policy.value, scheduler[name].nbytes) for name in scheduler]
+    groups = [(name, scheduler[name].policy.value, scheduler[name].nbytes,
+               scheduler[name].inventory.layout.nbytes) for name in scheduler]
     blocks, layer_lines = list(scheduler.block_records), _layer_lines(scheduler)  # the run's own
     report = _progress("floor")
     still_reading = wait_for_reads(scheduler, report)
@@ -702,10 +738,11 @@ def _report(run: Run, config: OffloadConfig, device: torch.device) -> str:
         f"{run.load.describe()})",
         *filter(None, [run.load.warning()]),
         f"offload config: {config.to_json()}",
-        "groups:",
+        f"groups: {'policy':<10} {'weights':>10}  a load moves (packed, with alignment padding)",
     ]
-    for name, policy, nbytes in run.groups:
-        lines.append(f"  {name:<16} {policy:<10} {format_nbytes(nbytes):>10}")
+    for name, policy, nbytes, load_nbytes in run.groups:
+        lines.append(f"  {name:<16} {policy:<10} {format_nbytes(nbytes):>10}  "
+                     f"{format_nbytes(load_nbytes):>10}")
     lines += run.layer_lines
     lines += _what_the_ratio_means(run, device)
     lines.append(format_device_bytes(plain=run.plain_device_bytes,

@@ -78,6 +78,7 @@ __all__ = [
     "measure_floor",
     "measure_floors",
     "timeline_rows",
+    "usable_cores",
     "wait_for_reads",
     "write_trace",
 ]
@@ -139,22 +140,33 @@ class MachineLoad:
         return f"{threads}; load average {self.load_average:.2f} on {self.cores} cores"
 
     def warning(self) -> str | None:
-        """A line for the report when `loaded`, else None."""
+        """A line for the report when `loaded`, else None; with more than one intra-op thread it
+        says what ``--threads 1`` does, and suggests it."""
         if not self.loaded:
             return None
+        advice = ""
+        if self.threads > 1:
+            advice = (f"; each of torch's operations here waits for all {self.threads} of its "
+                      "intra-op threads, and a thread behind another process stalls it: "
+                      "--threads 1 runs each on one thread and steadies the figures")
         return (f"warning: the machine is loaded (load average {self.load_average:.2f} over the "
                 f"last minute, on {self.cores} cores): other processes share the cores, so one "
                 "run's seconds swing from run to run; read the medians of the repeated phase "
-                "changes below, and their spread")
+                f"changes below, and their spread{advice}")
 
 
 def machine_load() -> MachineLoad:
     """The host's `MachineLoad` now (the load average read through `load_average`)."""
+    return MachineLoad(threads=torch.get_num_threads(), load_average=load_average(),
+                       cores=usable_cores())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity; the CPU count where there is none)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this platform
-        cores = os.cpu_count() or 1
-    return MachineLoad(threads=torch.get_num_threads(), load_average=load_average(), cores=cores)
+        return os.cpu_count() or 1
 
 
 # -- recording the run's phases -------------------------------------------------------------------
@@ -682,7 +694,8 @@ def format_device_bytes(*, plain: int | None, storage_peak: int, allocator_peak:
     `plain` is the model's bytes on the CPU, the allocator's peak on an accelerator (None: the
     run without offloading was skipped); `storage_peak` the most the scheduler's storages held.
     """
-    storages = f"{format_nbytes(storage_peak)} at most in the scheduler's storages"
+    storages = (f"{format_nbytes(storage_peak)} at most in the scheduler's storages (packed "
+                "loads, with their padding)")
     if allocator_peak is None:  # the CPU: weights only, on both sides
         with_ = storages
         kind = "the model's weights"

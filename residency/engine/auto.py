@@ -42,7 +42,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from residency.engine.budget import AutoOptions, format_nbytes
+from residency.engine.budget import AutoOptions, counted, format_nbytes
 from residency.engine.component import Residency
 from residency.engine.locks import locked
 from residency.engine.placement import Placement
@@ -315,5 +315,6 @@ def _describe_group(w: Workload, plan: Plan) -> str:
     for where, names in ((Where.KEPT, plan.kept), (Where.SWAPPED, plan.swapped),
                          (Where.STREAMED, plan.streamed)):
         if names:
-            text += f"; {len(names)} blocks {where.value} ({_size(sums[where])})"
-    return text + f"; {w.entries} entries, {w.passes} passes per call"
+            text += f"; {counted(len(names), 'block')} {where.value} ({_size(sums[where])})"
+    return (text + f"; {counted(w.entries, 'entry', 'entries')}, "
+            f"{counted(w.passes, 'pass', 'passes')} per call")

@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_DRIFT",
     "DEFAULT_HEADROOM_FRACTION",
     "check_option_keys",
+    "counted",
     "format_nbytes",
     "parse_nbytes",
 ]
@@ -97,6 +98,15 @@ def format_nbytes(nbytes: float, digits: int = 1) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.{digits}f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def counted(count: int, noun: str, plural: str = "") -> str:
+    """`count` and `noun`, the noun plural unless the count is one (`plural`, else noun + "s").
+
+        counted(1, "step")                 # '1 step'
+        counted(3, "pass", "passes")       # '3 passes'
+    """
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
 def _check_budget(_instance, _attribute, value: object) -> None:

@@ -105,7 +105,7 @@ def as_model_blocks(
             "use policy='exclusive'"
         )
     if layers is True:
-        return tuple(model_blocks(root) for root in roots)
+        return tuple(model_blocks(root, path=_model_path(name, roots)) for root in roots)
     if isinstance(layers, ModelBlocks):
         given = (layers,)
     elif isinstance(layers, Iterable) and not isinstance(layers, (str, bytes)):
@@ -143,10 +143,17 @@ def auto_blocks(
     found = []
     for root in roots:
         try:
-            found.append(model_blocks(root))
+            found.append(model_blocks(root, path=_model_path(name, roots)))
         except ConfigError:  # no block lists: the root moves whole, with the own part
             continue
     return tuple(found)
+
+
+def _model_path(name: str, roots: Sequence[nn.Module]) -> str | None:
+    """What blocks found for a group are named under: the group's name when it has one module
+    (as the diffusers adapter names a DiT's blocks in every mode: ``transformer_2.blocks.1``),
+    else each module's class name (`model_blocks`' default)."""
+    return name if len(roots) == 1 else None
 
 
 def streamed_modules(given: Sequence[ModelBlocks]) -> tuple[nn.Module, ...]:

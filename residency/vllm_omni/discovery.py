@@ -275,6 +275,8 @@ def layer_blocks(
     if config is None or config.mode != "layer":
         return {}
     selected = set(config.components)
+    if "vae" in selected:
+        _note_vae_swapped_whole(found.owner, selected)
     streamed_dits = {p: m for p, m in dits.items() if "dit" in selected}
     for path, dit in streamed_dits.items():
         if split_parts(dit):
@@ -296,6 +298,20 @@ def layer_blocks(
     if found.encoders:
         plans[ENCODER_GROUP] = tuple(found.encoders.values())
     return plans
+
+
+def _note_vae_swapped_whole(owner: str, selected: set[str]) -> None:
+    """Layer mode streams DiTs and text encoders only: say once what a selected VAE gets instead
+    (a warning when nothing else was selected, so the mode does nothing a module config would
+    not)."""
+    if selected == {"vae"}:
+        _log.warning("%s: layer mode streams the blocks of DiTs and text encoders, and the config "
+                     "selects only the VAE: it is swapped whole, exactly as {\"mode\": "
+                     "\"module\", \"components\": [\"vae\"]} does; add \"dit\" to stream "
+                     "the DiTs", owner)
+    else:
+        _log.info("%s: the VAE is swapped whole in layer mode (layer mode streams the blocks of "
+                  "DiTs and text encoders only)", owner)
 
 
 def _weight_transfers(
