@@ -296,7 +296,7 @@ def test_timeline_rows_number_time_and_total_each_transition_of_the_run():
     assert rows[0].gbps == pytest.approx(1.0) and rows[1].gbps == pytest.approx(0.5)
     assert rows[2].gbps is None  # nothing moved: no rate
     text = format_timeline(rows, device=torch.device("cpu"))
-    assert "3 transition(s) in the run with offloading, each timed once" in text
+    assert "3 transitions in the run with offloading, each timed once" in text
     assert "total: 3.8 MiB moved in 7.00 ms, 512 B written back" in text
     assert "floor" not in text  # a single timing is never set against the floor
 

@@ -395,3 +395,19 @@ def test_a_samples_figure_prints_in_milliseconds_with_three_digits():
     assert [timeline._ms(s) for s in (1.24, 0.0235, 0.00124, 0.000152)] == \
         ["1240", "23.5", "1.24", "0.152"]
     assert format_nbytes(2**20) == "1.0 MiB"
+
+
+@pytest.mark.fast
+def test_the_report_excerpt_in_the_docs_has_the_headers_the_code_prints(capsys, monkeypatch):
+    """docs/diffusers.md, "The main job": the excerpt's header and legend lines are the report's
+    own (a run at the tiny size prints the same ones; only the figures differ)."""
+    quiet(monkeypatch)
+    text = (Path(__file__).resolve().parent.parent / "docs" / "diffusers.md").read_text()
+    section = text[text.index("## The main job"):]
+    excerpt = section[section.index("```\nresidency: "):].split("```")[1].splitlines()
+    headers = [line for line in excerpt if line.startswith((
+        "groups: ", "  #     at ms", "    transition ", "phase changes against the floor: ",
+        "  a change from - ", "  (on the CPU the "))]
+    assert len(headers) == 6, headers
+    lines = report_of(capsys, "--size", "tiny", "--steps", "2")
+    assert [line for line in headers if line not in lines] == []

@@ -57,7 +57,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from residency.engine.budget import format_nbytes
+from residency.engine.budget import counted, format_nbytes
 from residency.engine.errors import PhaseError, ResidencyError
 from residency.engine.records import BlockRecord, TransitionRecord, chrome_trace
 
@@ -602,7 +602,8 @@ def format_timeline(rows: Sequence[Row], *, device: torch.device) -> str:
     The seconds are the run's own, once each: the ratios to the floor are `format_changes`'s.
     """
     lines = [
-        f"phase timeline on {device}: {len(rows)} transition(s) in the run with offloading, "
+        f"phase timeline on {device}: {counted(len(rows), 'transition')} in the run with "
+        "offloading, "
         "each timed once",
         f"{'#':>3} {'at ms':>9}  {'transition':<34} {'moved':>10} {'written':>10} {'ms':>9} "
         f"{'GB/s':>7}",
