@@ -452,7 +452,8 @@ def _run_synthetic(args: argparse.Namespace, config: OffloadConfig, device: torc
         scheduler, recorder=recorder, spans=recorder.spans, output=output, expected=expected,
         plain_seconds=plain_seconds, offloaded_seconds=seconds, device=device,
         plain_device_bytes=plain_device_bytes,
-        title=f"synthetic Wan2.2-T2V-A14B-shaped pipeline, size {args.size!r}, {counted(args.steps, 'step')}",
+        title=(f"synthetic Wan2.2-T2V-A14B-shaped pipeline, size {args.size!r}, "
+               f"{counted(args.steps, 'step')}"),
     )
 
 
