@@ -174,20 +174,17 @@ class _Finder:
         self._identities: dict[tuple, dict | None] = {}
 
     def source(self, storage: torch.UntypedStorage, first: int, nbytes: int) -> FileSource | None:
-        if nbytes <= 0 or storage.device.type != "cpu":
+        found = self.mapping_at(storage, first, nbytes)
+        if found is None:
             return None
-        address = storage.data_ptr() + first
-        mapping = self._mapping_of(address, nbytes)
-        if mapping is None:
-            return None
-        offset = mapping.file_offset + (address - mapping.start)
+        mapping, offset = found
         key = (mapping.path, mapping.device, mapping.inode)
         if key not in self._identities:
             self._identities[key] = _identity(mapping)
         identity = self._identities[key]
         if identity is None or identity["size"] < offset + nbytes:
             return None
-        if _written(self._pagemap_descriptor(), address, nbytes):
+        if _written(self._pagemap_descriptor(), storage.data_ptr() + first, nbytes):
             return None
         return FileSource(path=mapping.path, offset=offset, **identity)
 
