@@ -20,7 +20,7 @@ from benchmarks import simulator
 from benchmarks.machine import describe_machine
 from benchmarks.scale import SCALE_NAMES, Scale
 from residency import Scheduler
-from residency.engine.transport import default_device
+from residency.device.transport import default_device
 
 SCALE_ENV = "RESIDENCY_BENCH_SCALE"
 THREADS_ENV = "RESIDENCY_BENCH_THREADS"

@@ -80,7 +80,7 @@ from benchmarks.models import ManyModules, Stack
 from benchmarks.peers import OFFLOADERS, install, unavailable
 from benchmarks.scale import GiB, KiB, MiB
 from residency import Scheduler
-from residency.engine.tensors import DEFAULT_CHUNK_NBYTES
+from residency.modules.tensors import DEFAULT_CHUNK_NBYTES
 
 __all__ = ["CheckSizes", "main"]
 
@@ -735,7 +735,7 @@ def auto_plan(check: _Check) -> dict:
 
 
 def host_tiers(check: _Check) -> dict:
-    """Issue 23: a warm-restart cache file mapped copy-on-write as `residency.engine.master_cache`
+    """Issue 23: a warm-restart cache file mapped copy-on-write as `residency.host.master_cache`
     maps it, page-locked as it page-locks it (`RegisteredMapping.register`, the page cache warm):
     the pinning rate, and the host-to-device rate from the mapping against the ceiling; beside
     them, the two ways a master in memory is pinned (pre-touched pages registered, the allocator's
@@ -743,7 +743,7 @@ def host_tiers(check: _Check) -> dict:
     import mmap
     import tempfile
 
-    from residency.engine.page_lock import RegisteredMapping
+    from residency.device.page_lock import RegisteredMapping
 
     n, device = check.sizes.ceiling_nbytes, check.device
     on_device = torch.empty(n, dtype=torch.uint8, device=device)
@@ -778,8 +778,8 @@ def host_tiers(check: _Check) -> dict:
 
 def _memory_pinning_rates(n: int) -> dict:
     """Seconds to pin `n` bytes of memory: pages touched then registered (the exact-size route
-    of `residency.engine.transport`), and ``torch.empty(pin_memory=True)`` (cudaHostAlloc)."""
-    from residency.engine.transport import _page_locked_exact
+    of `residency.device.transport`), and ``torch.empty(pin_memory=True)`` (cudaHostAlloc)."""
+    from residency.device.transport import _page_locked_exact
 
     start = time.perf_counter()
     registered = _page_locked_exact(n)

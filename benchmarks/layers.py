@@ -52,7 +52,7 @@ from torch import nn
 from benchmarks.floor import synchronize
 from benchmarks.models import drawing_device
 from residency import Scheduler
-from residency.engine.blocks import model_blocks
+from residency.modules.blocks import model_blocks
 
 __all__ = [
     "MODES",

@@ -1,4 +1,4 @@
-"""Change detection by per-window digests (`residency.engine.digests`): what the check costs.
+"""Change detection by per-window digests (`residency.device.digests`): what the check costs.
 
 "check" times ``ChangeDetector.changed_windows`` on an unchanged buffer of the headline size
 (400 MiB; 1 MiB at the tiny scale): digesting every window on the device, comparing with the
@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.figures import record
 from benchmarks.floor import CopyFloor, FloorSamples, synchronize
 from benchmarks.goals import CHANGE_CHECK
-from residency.engine.digests import ChangeDetector, DigestLayout
+from residency.device.digests import ChangeDetector, DigestLayout
 
 #: 0x9E3779B97F4A7C15 as an int64: its consecutive multiples differ in (nearly) every byte.
 _GOLDEN = -0x61C8864680B583EB

@@ -25,7 +25,7 @@ host waits, not what a GPU achieves.
   so ``scheduler.prefetch("transformer")`` issued as the encoder's phase begins can hide all of it.
 * ``test_simulated_host_syncs[mode]``: host synchronisations per steady-state layer-mode step (no
   timing controls: counting needs asynchrony, not delays): none with ``detect_edits=False``, one
-  per block eviction with it (the changed-chunk flags read, residency/engine/digests.py).
+  per block eviction with it (the changed-chunk flags read, residency/device/digests.py).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def test_transition_vs_tensor_count(benchmark, scheduler, scale, device, tensor_
 
 def test_swap_400mib(benchmark, scheduler, scale, device):
     """The headline: two 400 MiB groups of 400 tensors each (scaled down in tiny runs), with every
-    edit detected (device digests at load and at eviction; see residency/engine/digests.py)."""
+    edit detected (device digests at load and at eviction; see residency/device/digests.py)."""
     _measure_swap(benchmark, scheduler, scale, device, scale.swap_nbytes, scale.swap_tensors,
                   case="swap")
 

@@ -14,10 +14,10 @@
 
 from importlib import metadata as _metadata
 
-from residency.engine.blocks import BlockPlan, ModelBlocks, model_blocks, plan_blocks  # historical names
-from residency.engine.component import Policy, Residency, ResidencyState
-from residency.vllm_omni.config import OffloadConfig, resolve_config
-from residency.vllm_omni.discovery import (
+from residency.modules.blocks import BlockPlan, ModelBlocks, model_blocks, plan_blocks  # historical names
+from residency.group.residency import Policy, Residency, ResidencyState
+from residency.options.vllm_omni import OffloadConfig, resolve_config
+from residency.pipelines.discovery import (
     ComponentGroups,
     ComponentPlan,  # historical name
     SupportsComponentDiscovery,
@@ -26,7 +26,7 @@ from residency.vllm_omni.discovery import (
     plan_components,  # historical name
     register_groups,
 )
-from residency.engine.errors import (
+from residency.core.errors import (
     CollectiveError,
     ConfigError,
     DeadlockError,
@@ -40,9 +40,9 @@ from residency.engine.errors import (
     UnknownGroupError,
     WeightFileError,
 )
-from residency.engine.no_offload import NoOffload
-from residency.vllm_omni.protocol import OmniOffloadMixin
-from residency.engine.records import (
+from residency.group.no_offload import NoOffload
+from residency.adapters.vllm_omni import OmniOffloadMixin
+from residency.group.records import (
     BlockLog,
     BlockRecord,
     TransitionLog,
@@ -50,10 +50,10 @@ from residency.engine.records import (
     chrome_trace,
     summarize,
 )
-from residency.engine.scheduler import Phase, Scheduler
-from residency.vllm_omni.split import SplitModel
-from residency.engine.transport import AcceleratorTransport, Completion, CpuTransport, Transport
-from residency.engine.enums import PhaseStatus
+from residency.scheduler.scheduler import Phase, Scheduler
+from residency.pipelines.split import SplitModel
+from residency.device.transport import AcceleratorTransport, Completion, CpuTransport, Transport
+from residency.core.enums import PhaseStatus
 
 #: This package's version, from its installed metadata; "0+unknown" when it runs from a source
 #: tree that was never installed (no metadata to read).

@@ -13,9 +13,9 @@ move), the completions it returns, the records' classes a tool reads, the group 
 Users and pipeline authors need none of these: `residency.__all__` lists what they import
 (these names stay importable from `residency` too, as before)."""
 
-from residency.engine.component import Residency
-from residency.engine.records import BlockLog, BlockRecord, TransitionLog, TransitionRecord
-from residency.engine.transport import AcceleratorTransport, Completion, CpuTransport, Transport
+from residency.group.residency import Residency
+from residency.group.records import BlockLog, BlockRecord, TransitionLog, TransitionRecord
+from residency.device.transport import AcceleratorTransport, Completion, CpuTransport, Transport
 
 __all__ = [
     "Residency",

@@ -30,7 +30,7 @@ GROUP_TIMEOUT = timedelta(seconds=15)
 
 #: What the forkserver imports once, for every rank: torch, and the third-party modules that
 #: importing our modules (which each rank does, unpickling its worker's test module) loads -
-#: torch._dynamo alone is ~2.5 s a rank (``@torch.compiler.disable`` in residency.engine.layers).
+#: torch._dynamo alone is ~2.5 s a rank (``@torch.compiler.disable`` in residency.placement.layers).
 #: Never a module of ours: each rank imports those itself.
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.profiler", "attrs"]
 

@@ -69,10 +69,10 @@ def _short(where: tuple[str, str]) -> str:
 
 
 #: Functions that only run a function they are handed, under a lock or a context
-#: (residency.engine.locks): a call through one is counted as a call from its caller.
-_RUNNERS = {("residency.engine.locks", "locked"), ("residency.engine.locks", "in_context")}
+#: (residency.core.locks): a call through one is counted as a call from its caller.
+_RUNNERS = {("residency.core.locks", "locked"), ("residency.core.locks", "in_context")}
 #: Debugging aids the suite switches on (RESIDENCY_CHECK_LOCKS=1): not part of the path.
-_CHECKS = {("residency.engine.locks", "check_held")}
+_CHECKS = {("residency.core.locks", "check_held")}
 
 
 def _passes_through(frame) -> bool:

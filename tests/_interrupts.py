@@ -34,9 +34,9 @@ from torch import nn
 
 import residency
 import residency.adapters
-from residency.engine.enums import ResidencyState
-from residency.engine.plan import Where
-from residency.engine.registry import owned_modules, owner_of
+from residency.core.enums import ResidencyState
+from residency.group.plan import Where
+from residency.group.registry import owned_modules, owner_of
 
 OFFLOADED, LOADING, RESIDENT = (
     ResidencyState.OFFLOADED, ResidencyState.LOADING, ResidencyState.RESIDENT,
@@ -209,7 +209,7 @@ def consistent(scheduler) -> list[str]:
     """Every disagreement between the owners' states (empty when they agree); no phase may be
     open and no thread waiting.  Reads holds, registry, placement, each group, each stream,
     after closing abandoned phases as any call does (an interrupt at the first line of a
-    ``Phase.__exit__`` leaves one; see [Note: interrupts] in residency/engine/scheduler.py)."""
+    ``Phase.__exit__`` leaves one; see [Note: interrupts] in residency/scheduler/scheduler.py)."""
     problems: list[str] = []
     with scheduler._lock:
         registry, placement, holds = scheduler._registry, scheduler._placement, scheduler._holds

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-# The debug check that every owner mutator runs under the scheduler lock (residency.engine.locks) is read
+# The debug check that every owner mutator runs under the scheduler lock (residency.core.locks) is read
 # once, at import: set it before anything imports residency.
 os.environ.setdefault("RESIDENCY_CHECK_LOCKS", "1")
 
@@ -19,7 +19,7 @@ import _accelerator
 import _interrupts
 from _interrupts import SWEEPS
 from residency import Scheduler
-from residency.engine.transport import CpuTransport
+from residency.device.transport import CpuTransport
 
 
 def pytest_addoption(parser):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from residency import Scheduler, ResidencyState
-from residency.engine.memory import Progress
+from residency.host.memory import Progress
 
 from _accelerator import (device as accelerator_device, host_synchronisations, is_simulated,
                           no_host_synchronisation)
@@ -231,7 +231,7 @@ def test_steady_state_makes_no_host_synchronisation():
 @pytest.mark.gpu
 def test_with_edit_detection_re_entry_never_syncs_and_a_transition_reads_one_flag_tensor():
     """The denoising loop (re-entering the resident group) does no host sync; an eviction reads
-    the changed-window flags once ([Note: streams and the one host wait] in residency/engine/digests.py).
+    the changed-window flags once ([Note: streams and the one host wait] in residency/device/digests.py).
 
     The simulated device counts every host wait (one per transition: the flags read); elsewhere
     the profiler's synchronize events are counted (the read may show as two)."""

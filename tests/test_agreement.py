@@ -28,8 +28,8 @@ from residency.multirank.agreement import (
     describe_tensors,
     digest_ranges,
 )
-from residency.engine.digests import ChangeDetector, DigestLayout
-from residency.engine.errors import CollectiveError, ConfigError, RegistrationError
+from residency.device.digests import ChangeDetector, DigestLayout
+from residency.core.errors import CollectiveError, ConfigError, RegistrationError
 
 from _dist import run_world
 

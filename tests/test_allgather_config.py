@@ -36,7 +36,7 @@ from residency.adapters.diffusers import (
     enable_offload,
     offload_scheduler,
 )
-from residency.engine.errors import ConfigError
+from residency.core.errors import ConfigError
 
 DIT_ALLGATHER = {"mode": "module", "components": ["dit", "text_encoder"],
                  "module_options": {"dit": {"weight_transfer": "allgather"}}}

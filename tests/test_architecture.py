@@ -4,17 +4,17 @@ and that every owner's field names its lock and every mutator checks it.
 
 Read statically (``ast`` over the sources, nothing imported) except where a test says otherwise:
 
-* the folders (issue 21): residency/ holds the package surface (``__init__``, ``extend``) and the
-  old paths issue 21 keeps (``__main__``, ``transport``, ``omni``: re-exports only); everything
-  else lives in a folder - ``engine``, ``multirank``, ``vllm_omni``, ``adapters``, ``app`` - and
-  every folder is in pyproject.toml's package list;
+* the folders are the layers: residency/ holds the package surface (``__init__``, ``extend``,
+  ``__main__``) and everything else lives in a folder of `FOLDERS`, in pyproject.toml's package
+  list, whose ``__init__`` names its modules;
 * every module imports on its own (a fresh interpreter, the package's ``__init__`` not run:
   see [Note: importing each module on its own]); the entry points in a fresh interpreter each; a
   non-editable install imports every module, the repository not on ``sys.path``;
 * the import graph of our own modules, counting imports inside functions and classes
-  (``TYPE_CHECKING`` imports exempt), is acyclic and goes downward only, through the layers of
-  `LAYERS`; no function-level or class-level imports of our own modules at all;
-* no owner imports the facade (`residency.engine.scheduler`), directly or through another module,
+  (``TYPE_CHECKING`` imports exempt), is acyclic and goes to the importer's folder or one below
+  it, never up (so no two folders import each other); no function-level or class-level imports
+  of our own modules at all;
+* no owner imports the facade (`residency.scheduler.scheduler`), directly or through another module,
   or names it;
 * no class over 350 lines, counted from its ``class`` line to its last line, docstrings and
   comments included; the facade under 300 lines of code, without mixins or ``_impl`` modules, its
@@ -43,12 +43,12 @@ from pathlib import Path
 import pytest
 
 import residency
-import residency.engine.locks
+import residency.core.locks
 import residency.extend
 from residency import Scheduler
-from residency.engine.holds import Holds, ThreadHolds
-from residency.engine.placement import Placement
-from residency.engine.registry import Registry
+from residency.scheduler.holds import Holds, ThreadHolds
+from residency.placement.placement import Placement
+from residency.group.registry import Registry
 
 from conftest import make_block
 
@@ -77,163 +77,56 @@ def _module_files() -> dict[str, Path]:
 
 MODULES = _module_files()
 
-#: The folders of residency/ (issue 21: folders that show the architecture).
-FOLDERS = {
-    "engine": "the engine: the owners, one group, memory, tensors, transport, records, the facade",
-    "multirank": "several ranks on one host: node, shared memory, agreement, sharded loads",
-    "vllm_omni": "the vLLM-Omni-compatible surface: config, discovery, split, the protocol",
-    "adapters": "third-party pipelines: diffusers, the command-line flags",
-    "app": "built on the library: the main job, its synthetic pipeline, timeline, the doc table",
-}
-#: What residency/ itself holds: the package surface, and the old paths issue 21 keeps working
-#: (module -> the module it re-exports; None: not a re-export).
+#: The folders of residency/, bottom up: folders are the layers.  [Note: the folders are the layers]
+#: A module imports only modules of its own folder or of a folder below its own (``TYPE_CHECKING``
+#: imports exempt), so calls go down and no two folders import each other; within a folder the
+#: import graph is acyclic (the check on the whole graph below).
+FOLDERS: list[tuple[str, str]] = [
+    ("core", "the shared words and the lock; imports nothing of ours"),
+    ("options", "what users configure: byte counts, budgets, host options, vLLM-Omni's config"),
+    ("modules", "what we know of a user's modules: tensors, subclasses, blocks, wrappers"),
+    ("device", "how bytes move (transports), page-locking, digests of device bytes"),
+    ("multirank", "several ranks on one host: node, shared memory, agreement, sharded loads"),
+    ("host", "host masters and device storage, packing, file reads, the cache, the host tier"),
+    ("group", "one group (Residency), write-back, plans, the registry, records, NoOffload"),
+    ("placement", "what is on the device: placement, buffers, parts apart, slots, layer mode"),
+    ("auto", "auto plans: the owner that measures and chooses, the planner"),
+    ("pipelines", "groups from a pipeline's declarations: discovery, split models"),
+    ("scheduler", "the facade, holds (who may run) and admission"),
+    ("adapters", "third-party pipelines: diffusers, vLLM-Omni's protocol, the command-line flags"),
+    ("app", "built on the library: the main job, its synthetic pipeline, timeline, the doc table"),
+]
+FOLDER_RANK = {folder: rank for rank, (folder, _) in enumerate(FOLDERS)}
+#: What residency/ itself holds: the package surface (module -> the module it re-exports; None:
+#: not a re-export).  It sits above every folder.
 TOP_LEVEL = {
     "residency": None,
     "residency.extend": None,
     "residency.__main__": "residency.app.main",  # python -m residency and its flags
-    "residency.transport": "residency.engine.transport",  # residency.transport.AcceleratorTransport
-    "residency.omni": "residency.vllm_omni.protocol",  # residency.omni.OmniOffloadMixin
 }
 
-# -- the layers -----------------------------------------------------------------------------------
-# [Note: the layers]
-# A module may import only modules of a lower layer (never its own layer, never a higher one), so
-# calls go downward only.  Each layer's job, bottom up:
-LAYERS: list[tuple[str, set[str]]] = [
-    # The folders' own __init__: a docstring, no imports (importing one module of a folder
-    # imports only what that module needs).
-    (
-        "folders",
-        {
-            "residency.engine",
-            "residency.multirank",
-            "residency.vllm_omni",
-            "residency.adapters",
-            "residency.app",
-        },
-    ),
-    # The shared words and the lock: import nothing of ours.
-    (
-        "vocabulary",
-        {"residency.engine.enums", "residency.engine.errors", "residency.engine.locks"},
-    ),
-    # Page-locked host mappings (exact-size pinned masters, node-shared segments, mapped cache
-    # files): one registration mechanism, imports nothing of ours.
-    ("page-locked mappings", {"residency.engine.page_lock"}),
-    # What a tensor subclass holds (quantized and wrapper weights): known to the inventory.
-    ("tensor kinds", {"residency.engine.subclasses"}),
-    # The options of an auto plan (device budget, headroom) and byte counts as text both ways
-    # (parsed, formatted): read by the config, the facade and what describes bytes.
-    ("auto options", {"residency.engine.budget"}),
-    # Where host masters live beyond private memory (the warm-restart cache, the host memory
-    # limit): options the facade takes and the packer reads.
-    ("host options", {"residency.engine.host_options"}),
-    # One job each: a tensor's place (tensors), moving bytes (transport), transition records,
-    # configs, digests; the node-local view of a process group and node-shared segments; which
-    # blocks a model streams in layer mode (blocks).
-    (
-        "primitives",
-        {
-            "residency.engine.blocks",
-            "residency.engine.instance_wrappers",  # per-instance wrappers of a module's methods
-            "residency.engine.tensors",
-            "residency.engine.file_reads",  # which regions are still a weight file's bytes
-            "residency.engine.transport",
-            "residency.engine.records",
-            "residency.vllm_omni.config",
-            "residency.engine.digests",
-            "residency.multirank.node",
-            "residency.multirank.shared_memory",
-        },
-    ),
-    # Host masters and device storage; checks of user input (arguments); whether ranks hold the
-    # same weights, enter the same phases and made the same edits (agreement: uses digests); the
-    # warm-restart cache's files (master_cache: keys the inventory's layout).
-    (
-        "bytes and input",
-        {"residency.engine.memory", "residency.engine.arguments", "residency.multirank.agreement",
-         "residency.engine.master_cache"},
-    ),
-    # Masters read behind the first phase: the queue of arriving masters and its reading thread
-    # (fills chunks laid out as the master's; the packer asks it, a group's load completes it).
-    ("reads behind", {"residency.engine.read_behind"}),
-    # The host tier for hosts smaller than the model: which masters are file-backed, and whose
-    # pages are in (packs into files with the master's layout; the packer asks it, the groups
-    # tell it when a master is read and left).
-    ("host tier", {"residency.engine.host_tier"}),
-    # How a group shared by a node's ranks loads: a sharded copy and an all-gather.
-    ("transfers", {"residency.multirank.sharded"}),
-    # What changed on a group's device bytes goes back into its host master (write-back), and
-    # where each part of a group is between and during phases (its plan; data the owners read).
-    ("write-back and plan", {"residency.engine.write_back", "residency.engine.plan"}),
-    # One group (Residency); building a group's host master (packing); NoOffload, the stand-in
-    # scheduler for offloading switched off; the auto planner's arithmetic (reads plans).
-    (
-        "one group",
-        {"residency.engine.component", "residency.engine.packing", "residency.engine.no_offload",
-         "residency.engine.planner"},
-    ),
-    # Ownership (the registry) and the reused device buffers: what adoption asks.
-    ("ownership and buffers", {"residency.engine.registry", "residency.engine.buffers"}),
-    # Re-packing a changed group (asked by placement and by the slots' placement).
-    ("adoption", {"residency.engine.adoption"}),
-    # The placement of streamed parts (every move into a block slot and out of it), and of parts
-    # placed whole apart from their own part (an auto plan's kept and swapped blocks).
-    ("slots", {"residency.engine.slots", "residency.engine.apart"}),
-    # A layer-mode group's stream: which part goes into which slot, and when (asks the slots).
-    ("streams", {"residency.engine.layers"}),
-    # What is on the device: carries out every group's plan at every phase change (asks the
-    # groups, their streams, adoption, the slots and the buffers).
-    ("placement", {"residency.engine.placement"}),
-    # An auto scheduler's plan: measures calls, asks the planner, has placement carry it out.
-    ("auto plan", {"residency.engine.auto"}),
-    # Who may run: asks placement to swap a group in when a thread's turn comes; split models
-    # (which know only NoOffload).
-    ("holds", {"residency.engine.holds", "residency.vllm_omni.split"}),
-    # Registering and removing groups (asks the registry, the packer, placement and the holds).
-    ("admission", {"residency.engine.admission"}),
-    # The groups a pipeline declares (asks the registry's ownership rules; is handed a
-    # scheduler factory, never imports the facade).
-    ("discovery", {"residency.vllm_omni.discovery"}),
-    # The facade.
-    ("facade", {"residency.engine.scheduler"}),
-    # What an adapter knows about a third-party library (diffusers components' roles; a diffusers
-    # folder's weight files and their check; where a pipeline call starts and ends), kept apart
-    # from the adapter that acts on it.
-    (
-        "adapter knowledge",
-        {"residency.adapters.diffusers_roles", "residency.adapters.weight_files",
-         "residency.adapters.pipeline_calls"},
-    ),
-    # What is built on the facade: protocols, adapters, tools, the synthetic pipeline.
-    (
-        "front ends",
-        {
-            "residency.vllm_omni.protocol",
-            "residency.app.synthetic",
-            "residency.app.timeline",
-            "residency.app.plot",
-            "residency.adapters.cli",
-            "residency.adapters.diffusers",
-            "residency.app.diffusers_table",
-        },
-    ),
-    # The main job (python -m residency): runs a pipeline through the front ends.
-    # The main job's argument checks (the folder, the call, the host), before any work.
-    ("the main job's checks", {"residency.app.checks"}),
-    ("the main job", {"residency.app.main"}),
-    # The package's public surfaces, and the old paths issue 21 keeps (re-exports).
-    ("entry points", set(TOP_LEVEL)),
-]
-LAYER_OF = {module: index for index, (_, members) in enumerate(LAYERS) for module in members}
 
-#: Modules that hold or act on scheduler state below the facade: none may reach it.
+def folder_of(module: str) -> str | None:
+    """The folder a module lives in (None: residency/'s top level)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in FOLDER_RANK else None
+
+
+def rank_of(module: str) -> int:
+    folder = folder_of(module)
+    return len(FOLDERS) if folder is None else FOLDER_RANK[folder]
+
+
+#: The facade, and the modules that hold or act on scheduler state below it: none may reach it.
+FACADE = "residency.scheduler.scheduler"
 BELOW_THE_FACADE = sorted(
-    module for module, layer in LAYER_OF.items() if layer < LAYER_OF["residency.engine.scheduler"]
+    module for module in MODULES
+    if module != FACADE and rank_of(module) <= FOLDER_RANK["scheduler"]
 )
 #: The three owners of a scheduler's state, and their modules.
 OWNERS = {"holds": Holds, "registry": Registry, "placement": Placement}
-OWNER_MODULES = {name: f"residency.engine.{name}" for name in OWNERS}
+OWNER_MODULES = {"holds": "residency.scheduler.holds", "registry": "residency.group.registry",
+                 "placement": "residency.placement.placement"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,7 +255,7 @@ def reachable(graph: dict[str, set[str]], start: str) -> dict[str, str]:
 
 
 # [Note: importing each module on its own]
-# ``import residency.engine.holds`` runs residency/__init__.py first, which imports nearly every module;
+# ``import residency.scheduler.holds`` runs residency/__init__.py first, which imports nearly every module;
 # so a plain fresh import of each module would test the package's import order many times over.
 # Instead one fresh interpreter imports the third-party modules ours import at top level (torch,
 # torch._dynamo - seconds, see _LOADED_BY_TORCH -, attrs; never a module of ours), then forks
@@ -548,52 +441,66 @@ def test_each_entry_point_imports_in_a_fresh_interpreter(module, entry_point_imp
 
 
 @pytest.mark.fast
-def test_every_module_of_the_package_is_found_and_placed_in_a_layer():
-    assert "residency.engine.scheduler" in MODULES and "residency.adapters.diffusers" in MODULES
+def test_every_module_of_the_package_is_found_and_lives_in_a_ranked_folder():
+    assert FACADE in MODULES and "residency.adapters.diffusers" in MODULES
     assert len(MODULES) >= 40
-    unplaced = sorted(set(MODULES) - set(LAYER_OF))
-    assert not unplaced, f"place these modules in a layer of LAYERS: {unplaced}"
-    gone = sorted(set(LAYER_OF) - set(MODULES))
-    assert not gone, f"LAYERS names modules that do not exist: {gone}"
+    unplaced = sorted(m for m in MODULES if folder_of(m) is None and m not in TOP_LEVEL)
+    assert not unplaced, f"modules outside the folders of FOLDERS: {unplaced}"
 
 
 # -- the folders ----------------------------------------------------------------------------------
 
 
 @pytest.mark.fast
-def test_residency_holds_the_package_surface_the_kept_old_paths_and_the_folders():
-    """Issue 21: a module at residency/'s top level is the surface or an old path kept working;
-    everything else goes into the folder its job belongs to."""
-    top = {m for m in MODULES if m.count(".") <= 1 and m.split(".")[-1] not in FOLDERS}
+def test_residency_holds_the_package_surface_and_the_folders():
+    """A module at residency/'s top level is the package surface; everything else goes into the
+    folder its job belongs to, and there are no folders inside folders."""
+    top = {m for m in MODULES if m.count(".") <= 1 and m.split(".")[-1] not in FOLDER_RANK}
     assert top == set(TOP_LEVEL), (
-        f"modules at residency/'s top level that are not the package surface or a kept old path: "
-        f"{sorted(top - set(TOP_LEVEL))} (move them into a folder: {sorted(FOLDERS)})"
+        f"modules at residency/'s top level that are not the package surface: "
+        f"{sorted(top - set(TOP_LEVEL))} (move them into a folder: {sorted(FOLDER_RANK)})"
     )
-    assert set(PACKAGES) == {"residency", *(f"residency.{f}" for f in FOLDERS)}, sorted(PACKAGES)
+    assert set(PACKAGES) == {"residency", *(f"residency.{f}" for f in FOLDER_RANK)}, \
+        sorted(PACKAGES)
     nested = [p for p in PACKAGES if p.count(".") > 1]
     assert not nested, f"folders inside folders: {nested}"
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("module", sorted(m for m, moved in TOP_LEVEL.items() if moved))
-def test_each_kept_old_path_only_re_exports_the_module_that_moved(module):
-    """``residency.transport`` and the rest: a docstring, one import from the moved module,
-    ``__all__`` equal to the moved module's (and ``__main__``'s two lines that run it)."""
-    moved = TOP_LEVEL[module]
-    tree = _tree(module)
-    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
-    imports = [n for n in body if isinstance(n, ast.ImportFrom)]
-    assert [n.module for n in imports] == [moved], ast.unparse(tree)
+@pytest.mark.parametrize("folder", sorted(FOLDER_RANK))
+def test_each_folders_init_says_what_it_holds_names_its_modules_and_imports_nothing(folder):
+    """A newcomer reads a folder's ``__init__`` first: a docstring of a few lines naming every
+    module of the folder (as `name` or `residency.folder.name`), and no code (importing one
+    module imports only it)."""
+    package = f"residency.{folder}"
+    tree = _tree(package)
+    docstring = ast.get_docstring(tree)
+    assert docstring and len(docstring.splitlines()) <= 12, f"{package}: say what it holds"
+    code = [n for n in tree.body
+            if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    assert not code, f"{package}'s __init__ holds code: {[ast.unparse(n) for n in code]}"
+    members = sorted(m.rsplit(".", 1)[1] for m in MODULES if m.startswith(package + "."))
+    unnamed = [m for m in members
+               if f"`{m}`" not in docstring and f"`{package}.{m}`" not in docstring]
+    assert members and not unnamed, f"{package}'s docstring does not name {unnamed}"
+
+
+@pytest.mark.fast
+def test_the_kept_entry_point_only_runs_the_main_job():
+    """``python -m residency``: a docstring, the import of the main job, and the two lines that
+    run it."""
+    tree = _tree("residency.__main__")
+    body = [n for n in tree.body
+            if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    imports = [n.module for n in body if isinstance(n, ast.ImportFrom)]
+    assert imports == ["residency.app.main"], ast.unparse(tree)
     others = [
         n for n in body
         if not isinstance(n, (ast.ImportFrom, ast.Import))
         and not (isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "__all__")
         and ast.unparse(n) != "if __name__ == '__main__':\n    sys.exit(main())"
     ]
-    assert not others, f"{module} holds more than a re-export: {[ast.unparse(n) for n in others]}"
-    old, new = __import__(module, fromlist=["*"]), __import__(moved, fromlist=["*"])
-    assert old.__all__ == new.__all__
-    assert all(getattr(old, name) is getattr(new, name) for name in new.__all__)
+    assert not others, f"residency.__main__ holds more: {[ast.unparse(n) for n in others]}"
 
 
 @pytest.mark.fast
@@ -719,30 +626,9 @@ def test_phase_status_is_the_type_of_a_phases_status():
 
 
 @pytest.mark.fast
-def test_the_old_paths_issue_21_keeps_still_work():
-    """The paths issue 21 names: each from where it was, the same object as where it lives now."""
-    namespace: dict = {}
-    exec(
-        "from residency.transport import AcceleratorTransport\n"
-        "from residency.omni import OmniOffloadMixin\n"
-        "from residency.adapters.diffusers import describe, disable_offload, enable_offload\n"
-        "from residency import plan_blocks\n",
-        namespace,
-    )
-    from residency.engine.blocks import plan_blocks
-    from residency.engine.transport import AcceleratorTransport
-    from residency.vllm_omni.protocol import OmniOffloadMixin
-
-    assert namespace["AcceleratorTransport"] is AcceleratorTransport
-    assert namespace["OmniOffloadMixin"] is OmniOffloadMixin
-    assert namespace["plan_blocks"] is plan_blocks
-    assert all(callable(namespace[n]) for n in ("describe", "disable_offload", "enable_offload"))
-
-
-@pytest.mark.fast
 def test_the_schedulers_transport_is_public_and_read_only():
     """Issue 21: ``scheduler.transport``, the one it moves bytes with (given or chosen)."""
-    from residency.engine.transport import CpuTransport
+    from residency.device.transport import CpuTransport
 
     chosen, given = Scheduler("cpu"), Scheduler("cpu", transport=CpuTransport())
     try:
@@ -771,9 +657,9 @@ def test_the_import_graph_of_our_modules_is_acyclic():
 def test_find_cycle_reports_a_cycle():
     """The checker itself: a graph with a cycle is caught and the cycle named."""
     graph = {**import_graph()}
-    graph["residency.engine.enums"] = {"residency.engine.scheduler"}  # the leaf importing the facade
+    graph["residency.core.enums"] = {"residency.scheduler.scheduler"}  # the leaf importing the facade
     cycle = find_cycle(graph)
-    assert cycle is not None and cycle[0] == cycle[-1] and "residency.engine.enums" in cycle
+    assert cycle is not None and cycle[0] == cycle[-1] and "residency.core.enums" in cycle
 
 
 @pytest.mark.fast
@@ -781,20 +667,20 @@ def test_the_graph_counts_function_level_imports_and_not_type_checking_ones():
     """The reader itself, on a module with all three kinds of import."""
     source = (
         "from typing import TYPE_CHECKING\n"
-        "from residency.engine.errors import ResidencyError\n"
+        "from residency.core.errors import ResidencyError\n"
         "if TYPE_CHECKING:\n"
-        "    from residency.engine.scheduler import Scheduler\n"
+        "    from residency.scheduler.scheduler import Scheduler\n"
         "def later():\n"
-        "    from residency.engine.holds import Holds\n"
+        "    from residency.scheduler.holds import Holds\n"
     )
-    found = _imports_in(ast.parse(source), "residency.engine.enums")
+    found = _imports_in(ast.parse(source), "residency.core.enums")
     assert {target: where for _, target, where in found} == {
-        "residency.engine.errors": "top",
-        "residency.engine.scheduler": "type checking",
-        "residency.engine.holds": "hidden",
+        "residency.core.errors": "top",
+        "residency.scheduler.scheduler": "type checking",
+        "residency.scheduler.holds": "hidden",
     }
-    assert _dependencies("residency.engine.enums", found) == {
-        "residency.engine.errors", "residency.engine.holds"
+    assert _dependencies("residency.core.enums", found) == {
+        "residency.core.errors", "residency.scheduler.holds"
     }
 
 
@@ -821,35 +707,54 @@ def test_no_function_level_or_class_level_imports_of_our_modules(module):
     )
 
 
-@pytest.mark.fast
-def test_imports_go_downward_only_through_the_layers():
-    graph = import_graph()
-    upward = [
-        f"{module} ({LAYERS[LAYER_OF[module]][0]}) imports {target} "
-        f"({LAYERS[LAYER_OF[target]][0]})"
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module in a folder above the importer's (the top level is above all)."""
+    return [
+        f"{module} ({folder_of(module) or 'top level'}) imports {target} ({folder_of(target)})"
         for module, targets in sorted(graph.items())
         for target in sorted(targets)
-        if module in LAYER_OF and target in LAYER_OF and LAYER_OF[target] >= LAYER_OF[module]
+        if rank_of(target) > rank_of(module)
     ]
-    assert not upward, "imports that do not go to a lower layer: " + "; ".join(upward)
 
 
-def test_a_layer_violation_is_caught():
-    """The checker itself: an upward edge is reported."""
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """folder -> the other folders its modules import."""
+    folders: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        here = folder_of(module) or "top level"
+        folders.setdefault(here, set()).update(
+            folder_of(t) or "top level" for t in targets if (folder_of(t) or "top level") != here)
+    return folders
+
+
+@pytest.mark.fast
+def test_imports_go_to_the_same_folder_or_a_folder_below():
+    upward = upward_imports(import_graph())
+    assert not upward, "imports of a folder above the importer's: " + "; ".join(upward)
+
+
+@pytest.mark.fast
+def test_no_two_folders_import_each_other():
+    cycle = find_cycle(folder_graph(import_graph()))
+    assert cycle is None, "folders that import each other: " + " -> ".join(cycle)
+
+
+def test_a_folder_violation_is_caught():
+    """The checkers themselves: an upward edge is reported, and the folder cycle it makes."""
     graph = import_graph()
-    holds, facade = "residency.engine.holds", "residency.engine.scheduler"
-    graph[holds] = {*graph[holds], facade}
-    assert any(
-        LAYER_OF[t] >= LAYER_OF[m] for m, targets in graph.items() for t in targets
-        if m in LAYER_OF and t in LAYER_OF
-    )
-    assert facade in reachable(graph, holds)
+    holds, registry = "residency.scheduler.holds", "residency.group.registry"
+    graph[registry] = {*graph[registry], holds}
+    assert upward_imports(graph) == [
+        f"{registry} (group) imports {holds} (scheduler)"]
+    assert find_cycle(folder_graph(graph)) is not None
+    graph[holds] = {*graph[holds], FACADE}
+    assert FACADE in reachable(graph, registry)
 
 
 @pytest.mark.parametrize("module", BELOW_THE_FACADE)
 def test_no_owner_imports_the_facade_directly_or_through_another_module(module):
     importers = reachable(import_graph(), module)
-    for forbidden in ("residency.engine.scheduler", "residency"):  # (the package imports it)
+    for forbidden in ("residency.scheduler.scheduler", "residency"):  # (the package imports it)
         if forbidden in importers:
             chain = [forbidden]
             while chain[-1] != module:
@@ -876,7 +781,7 @@ def test_the_facade_calls_only_the_public_methods_of_its_owners():
     """The facade asks each owner through its own verbs; an owner's private helpers are its own."""
     private = [
         f"line {node.lineno}: self.{node.value.attr}.{node.attr}"
-        for node in ast.walk(_tree("residency.engine.scheduler"))
+        for node in ast.walk(_tree("residency.scheduler.scheduler"))
         if isinstance(node, ast.Attribute)
         and isinstance(node.value, ast.Attribute)
         and isinstance(node.value.value, ast.Name)
@@ -949,14 +854,14 @@ def test_the_class_count_includes_docstrings_comments_and_blank_lines():
 
 def _facade() -> ast.ClassDef:
     (node,) = [
-        n for m, n in _classes() if m == "residency.engine.scheduler" and n.name == "Scheduler"
+        n for m, n in _classes() if m == "residency.scheduler.scheduler" and n.name == "Scheduler"
     ]
     return node
 
 
 @pytest.mark.fast
 def test_the_facade_is_under_300_lines_of_code():
-    size = code_lines("residency.engine.scheduler", _facade())
+    size = code_lines("residency.scheduler.scheduler", _facade())
     assert 100 < size < 300, f"Scheduler has {size} lines of code"
 
 
@@ -965,8 +870,6 @@ def test_the_facade_is_not_made_small_by_mixins_or_impl_modules():
     assert Scheduler.__mro__ == (Scheduler, object), Scheduler.__mro__
     impl = [path.name for folder in PACKAGES.values() for path in folder.rglob("*impl*")]
     assert not impl, f"modules named like *_impl*: {impl}"
-    # every module is in the layer table, so a new helper module is placed (and seen) explicitly
-    assert set(MODULES) <= set(LAYER_OF)
 
 
 @pytest.mark.fast
@@ -1248,7 +1151,7 @@ def test_a_mutator_without_the_check_and_a_field_without_its_guard_are_caught():
 
 @pytest.mark.fast
 def test_the_lock_check_is_on_in_the_tests():
-    assert residency.engine.locks.CHECKING is True, (
+    assert residency.core.locks.CHECKING is True, (
         "RESIDENCY_CHECK_LOCKS=1 must be set before residency is imported (tests/conftest.py)"
     )
 
@@ -1346,7 +1249,7 @@ def test_named_mutators_without_the_lock_raise_and_change_nothing(busy_scheduler
 def test_the_check_is_what_refuses(busy_scheduler, monkeypatch):
     """A deliberately broken variant: with the check off, the unlocked call changes state - so
     the test above fails if a mutator loses its check."""
-    monkeypatch.setattr("residency.engine.placement.CHECKING", False)
+    monkeypatch.setattr("residency.placement.placement.CHECKING", False)
     busy_scheduler._placement.switch_to(None)  # unlocked, unchecked: goes through
     assert busy_scheduler.current is None
 
@@ -1377,7 +1280,7 @@ def test_a_fresh_interpreter_without_the_variable_does_not_check():
     env = {k: v for k, v in os.environ.items() if k != "RESIDENCY_CHECK_LOCKS"}
     stub = f"import sys, types; p = types.ModuleType('residency'); p.__path__ = [{str(PACKAGES['residency'])!r}]; sys.modules['residency'] = p"
     result = subprocess.run(
-        [sys.executable, "-c", f"{stub}; import residency.engine.locks as l; print(l.CHECKING)"],
+        [sys.executable, "-c", f"{stub}; import residency.core.locks as l; print(l.CHECKING)"],
         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-2000:]

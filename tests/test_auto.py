@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from residency import ConfigError, DeviceMemoryError, PhaseError, Scheduler
-from residency.engine.plan import Where
+from residency.group.plan import Where
 
 from _accelerator import is_simulated
 
@@ -399,7 +399,7 @@ def test_a_group_is_added_between_phases_and_a_removal_during_one_re_plans_at_th
 
 @pytest.mark.fast
 def test_a_budget_resolves_to_bytes_and_a_fraction_needs_the_free_memory():
-    from residency.engine.budget import AutoOptions
+    from residency.options.budget import AutoOptions
 
     assert AutoOptions(device_budget=1) != AutoOptions(device_budget=1.0)  # 1 byte, all of it
     assert AutoOptions(device_budget=1.0).resolve(free=1000) == (1000, 50)  # 5% headroom
@@ -416,7 +416,7 @@ def test_a_budget_resolves_to_bytes_and_a_fraction_needs_the_free_memory():
 
 @pytest.mark.fast
 def test_byte_counts_print_in_the_largest_binary_unit_they_reach():
-    from residency.engine.budget import format_nbytes, parse_nbytes
+    from residency.options.budget import format_nbytes, parse_nbytes
 
     assert [format_nbytes(n) for n in (0, 1023, 1024, 151_552, 3 * 2**20, 2**40)] == [
         "0 B", "1023 B", "1.0 KiB", "148.0 KiB", "3.0 MiB", "1024.0 GiB"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from residency import Scheduler
-from residency.engine.plan import Where
+from residency.group.plan import Where
 
 from _interrupts import assert_consistent, sweep
 from test_interrupts import World, _entered

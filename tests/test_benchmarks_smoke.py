@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from residency.engine.tensors import ACCELERATOR_ALIGNMENT
+from residency.modules.tensors import ACCELERATOR_ALIGNMENT
 
 from _benchmarks import ROOT, import_benchmarks
 

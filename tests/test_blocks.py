@@ -1,4 +1,4 @@
-"""Block discovery for layer mode (residency.engine.blocks): which blocks stream, in which order, which
+"""Block discovery for layer mode (residency.modules.blocks): which blocks stream, in which order, which
 are kept; tiny real diffusers DiTs, a vLLM-Omni-style `_offload_plan`, declared ClassVars, every
 refusal's message, and purity (nothing moved, nothing added)."""
 
@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from residency.engine.blocks import (
+from residency.modules.blocks import (
     Block,
     ModelBlocks,
     find_block_lists,
     model_blocks,
     pipeline_blocks,
 )
-from residency.engine.errors import ConfigError
+from residency.core.errors import ConfigError
 
 from _tiny_pipelines import _sd_unet, tiny_flux, tiny_wan22, tiny_wan_expert
 
@@ -191,7 +191,7 @@ def test_the_vllm_omni_class_declaration_wins_over_repeated_blocks():
 def test_repeated_blocks_spread_over_several_modules_are_not_read_and_a_unet_is_refused():
     """UNet2DConditionModel declares ["BasicTransformerBlock"]: one short list in each attention
     of its down, mid and up blocks, registered in another order than they run."""
-    from residency.engine.blocks import repeated_block_lists
+    from residency.modules.blocks import repeated_block_lists
 
     unet = _sd_unet()
     assert type(unet)._repeated_blocks == ["BasicTransformerBlock"]
@@ -609,8 +609,8 @@ def test_planning_moves_no_tensor_and_sets_no_attribute(experts):
 def test_block_lists_and_pipeline_components_resolve_by_one_walk():
     """`follow_path` is the one dotted-path walk: model_blocks and discovery both ask it, so a
     block list behind a plain attribute and a misspelt name read the same in both."""
-    from residency.engine.blocks import did_you_mean, follow_path
-    from residency.vllm_omni.discovery import resolve_path
+    from residency.modules.blocks import did_you_mean, follow_path
+    from residency.pipelines.discovery import resolve_path
 
     model = Repeated()
     holder = type("Holder", (), {})()
@@ -634,8 +634,8 @@ def test_block_lists_and_pipeline_components_resolve_by_one_walk():
 def test_the_historical_names_lead_to_the_renamed_ones():
     """"plan" means where a group's parts are during phases; the old names stay importable."""
     import residency
-    from residency.engine import blocks
-    from residency.vllm_omni import discovery
+    from residency.modules import blocks
+    from residency.pipelines import discovery
 
     assert residency.plan_blocks is blocks.plan_blocks is residency.model_blocks
     assert residency.BlockPlan is residency.ModelBlocks

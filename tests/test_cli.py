@@ -12,8 +12,8 @@ from residency.adapters.cli import add_offload_arguments, offload_config_from_ar
 from residency.app.main import build_parser
 from residency.app.main import main as main_job
 from residency.app.synthetic import SyntheticWan22
-from residency.engine.budget import AutoOptions
-from residency.vllm_omni.config import OffloadConfig
+from residency.options.budget import AutoOptions
+from residency.options.vllm_omni import OffloadConfig
 
 from _forkserver import run_python
 

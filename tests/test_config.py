@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from residency.engine.budget import AutoOptions
-from residency.vllm_omni.config import (
+from residency.options.budget import AutoOptions
+from residency.options.vllm_omni import (
     COMPONENTS,
     EXTENSION_MODES,
     LEGACY_COMPONENTS,
@@ -19,7 +19,7 @@ from residency.vllm_omni.config import (
     OffloadConfig,
     resolve_config,
 )
-from residency.engine.errors import ConfigError, ResidencyError
+from residency.core.errors import ConfigError, ResidencyError
 
 
 @pytest.mark.fast

@@ -31,15 +31,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from residency.engine.budget import AutoOptions
-from residency.vllm_omni.config import (
+from residency.options.budget import AutoOptions
+from residency.options.vllm_omni import (
     EXTENSION_FIELDS,
     EXTENSION_MODES,
     LEGACY_COMPONENTS,
     WEIGHT_TRANSFERS,
     resolve_config,
 )
-from residency.engine.errors import ConfigError
+from residency.core.errors import ConfigError
 
 from _vllm_omni import vllm_omni_config, wheel_source
 

@@ -394,7 +394,7 @@ def test_transition_records_name_groups_bytes_and_seconds(scheduler):
 def test_the_timed_load_totals_count_every_transition_past_the_limit_and_a_clear():
     """What an auto plan's copy bandwidth is taken from: the loads that moved bytes in a
     measured time, all of them (the kept records are only the newest)."""
-    from residency.engine.records import TransitionLog, TransitionRecord
+    from residency.group.records import TransitionLog, TransitionRecord
 
     log = TransitionLog(limit=1)
     for nbytes, load_seconds in ((100, 0.5), (0, 0.25), (50, 0.0), (300, 1.5)):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from residency.engine.digests import ChangeDetector, DigestLayout, window_digests
+from residency.device.digests import ChangeDetector, DigestLayout, window_digests
 
 from _accelerator import device as accelerator_device
 
@@ -49,7 +49,7 @@ def swap(elements: torch.Tensor, i: int, j: int) -> None:
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def intra_op_threads(request):
     """Run under one intra-op thread (windows one pair of sums at a time) and under two (all
-    windows in one pair): the two CPU paths of `residency.engine.digests`."""
+    windows in one pair): the two CPU paths of `residency.device.digests`."""
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param

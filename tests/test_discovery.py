@@ -10,15 +10,15 @@ import torch
 from torch import nn
 
 from residency import NoOffload, Scheduler
-from residency.vllm_omni.config import OffloadConfig
-from residency.vllm_omni.discovery import (
+from residency.options.vllm_omni import OffloadConfig
+from residency.pipelines.discovery import (
     ComponentGroups,
     SupportsComponentDiscovery,
     register_groups,
     group_components,
 )
-from residency.engine.budget import AutoOptions
-from residency.engine.errors import ConfigError, RegistrationError, UnknownGroupError
+from residency.options.budget import AutoOptions
+from residency.core.errors import ConfigError, RegistrationError, UnknownGroupError
 
 from _helpers import on_device, on_host_master
 from conftest import make_block, run_block

@@ -26,7 +26,7 @@ from residency import (
     Scheduler,
     SchedulerClosedError,
 )
-from residency.engine.transport import Completion, CpuTransport
+from residency.device.transport import Completion, CpuTransport
 
 from conftest import make_block, run_block, twin
 

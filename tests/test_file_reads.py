@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from residency.engine.file_reads import FileSource, find_file_sources
-from residency.engine.tensors import take_inventory
+from residency.host.file_reads import FileSource, find_file_sources
+from residency.modules.tensors import take_inventory
 
 from _helpers import assert_same_tensors, every_tensor
 
@@ -264,7 +264,7 @@ def source_for(path: Path, offset: int = 0) -> FileSource:
 @pytest.mark.fast
 def test_the_reader_reads_ranges_in_pieces_on_its_threads(tmp_path: Path,
                                                           no_earlier_reads):
-    from residency.engine.file_reads import FileReader
+    from residency.host.file_reads import FileReader
 
     data = bytes(range(256)) * 4096  # 1 MiB
     path = tmp_path / "weights.bin"
@@ -283,7 +283,7 @@ def test_the_reader_reads_ranges_in_pieces_on_its_threads(tmp_path: Path,
 @pytest.mark.fast
 def test_a_file_replaced_or_truncated_since_it_was_found_is_refused(tmp_path: Path, no_earlier_reads):
     from residency import WeightFileError
-    from residency.engine.file_reads import FileReader
+    from residency.host.file_reads import FileReader
 
     path = tmp_path / "weights.bin"
     path.write_bytes(b"x" * 10_000)
@@ -318,7 +318,7 @@ def test_a_file_replaced_or_truncated_since_it_was_found_is_refused(tmp_path: Pa
 @pytest.mark.fast
 def test_a_short_read_says_the_file_was_truncated(tmp_path: Path, no_earlier_reads):
     from residency import WeightFileError
-    from residency.engine.file_reads import FileReader
+    from residency.host.file_reads import FileReader
 
     path = tmp_path / "weights.bin"
     path.write_bytes(b"z" * 1000)
@@ -346,8 +346,8 @@ def test_an_interrupt_anywhere_in_a_pack_with_file_reads_keeps_the_weights(saved
                                                                           no_earlier_reads):
     from transformers import UMT5EncoderModel
 
-    from residency.engine.memory import HostMaster
-    from residency.engine.transport import CpuTransport
+    from residency.host.memory import HostMaster
+    from residency.device.transport import CpuTransport
 
     from _interrupts import sweep
 
@@ -382,7 +382,7 @@ def test_an_interrupt_anywhere_in_a_pack_with_file_reads_keeps_the_weights(saved
 def test_the_progress_of_a_master_read_from_files_says_reading(caplog):
     import logging
 
-    from residency.engine.memory import Progress
+    from residency.host.memory import Progress
 
     progress = Progress(3 * 2**30, verb="reading host master")
     with caplog.at_level(logging.INFO, logger="residency"):

@@ -20,7 +20,7 @@ from torch import nn
 import residency
 from residency.app import checks
 from residency.app.main import main, program_name
-from residency.engine.errors import HostMemoryError
+from residency.core.errors import HostMemoryError
 
 ROOT = Path(__file__).resolve().parent.parent
 WAN_CALL = ["--height", "16", "--width", "16", "--num-frames", "5",
@@ -212,7 +212,7 @@ def test_the_load_warning_suggests_threads_1_only_when_torch_runs_more():
 
 @pytest.mark.fast
 def test_counts_read_right_in_one_and_many():
-    from residency.engine.budget import counted
+    from residency.options.budget import counted
 
     assert [counted(1, "step"), counted(2, "step"), counted(0, "block")] == [
         "1 step", "2 steps", "0 blocks"]

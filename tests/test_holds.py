@@ -1,4 +1,4 @@
-"""Misnested exits (issue 11; see [Note: misnested exits] in residency/engine/holds.py).
+"""Misnested exits (issue 11; see [Note: misnested exits] in residency/scheduler/holds.py).
 
 Leaving an outer phase while an inner one is open is refused with `PhaseError` and changes nothing;
 the outer phase closes by itself once the inner ones are left; then the holds are empty - no
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from residency import PhaseError, Scheduler
-from residency.engine.enums import PhaseStatus
+from residency.core.enums import PhaseStatus
 
 from conftest import make_block, run_block, twin
 

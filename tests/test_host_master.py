@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from residency.engine.memory import HostMaster
-from residency.engine.tensors import take_inventory
-from residency.engine.transport import CpuTransport
+from residency.host.memory import HostMaster
+from residency.modules.tensors import take_inventory
+from residency.device.transport import CpuTransport
 
 pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
 

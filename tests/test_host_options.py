@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from residency import ConfigError, Scheduler
-from residency.engine.host_options import HostOptions, as_host_options
+from residency.options.host_options import HostOptions, as_host_options
 
 pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
 

@@ -1,4 +1,4 @@
-"""The host tier for hosts smaller than the model (issue 23, `residency/engine/host_tier.py`):
+"""The host tier for hosts smaller than the model (issue 23, `residency/host/host_tier.py`):
 masters beyond ``memory_limit`` are file-backed, paged in as needed, read ahead, dropped when the
 limit needs room; edits survive every drop; bad directories and limits are typed errors.
 
@@ -31,7 +31,7 @@ from torch import nn
 
 import residency
 from residency import ConfigError, HostMemoryError
-from residency.engine.host_tier import SpillFile
+from residency.host.host_tier import SpillFile
 
 from _accelerator import device as accelerator_device
 from _interrupts import consistent, sweep

@@ -1,4 +1,4 @@
-"""The per-instance wrapper mechanism itself (`residency.engine.instance_wrappers`), on plain modules.
+"""The per-instance wrapper mechanism itself (`residency.modules.instance_wrappers`), on plain modules.
 
 Its two users are tested where they act: the diffusers adapter's `PhaseEntry` in
 tests/test_adapter_wrappers.py and tests/test_diffusers_adapter.py, layer mode's block forwards in
@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from residency.engine.instance_wrappers import MAX_CHAIN, InstanceWrapper, chain, unreachable
-from residency.engine.layers import _BlockForward
+from residency.modules.instance_wrappers import MAX_CHAIN, InstanceWrapper, chain, unreachable
+from residency.placement.layers import _BlockForward
 
 pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
 

@@ -27,7 +27,7 @@ import torch
 from residency import Scheduler
 from residency.adapters.diffusers import disable_offload, enable_offload, offload_scheduler
 
-from residency.engine.layers import _BlockForward
+from residency.placement.layers import _BlockForward
 
 from _interrupts import (
     assert_consistent,

@@ -29,10 +29,10 @@ from torch import nn
 pytest.importorskip("diffusers")
 
 from residency import Scheduler  # noqa: E402
-from residency.engine.blocks import model_blocks  # noqa: E402
-from residency.engine.enums import ResidencyState  # noqa: E402
-from residency.engine.errors import ConfigError, PhaseError, RegistrationError  # noqa: E402
-from residency.engine.layers import _BlockForward  # noqa: E402
+from residency.modules.blocks import model_blocks  # noqa: E402
+from residency.core.enums import ResidencyState  # noqa: E402
+from residency.core.errors import ConfigError, PhaseError, RegistrationError  # noqa: E402
+from residency.placement.layers import _BlockForward  # noqa: E402
 
 from _helpers import in_a_slot, same_state, swap_away  # noqa: E402
 from conftest import CountingTransport  # noqa: E402

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from residency import RegistrationError, Scheduler
-from residency.engine.enums import ResidencyState
+from residency.core.enums import ResidencyState
 
 from _helpers import in_a_slot, same_state, swap_away
 

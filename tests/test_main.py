@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from residency import Scheduler
 from residency.app.main import build_parser, main
-from residency.engine.records import TransitionRecord
+from residency.group.records import TransitionRecord
 from residency.app.synthetic import SIZES, SyntheticWan22
 from residency.app.timeline import (
     NOT_MEANINGFUL,

@@ -1,4 +1,4 @@
-"""The warm-restart cache (residency/engine/master_cache.py, issue 23): a tiny Wan2.2 saved with
+"""The warm-restart cache (residency/host/master_cache.py, issue 23): a tiny Wan2.2 saved with
 ``save_pretrained`` and loaded with ``DiffusionPipeline.from_pretrained`` (its parameters are then
 untouched views of the safetensors mappings), offloaded with ``host={"cache_directory": ...}``.
 
@@ -28,21 +28,21 @@ import torch
 
 from residency import Scheduler
 from residency.adapters.diffusers import disable_offload, enable_offload
-from residency.engine.file_reads import find_file_sources
-from residency.engine.memory import HostMaster
-from residency.engine.master_cache import (
+from residency.host.file_reads import find_file_sources
+from residency.host.memory import HostMaster
+from residency.host.master_cache import (
     cache_path,
     group_key,
     map_master,
     write_master,
 )
-from residency.engine.tensors import (
+from residency.modules.tensors import (
     ACCELERATOR_ALIGNMENT,
     CPU_ALIGNMENT,
     DEFAULT_CHUNK_NBYTES,
     take_inventory,
 )
-from residency.engine.transport import CpuTransport
+from residency.device.transport import CpuTransport
 
 from _interrupts import consistent, sweep
 

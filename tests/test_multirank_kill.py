@@ -1,7 +1,7 @@
 """A rank SIGKILLed at any point of a group's registration leaves no segment, and the others raise.
 
 ``tests/test_shared_memory.py`` kills ranks inside `share_segment` called on its own.  Here the
-segment is made where a job makes it, deep inside ``Scheduler.add`` (`residency.engine.packing`): three
+segment is made where a job makes it, deep inside ``Scheduler.add`` (`residency.host.packing`): three
 gloo ranks (tests/_dist.py) build ``Scheduler("cpu", process_group=...)`` and add the same model
 with ``weight_transfer="allgather"`` (a node-shared master), and one rank kills itself with SIGKILL
 at one point: while the ranks compare their weights (before any segment is named), at each

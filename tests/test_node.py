@@ -8,7 +8,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from residency.engine.errors import ConfigError
+from residency.core.errors import ConfigError
 from residency.multirank.node import NodeView, node_view, resolve_node_key
 
 from _dist import run_world

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from residency import NoOffload, OmniOffloadMixin, Scheduler
-from residency.engine.errors import ConfigError, PhaseError, RegistrationError, SchedulerClosedError
+from residency.core.errors import ConfigError, PhaseError, RegistrationError, SchedulerClosedError
 
 from _vllm_omni import wheel_source
 from conftest import make_block, run_block

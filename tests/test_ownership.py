@@ -1,4 +1,4 @@
-"""One module, one scheduler (issue 11; [Note: the one process-wide map] in residency/engine/registry.py).
+"""One module, one scheduler (issue 11; [Note: the one process-wide map] in residency/group/registry.py).
 
 A module registered with one open scheduler is refused by every other - by ``add``, by
 ``Scheduler.from_pipeline`` and by the diffusers adapter - with the owner named, and the refusal
@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from residency import HostMemoryError, RegistrationError, Scheduler
-from residency.engine.registry import owner_of
+from residency.group.registry import owner_of
 from residency.app.synthetic import SyntheticWan22
-from residency.engine.tensors import data_ptrs
+from residency.modules.tensors import data_ptrs
 
 from conftest import make_block, run_block, twin
 
@@ -209,7 +209,7 @@ def test_a_failed_add_gives_its_modules_back(second, monkeypatch):
     def no_memory(*args, **kwargs):
         raise MemoryError("no host memory (test)")
 
-    monkeypatch.setattr("residency.engine.memory.HostMaster.pack", no_memory)
+    monkeypatch.setattr("residency.host.memory.HostMaster.pack", no_memory)
     with pytest.raises(HostMemoryError):
         second.add("a", block)
     assert owner_of(block) is None and len(second) == 0
@@ -236,7 +236,7 @@ def test_the_map_keeps_no_module_alive(second):
 def test_two_schedulers_adding_one_module_at_once_one_wins(monkeypatch):
     """Force the race: both schedulers' checks pass before either claims (a barrier after the
     check).  Exactly one may register the module."""
-    import residency.engine.registry as registry_module
+    import residency.group.registry as registry_module
 
     block = make_block(16, seed=6)
     barrier = threading.Barrier(2, timeout=10)
@@ -348,12 +348,12 @@ def test_a_plan_refused_for_another_schedulers_module_moves_no_tensor(second, ho
         assert_unchanged(module, fingerprinted)
 
 
-# -- the one rule of shared bytes (residency.engine.subclasses.overlapping_runs) -------------------------
+# -- the one rule of shared bytes (residency.modules.subclasses.overlapping_runs) -------------------------
 
 
 @pytest.mark.fast
 def test_the_one_rule_groups_overlapping_bytes_of_one_storage_only():
-    from residency.engine.subclasses import extent, first_shared, overlapping_runs
+    from residency.modules.subclasses import extent, first_shared, overlapping_runs
 
     flat = torch.arange(32.0)
     weight = flat[:16].view(4, 4)
@@ -375,7 +375,7 @@ def test_the_one_rule_groups_overlapping_bytes_of_one_storage_only():
 
 @pytest.mark.fast
 def test_meta_tensors_share_bytes_only_with_themselves():
-    from residency.engine.subclasses import extent, first_shared
+    from residency.modules.subclasses import extent, first_shared
 
     one, other = torch.empty(4, device="meta"), torch.empty(4, device="meta")
     assert first_shared([extent(one), extent(other)], ["a", "b"]) is None

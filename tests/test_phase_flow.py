@@ -98,9 +98,9 @@ def test_a_streamed_block_calls_only_downward():
 def test_the_tracer_counts_a_callback_as_a_call_up():
     """The check above could fail: a call from a file into one it does not import is up."""
     flow = trace(lambda: None)
-    holds = ("residency.engine.holds", "Holds._acquire")
-    callback = ((holds, ("residency.engine.scheduler", "Scheduler.y")),)
-    down = ((holds, ("residency.engine.placement", "Placement.x")),)
+    holds = ("residency.scheduler.holds", "Holds._acquire")
+    callback = ((holds, ("residency.scheduler.scheduler", "Scheduler.y")),)
+    down = ((holds, ("residency.placement.placement", "Placement.x")),)
     closure = import_closure()
     assert type(flow)(calls=(), crossings=callback).calls_up(closure) == list(callback)
     assert type(flow)(calls=(), crossings=down).calls_up(closure) == []

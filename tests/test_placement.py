@@ -1,7 +1,7 @@
 """Every tensor sits where a plain run would have it (issue 10): the mechanism behind bit identity.
 
 Matrix kernels pick their code path by operand address (see [Note: alignment decides the bits] in
-residency/engine/tensors.py), so an offloaded run is only bit-identical to a plain one when each weight is
+residency/modules/tensors.py), so an offloaded run is only bit-identical to a plain one when each weight is
 where the plain run has it: on a CPU device at the ``data_ptr() % 64`` the user loaded it with, on an
 accelerator at a 512-byte boundary like a fresh ``.to(device)``.  These tests check the addresses
 directly, so they fail on any machine, not only where MKL happens to pick another kernel.
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from residency import Scheduler
-from residency.engine.tensors import (
+from residency.modules.tensors import (
     ACCELERATOR_ALIGNMENT,
     CPU_ALIGNMENT,
     Alignment,

@@ -1,4 +1,4 @@
-"""A group's plan (residency.engine.plan): where each part is, carried out the same way for every
+"""A group's plan (residency.group.plan): where each part is, carried out the same way for every
 plan, and no layer-mode branch outside the plan and stream files (issue 21)."""
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ import torch
 from torch import nn
 
 from residency import Policy, Scheduler, model_blocks
-from residency.engine.errors import PhaseError, RegistrationError
-from residency.engine.plan import Part, Plan, Where
+from residency.core.errors import PhaseError, RegistrationError
+from residency.group.plan import Part, Plan, Where
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: The files that may ask whether a group streams: the plan, the stream, the slots' placement,
 #: which blocks a model streams, and the auto planner's cost of each plan.
 PLAN_AND_STREAM_FILES = {
-    "residency/engine/plan.py",
-    "residency/engine/planner.py",
-    "residency/engine/layers.py",
-    "residency/engine/slots.py",
-    "residency/engine/blocks.py",
+    "residency/group/plan.py",
+    "residency/auto/planner.py",
+    "residency/placement/layers.py",
+    "residency/placement/slots.py",
+    "residency/modules/blocks.py",
 }
 #: Attributes that, tested in a branch, ask whether a group is in layer mode.
 LAYER_MODE_WORDS = {"blocks", "stream", "streams", "parts", "model_blocks", "streamed"}

@@ -1,4 +1,4 @@
-"""The auto planner (residency/engine/planner.py): its choice equals a brute force over every
+"""The auto planner (residency/auto/planner.py): its choice equals a brute force over every
 placement of every part, under the same cost model, and never exceeds the budget."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from residency.engine.errors import DeviceMemoryError
-from residency.engine.plan import Part, Plan, Where
-from residency.engine.planner import Workload, choose, predict
+from residency.core.errors import DeviceMemoryError
+from residency.group.plan import Part, Plan, Where
+from residency.auto.planner import Workload, choose, predict
 
 pytestmark = pytest.mark.fast  # every test here is in the fast tier (tests/README.md)
 

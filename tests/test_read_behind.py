@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from residency import ConfigError, PhaseError, Scheduler, WeightFileError
-from residency.engine import read_behind
-from residency.engine.file_reads import FileReader, FileSource, find_file_sources
-from residency.engine.tensors import take_inventory
+from residency.host import read_behind
+from residency.host.file_reads import FileReader, FileSource, find_file_sources
+from residency.modules.tensors import take_inventory
 
 from _helpers import assert_same_tensors, every_tensor
 from _tiny_pipelines import wan22_call
@@ -363,7 +363,7 @@ def test_a_phase_waiting_for_its_reads_says_how_far_they_are(saved, monkeypatch,
     lowered here so the tiny expert counts as large)."""
     import logging
 
-    from residency.engine import memory
+    from residency.host import memory
 
     monkeypatch.setattr(memory, "PROGRESS_THRESHOLD", 1)
     gate = Gate("transformer_2")

@@ -36,9 +36,9 @@ from residency.app.timeline import (
     timeline_rows,
     wait_for_reads,
 )
-from residency.engine.budget import format_nbytes
-from residency.engine.errors import ResidencyError
-from residency.engine.records import TransitionRecord
+from residency.options.budget import format_nbytes
+from residency.core.errors import ResidencyError
+from residency.group.records import TransitionRecord
 
 from _accelerator import device as accelerator_device
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from residency.engine.errors import RegistrationError
+from residency.core.errors import RegistrationError
 from residency.multirank.node import node_view
 from residency.multirank.shared_memory import SHM_DIRECTORY, SegmentStage, share_segment
 

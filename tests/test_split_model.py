@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from residency import NoOffload, Scheduler
-from residency.engine.component import Policy
-from residency.vllm_omni.config import OffloadConfig
-from residency.vllm_omni.discovery import SupportsComponentDiscovery, register_groups, group_components
-from residency.engine.errors import ConfigError, RegistrationError
-from residency.vllm_omni.split import SplitModel, split_parts
+from residency.group.residency import Policy
+from residency.options.vllm_omni import OffloadConfig
+from residency.pipelines.discovery import SupportsComponentDiscovery, register_groups, group_components
+from residency.core.errors import ConfigError, RegistrationError
+from residency.pipelines.split import SplitModel, split_parts
 
 from _helpers import on_device, on_host_master
 from conftest import make_block, run_block

@@ -38,7 +38,7 @@ from hypothesis.stateful import (
 from torch import nn
 
 from residency import PhaseError, ResidencyState, Scheduler
-from residency.engine.enums import PhaseStatus
+from residency.core.enums import PhaseStatus
 
 from _helpers import on_host_master
 from conftest import make_block, run_block, twin

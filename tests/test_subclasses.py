@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from residency import RegistrationError, Scheduler
-from residency.engine.tensors import AttachedSlot, InnerSlot, repoint_group, take_inventory
+from residency.modules.tensors import AttachedSlot, InnerSlot, repoint_group, take_inventory
 
 warnings.filterwarnings("ignore", message=".*kernels.*")
 

@@ -69,9 +69,9 @@ import torch
 from torch import nn
 
 from residency import Scheduler
-from residency.engine.memory import DeviceStorage
-from residency.engine.plan import Where
-from residency.engine.transport import AcceleratorTransport
+from residency.host.memory import DeviceStorage
+from residency.group.plan import Where
+from residency.device.transport import AcceleratorTransport
 from residency.multirank.agreement import digest_ranges
 
 import simdevice
@@ -106,7 +106,7 @@ class Site:
     """One ordering call site: the `place`-th call named `call` (1 = the first) in `function` (its
     classes and enclosing functions, dotted) of `file`.
 
-        Site("residency/engine/apart.py", "PartsApart.drop_unkept", "release", 2)
+        Site("residency/placement/apart.py", "PartsApart.drop_unkept", "release", 2)
     """
 
     file: str
@@ -515,10 +515,10 @@ def groups(device, **options):
 
 # -- the sites the tests below remove ------------------------------------------------------------
 
-_TRANSPORT, _COMPONENT = "residency/engine/transport.py", "residency/engine/component.py"
-_WRITE_BACK, _APART = "residency/engine/write_back.py", "residency/engine/apart.py"
-_MEMORY, _BUFFERS = "residency/engine/memory.py", "residency/engine/buffers.py"
-_PLACEMENT = "residency/engine/placement.py"
+_TRANSPORT, _COMPONENT = "residency/device/transport.py", "residency/group/residency.py"
+_WRITE_BACK, _APART = "residency/group/write_back.py", "residency/placement/apart.py"
+_MEMORY, _BUFFERS = "residency/host/memory.py", "residency/placement/buffers.py"
+_PLACEMENT = "residency/placement/placement.py"
 
 LOAD_EVENT_WAIT = Site(_TRANSPORT, "Completion.wait", "wait_event")
 COPY_EVENT_SYNCHRONIZE = Site(_TRANSPORT, "Completion.synchronize", "synchronize")
@@ -539,7 +539,7 @@ WRITE_BACK_SYNCHRONIZE = Site(_WRITE_BACK, "_copy_to_master", "synchronize")
 SAME_BYTES_FLAGS = Site(_WRITE_BACK, "_same_bytes", "tolist", stale=True)
 #: 0: the bytes of the user's new tensor (zeros, whatever words they are read as).
 SAME_BYTES_ON_HOST = Site(_WRITE_BACK, "_same_bytes", "cpu", 2, stale=0)
-CHANGED_FLAGS = Site("residency/engine/digests.py", "ChangeDetector.changed_windows", "tolist",
+CHANGED_FLAGS = Site("residency/device/digests.py", "ChangeDetector.changed_windows", "tolist",
                      stale=False)
 FINGERPRINT_DIGESTS = Site("residency/multirank/agreement.py", "_fingerprints", "cpu", stale=0)
 WITHDRAW_RELEASE = Site(_PLACEMENT, "Placement._withdraw", "release")
@@ -571,7 +571,7 @@ def load_then_compute(device, point, *, layers: bool = False) -> None:
 
 @pytest.mark.gpu
 def test_a_phase_waits_for_its_load(device):
-    """component.py:Residency._finish_load -> Completion.wait()."""
+    """group/residency.py:Residency._finish_load -> Completion.wait()."""
     audit(lambda point: load_then_compute(device, point), FINISH_LOAD_WAIT)
 
 
@@ -617,7 +617,7 @@ def evict_then_overwrite(device, point, *, layers: bool = False) -> None:
 
 @pytest.mark.gpu
 def test_an_eviction_retires_its_buffer(device):
-    """component.py:Residency._leave_device -> transport.retire(buffer)."""
+    """group/residency.py:Residency._leave_device -> transport.retire(buffer)."""
     audit(lambda point: evict_then_overwrite(device, point), EVICTION_RETIRE)
 
 
@@ -864,7 +864,7 @@ def prefetch_then(device, point, *, then: str) -> None:
 
 @pytest.mark.gpu
 def test_an_edit_during_a_prefetch_is_copied_again(device):
-    """component.py:Residency._recopy_edited waited for the first copy before issuing the second,
+    """group/residency.py:Residency._recopy_edited waited for the first copy before issuing the second,
     a wait the audit found redundant and removed: the compute stream waits for the second copy's
     completion (in _finish_load), which implies the first, since the copy stream runs them in
     order.  b's edited output, with its copy stream held while the phase is queued, shows it."""
@@ -875,7 +875,7 @@ def test_an_edit_during_a_prefetch_is_copied_again(device):
 @pytest.mark.gpu
 @pytest.mark.harmless_removal
 def test_a_cancelled_prefetch_needs_no_wait_on_the_simulated_device(device):
-    """component.py:Residency._cancel_load -> completion.synchronize(): harmless here (see the
+    """group/residency.py:Residency._cancel_load -> completion.synchronize(): harmless here (see the
     table): nothing reads the abandoned copy's destination before a later copy, queued after it
     on the copy stream, overwrites it, and the pinned source is not reused before the copy ran."""
     audit_harmless(lambda point: prefetch_then(device, point, then="c"), CANCEL_SYNCHRONIZE)
@@ -884,7 +884,7 @@ def test_a_cancelled_prefetch_needs_no_wait_on_the_simulated_device(device):
 @pytest.mark.gpu
 @pytest.mark.harmless_removal
 def test_a_cancelled_prefetch_needs_no_retire(device):
-    """component.py:Residency._cancel_load -> transport.retire(buffer): harmless (see the
+    """group/residency.py:Residency._cancel_load -> transport.retire(buffer): harmless (see the
     table)."""
     audit_harmless(lambda point: prefetch_then(device, point, then="c"), CANCEL_RETIRE)
 
@@ -1074,7 +1074,7 @@ def retyped_then_read_on_the_host(device, point, shift: int) -> None:
 
 @pytest.mark.gpu
 def test_a_misfit_is_on_the_host_before_the_host_reads_it(device):
-    """component.py:Residency._evict -> tensors[i].detach().to("cpu") (a blocking copy)."""
+    """group/residency.py:Residency._evict -> tensors[i].detach().to("cpu") (a blocking copy)."""
     shifts = itertools.count(1)
     audit(lambda point: retyped_then_read_on_the_host(device, point, next(shifts)), MISFIT_TO_HOST)
 

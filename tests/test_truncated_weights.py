@@ -67,7 +67,7 @@ def lost_words(folder: Path, cut: int) -> str:
     bytes (from the header), the first three names in the order the group lists its tensors."""
     from diffusers import WanTransformer3DModel
 
-    from residency.engine.tensors import take_inventory
+    from residency.modules.tensors import take_inventory
 
     start, header = _header(folder / CUT)
     lost = lost_names(folder / CUT, cut)
@@ -248,8 +248,8 @@ def _gated_pipeline(folder: Path):
     from diffusers import DiffusionPipeline
 
     from residency.adapters.diffusers import from_pretrained
-    from residency.engine import read_behind
-    from residency.engine.file_reads import FileReader
+    from residency.host import read_behind
+    from residency.host.file_reads import FileReader
 
     gate = threading.Event()
 

@@ -146,4 +146,4 @@ def test_the_check_needs_nothing_but_the_standard_library():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported == {"__future__", "json", "math", "os", "pathlib", "residency.engine.errors"}
+    assert imported == {"__future__", "json", "math", "os", "pathlib", "residency.core.errors"}

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from residency.vllm_omni.config import OffloadConfig, resolve_config
-from residency.engine.errors import ConfigError
+from residency.options.vllm_omni import OffloadConfig, resolve_config
+from residency.core.errors import ConfigError
 
 __all__ = ["add_offload_arguments", "offload_config_from_args"]
 

@@ -19,7 +19,7 @@ What it finds in ``pipe.components`` (modules only; ``None`` and non-module part
 * the VAE: ``vae`` — group "vae";
 * every other module component — a resident-policy group named by its component name.
 
-The grouping itself is `residency.vllm_omni.discovery.group_components`, the same rule as
+The grouping itself is `residency.pipelines.discovery.group_components`, the same rule as
 ``Scheduler.from_pipeline``: unselected categories stay resident on the device.
 
 Each module of an exclusive group gets a `PhaseEntry` in place of its instance's bound
@@ -149,7 +149,7 @@ import attrs
 import torch
 from torch import nn
 
-from residency.vllm_omni.config import OffloadConfig, resolve_config
+from residency.options.vllm_omni import OffloadConfig, resolve_config
 from residency.adapters.diffusers_roles import KINDS, Role, roles_of
 from residency.adapters.pipeline_calls import (
     CallBoundary,
@@ -161,22 +161,22 @@ from residency.adapters.pipeline_calls import (
     set_boundaries,
 )
 from residency.adapters.weight_files import check_weight_files
-from residency.vllm_omni.discovery import (
+from residency.pipelines.discovery import (
     ENCODER_GROUP,
     ComponentGroups,
     build_scheduler,
     check_transfers_have_ranks,
     group_components,
 )
-from residency.engine.errors import (
+from residency.core.errors import (
     ConfigError,
     ModuleChangedError,
     PhaseError,
     RegistrationError,
 )
-from residency.engine.host_options import HostOptions, as_host_options
-from residency.engine.instance_wrappers import InstanceWrapper, chain
-from residency.engine.scheduler import Phase, Scheduler
+from residency.options.host_options import HostOptions, as_host_options
+from residency.modules.instance_wrappers import InstanceWrapper, chain
+from residency.scheduler.scheduler import Phase, Scheduler
 
 __all__ = [
     "CallBoundary",
@@ -293,9 +293,9 @@ def from_pretrained(
 ) -> object:
     """Load a diffusers pipeline from the folder `path` and offload it: its host masters are
     read straight from the weight files (see [Note: reading regions from their files] in
-    residency/engine/memory.py), so the weights pass through host memory once, and they are read
+    residency/host/memory.py), so the weights pass through host memory once, and they are read
     behind the first phase: this returns before the reads end, and each component's first phase
-    waits for its own bytes only (`residency.engine.read_behind`).
+    waits for its own bytes only (`residency.host.read_behind`).
 
         from diffusers import DiffusionPipeline
 
@@ -655,7 +655,7 @@ class PhaseEntry(InstanceWrapper):
 
 def _chain(entry_point: object) -> Iterator[PhaseEntry]:
     """Every `PhaseEntry` in the chain of wrappers under `entry_point`, outermost first
-    (`residency.engine.instance_wrappers.chain`: ``__wrapped__``, which diffusers' and accelerate's
+    (`residency.modules.instance_wrappers.chain`: ``__wrapped__``, which diffusers' and accelerate's
     hooks set through functools.update_wrapper)."""
     return (link for link in chain(entry_point) if isinstance(link, PhaseEntry))
 

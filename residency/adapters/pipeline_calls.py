@@ -62,8 +62,8 @@ from types import FrameType
 
 import attrs
 
-from residency.engine.errors import PhaseError
-from residency.engine.instance_wrappers import InstanceWrapper, chain
+from residency.core.errors import PhaseError
+from residency.modules.instance_wrappers import InstanceWrapper, chain
 
 __all__ = [
     "CALL_END",

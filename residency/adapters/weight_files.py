@@ -44,7 +44,7 @@ import math
 import os
 from pathlib import Path
 
-from residency.engine.errors import WeightFileError
+from residency.core.errors import WeightFileError
 
 __all__ = ["check_weight_files", "DTYPE_BITS", "MAX_HEADER_BYTES"]
 

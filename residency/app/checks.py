@@ -25,9 +25,9 @@ import torch
 from residency.adapters.weight_files import check_weight_files
 from residency.app.synthetic import SIZES, weight_nbytes
 from residency.app.timeline import usable_cores
-from residency.engine.budget import format_nbytes
-from residency.engine.errors import WeightFileError
-from residency.engine.transport import default_device
+from residency.options.budget import format_nbytes
+from residency.core.errors import WeightFileError
+from residency.device.transport import default_device
 
 __all__ = ["PLOT_SUFFIXES", "available_host_memory", "check_arguments", "host_nbytes_needed"]
 

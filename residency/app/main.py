@@ -57,10 +57,10 @@ from residency.adapters.diffusers import (
     from_pretrained,
     offload_scheduler,
 )
-from residency.vllm_omni.config import OffloadConfig
-from residency.engine.budget import counted, format_nbytes
-from residency.engine.errors import ResidencyError
-from residency.engine.scheduler import Scheduler
+from residency.options.vllm_omni import OffloadConfig
+from residency.options.budget import counted, format_nbytes
+from residency.core.errors import ResidencyError
+from residency.scheduler.scheduler import Scheduler
 from residency.app.checks import PLOT_SUFFIXES, check_arguments
 from residency.app.plot import write_plot
 from residency.app.synthetic import SIZES, SyntheticWan22

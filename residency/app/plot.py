@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from residency.engine.budget import format_nbytes
-from residency.engine.errors import ResidencyError
-from residency.engine.records import TransitionRecord
+from residency.options.budget import format_nbytes
+from residency.core.errors import ResidencyError
+from residency.group.records import TransitionRecord
 
 if TYPE_CHECKING:  # annotations only: timeline is a module of the same layer
     from residency.app.timeline import ChangeCosts, PhaseSpan

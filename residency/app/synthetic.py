@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from residency.vllm_omni.discovery import SupportsComponentDiscovery
-from residency.engine.no_offload import NoOffload
+from residency.pipelines.discovery import SupportsComponentDiscovery
+from residency.group.no_offload import NoOffload
 
 __all__ = ["SIZES", "SyntheticSize", "SyntheticWan22", "weight_nbytes"]
 

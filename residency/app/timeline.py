@@ -57,9 +57,9 @@ from pathlib import Path
 import attrs
 import torch
 
-from residency.engine.budget import counted, format_nbytes
-from residency.engine.errors import PhaseError, ResidencyError
-from residency.engine.records import BlockRecord, TransitionRecord, chrome_trace
+from residency.options.budget import counted, format_nbytes
+from residency.core.errors import PhaseError, ResidencyError
+from residency.group.records import BlockRecord, TransitionRecord, chrome_trace
 
 __all__ = [
     "ChangeCosts",

@@ -44,7 +44,7 @@ timeout must exceed the longest local work between two agreements (checksumming 
 registration), or a slow rank is taken for a missing one.
 
 [Note: what a checksum detects]
-A tensor's fingerprint is blake2b (128 bits) over its length and the `residency.engine.digests` window
+A tensor's fingerprint is blake2b (128 bits) over its length and the `residency.device.digests` window
 digests of its element bytes (row and column sums of 1 MiB windows, or of one smaller window for a
 smaller tensor): the digest pass runs where the bytes are, at memory speed, and only the digests
 (about 1% of the bytes) reach the host, once per device.  The layout is fixed, not chosen per
@@ -67,8 +67,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from residency.engine.digests import DigestLayout, window_digests
-from residency.engine.errors import CollectiveError, ConfigError, RegistrationError
+from residency.device.digests import DigestLayout, window_digests
+from residency.core.errors import CollectiveError, ConfigError, RegistrationError
 
 __all__ = [
     "PhaseLedger",
@@ -369,7 +369,7 @@ def compare_weights(
     """Whether every rank of `group` holds the same weights for group `name`; collective.
 
     `layouts[i]` describes `tensors[i]` (inventory order; `describe_tensors`).  Each rank
-    fingerprints each tensor's bytes where they are (`residency.engine.digests` window digests, then
+    fingerprints each tensor's bytes where they are (`residency.device.digests` window digests, then
     blake2b: 16 bytes per tensor), and one exchange compares layouts and fingerprints.  The
     verdict is the same on every rank.  `require` says who demands sharing (``"share=True"``, a
     pipeline's ``encoder_dlo_weight_replication``): a declaration is still checked, and when any

@@ -34,7 +34,7 @@ from datetime import timedelta
 import attrs
 import torch.distributed as dist
 
-from residency.engine.errors import ConfigError
+from residency.core.errors import ConfigError
 
 __all__ = ["NODE_KEY_VARIABLE", "NodeView", "node_view"]
 

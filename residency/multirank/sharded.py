@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from residency.multirank.agreement import PhaseLedger
-from residency.engine.transport import DONE, Completion, Transport
+from residency.device.transport import DONE, Completion, Transport
 
 __all__ = ["ShardedLoad"]
 

@@ -48,7 +48,7 @@ a clear error on every rank instead.
 DMA from host memory needs it page-locked in the process that issues the copy; registration is per
 process and per mapping, so each rank registers its own mapping (``cudaHostRegister``, exactly the
 segment's bytes) and the registration is dropped when the mapping dies, with the last view of it,
-as `residency.engine.transport`'s exact-size pinned memory does.
+as `residency.device.transport`'s exact-size pinned memory does.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from residency.engine.errors import RegistrationError
-from residency.engine.page_lock import RegisteredMapping
+from residency.core.errors import RegistrationError
+from residency.device.page_lock import RegisteredMapping
 
 __all__ = ["SHM_DIRECTORY", "SegmentStage", "SharedSegment", "share_segment"]
 
@@ -136,7 +136,7 @@ def _at_stage(stage: SegmentStage, path: str) -> None:
     """The stage observer when none is given: does nothing.
 
     [Note: watching the stages from outside]
-    `share_segment` is usually called deep inside ``Scheduler.add`` (`residency.engine.packing`), where
+    `share_segment` is usually called deep inside ``Scheduler.add`` (`residency.host.packing`), where
     no `on_stage` can be passed.  Every stage still calls this function, so a test can watch the
     stages of any segment with a profiler on its own process (``sys.setprofile``: a "call" event
     whose code is ``_at_stage.__code__``, with `stage` and `path` among the frame's locals) and,

@@ -1,0 +1,320 @@
+"""The auto scheduler's owner: what a call does, the plan chosen for it, and the plan's record.
+
+    scheduler = Scheduler("cuda", auto={"device_budget": "38GiB"})
+    ...                                        # add the groups, run a call
+    print(scheduler.plan.describe())           # per group: kept, swapped, streamed; per call:
+                                               # predicted bytes and seconds beside the measured
+    scheduler.set_device_budget("20GiB")       # re-plans now (between phases)
+
+An auto scheduler places each group's parts by a plan the planner (`residency.auto.planner`)
+computes from the device budget (`residency.options.budget`), the groups' parts, the phase order
+and the measured compute and copy times; placement carries it out (`Placement.replan`).  This
+object measures and decides when to plan again: when a group is added, when the budget changes
+(`Scheduler.set_device_budget`), after the first call (the phase order it observed: the first
+call runs on a plan made as if each group were entered once per call, within the budget), when a
+call's groups or parts changed size (a re-packed group), and when two calls in a row moved bytes
+off the prediction by more than ``drift``.
+
+[Note: what a call is]
+The scheduler sees phases, not pipeline calls.  A call begins when the first group of the phase
+order (declared by ``phase_order``, else the first exclusive group ever entered) becomes current
+after another group was: Wan2.2's encoder, two experts and VAE make a call of three switches.
+Each group's entries (switches to it) and passes (its phase entries: one per forward of its
+model) are counted per call; the bytes a call moved are the records' running totals
+(`TransitionLog.nbytes` + `BlockLog.nbytes`) between two beginnings, read after any re-plan at
+the boundary (its loads belong to no call).  The copy bandwidth a plan assumes is the timed
+loads' running totals (`TransitionLog.timed_nbytes` / ``timed_seconds``).
+
+Fields (guarded by the scheduler lock; this object is their one mutator): ``options``, the
+resolved ``budget`` and ``headroom``, the per-call counters (``_entries``, ``_passes``,
+``_compute``), what the last complete call did (``_observed``), and ``plan`` (the `AutoPlan` in
+force, with its measured calls) with the sizes each group was planned for (``_planned_sizes``,
+stored on the same line; a call's beginning compares them with the groups' to see a re-pack).
+Invariant: every registered group carries the plan in ``plan.plans`` (the planner's choice for
+it), and the planned peak is within ``budget - headroom``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from residency.options.budget import AutoOptions, counted, format_nbytes
+from residency.group.residency import Residency
+from residency.core.locks import locked
+from residency.placement.placement import Placement
+from residency.group.plan import Plan, Where
+from residency.auto.planner import Cost, Workload, choose, predict
+from residency.group.records import BlockLog, TransitionLog
+from residency.device.transport import CpuTransport, Transport, free_device_memory
+
+__all__ = ["AutoPlan", "AutoPlanner"]
+
+#: Copy bandwidth assumed before any copy was measured (bytes per second).
+_ASSUMED_BANDWIDTH = {True: 10e9, False: 5e9}
+#: Bytes as a plan's description prints them: two decimals (a budget and its peak may differ
+#: only in the second).
+_size = functools.partial(format_nbytes, digits=2)
+
+
+@attrs.frozen
+class AutoPlan:
+    """The plans an auto scheduler carries out, why, what they predict and what calls measured.
+
+        plan = scheduler.plan
+        plan.plans["transformer"].kept        # the expert's blocks kept on the device
+        plan.predicted.nbytes, plan.measured  # bytes per call: the model's, then each call's
+    """
+
+    #: The device budget and the headroom left for activations, in bytes.
+    budget: int
+    headroom: int
+    #: Each group's plan, by name.
+    plans: Mapping[str, Plan]
+    #: What one call costs by the cost model (bytes, seconds, peak device bytes of weights).
+    predicted: Cost
+    #: The group workloads the prediction is for (bytes of parts, entries and passes per call).
+    workloads: tuple[Workload, ...]
+    #: Why this plan was made ("group 'vae' added", "first call observed", ...).
+    reason: str
+    #: (bytes moved, seconds) of each complete call made under this plan, oldest first.
+    measured: tuple[tuple[int, float], ...] = ()
+
+    def describe(self) -> str:
+        """Per group what is kept, swapped and streamed (and their bytes), then the predicted
+        bytes and seconds per call beside the measured ones."""
+        lines = [f"auto plan ({self.reason}): budget {_size(self.budget)}, headroom "
+                 f"{_size(self.headroom)}, peak {_size(self.predicted.peak)} of weights"]
+        for w in self.workloads:
+            lines.append("  " + _describe_group(w, self.plans[w.name]))
+        lines.append(f"  predicted per call: {_size(self.predicted.nbytes)} moved, "
+                     f"{self.predicted.seconds:.3f} s")
+        first = len(self.measured) - min(3, len(self.measured)) + 1  # the last three calls
+        for number, (nbytes, seconds) in enumerate(self.measured[-3:], start=first):
+            lines.append(f"  measured call {number}: {_size(nbytes)} moved, {seconds:.3f} s")
+        return "\n".join(lines)
+
+
+class AutoPlanner:
+    """Plans, measures and re-plans an auto scheduler's groups (see the module docstring);
+    called with the scheduler lock held."""
+
+    def __init__(self, options: AutoOptions, *, placement: Placement, transport: Transport,
+                 transitions: TransitionLog, block_log: BlockLog, collective: bool = False) -> None:
+        self.options = options
+        #: With a process group every rank must choose the same plan at the same call: the
+        #: plan then rests on what every rank sees alike (bytes, entries, passes), never on its
+        #: own clock, and drift (which a rank's timing could tip) does not re-plan.
+        self._collective = collective
+        self._placement = placement
+        self._overlap = not isinstance(transport, CpuTransport)
+        self._transitions, self._block_log = transitions, block_log
+        self.budget, self.headroom = options.resolve(free_device_memory(placement.device))
+        self.plan: AutoPlan | None = None
+        #: The sizes each group was planned for, by name (`_sizes`; written with ``plan``).
+        self._planned_sizes: dict[str, _Sizes] = {}
+        self._first = options.phase_order[0] if options.phase_order else None
+        #: What a declared phase order says each group does per call: (entries, passes, 0).
+        self._declared = _declared(options.phase_order or ())
+        self._entries: dict[str, int] = {}
+        self._passes: dict[str, int] = {}
+        self._compute: dict[str, float] = {}
+        self._observed: dict[str, tuple[int, int, float]] | None = None
+        self._learned = False  # whether a plan was made from an observed call
+        self._due: str | None = None  # why a plan is due at the next call's beginning
+        self._call_start: tuple[int, float] | None = None
+        self._phase_start: tuple[str, float] | None = None
+        self._drifted = 0
+
+    # -- planning --------------------------------------------------------------------------------
+
+    def replan(self, groups: Iterable[Residency], reason: str) -> None:
+        """Choose every group's plan for the budget and carry it out (called with no holders).
+        Raises `DeviceMemoryError` when nothing fits, with nothing changed."""
+        groups = list(groups)
+        workloads = tuple(self._workload(group) for group in groups)
+        bandwidth = _ASSUMED_BANDWIDTH[self._overlap] if self._collective else self._bandwidth()
+        plans = choose(workloads, weights_budget=self.budget - self.headroom,
+                       bandwidth=bandwidth, overlap=self._overlap and not self._collective)
+        predicted = predict(workloads, plans, bandwidth=bandwidth, overlap=self._overlap)
+        order = sorted(groups, key=lambda g: _kept_nbytes(plans[g.name], g)
+                       - _kept_nbytes(g.plan, g))  # the ones keeping less first
+        try:
+            for group in order:
+                self._placement.replan(group, plans[group.name])
+        except BaseException:  # carried out again once (see [Note: interrupts])
+            for group in order:
+                self._placement.replan(group, plans[group.name])
+            raise
+        self._placement.budget = self.budget - self.headroom
+        plan = AutoPlan(self.budget, self.headroom, plans, predicted, workloads, reason)
+        sizes = {w.name: (w.own, w.blocks) for w in workloads}
+        self.plan, self._planned_sizes = plan, sizes  # one line: see [Note: interrupts]
+        self._call_start = None  # the loads above belong to no call
+        self._drifted = 0
+
+    def added(self, group: Residency, groups: Iterable[Residency], lock, remove) -> Residency:
+        """Plan the groups again with `group` just registered (takes `lock`) and return it; if
+        no plan fits (or the step is interrupted), `group` is removed again (``remove(group,
+        "add")``) and the others keep a plan without it."""
+        try:
+            locked(lock, self.replan, groups, f"group {group.name!r} added")
+            return group
+        except BaseException:  # refused: nothing changed (see [Note: interrupts])
+            locked(lock, remove, group, "add")
+            if self.plan is None or any(g.plan != self.plan.plans.get(g.name) for g in groups):
+                locked(lock, self.replan, groups, f"group {group.name!r} refused")
+            raise
+
+    def plan_again(self, groups: Iterable[Residency], reason: str, no_holders: bool) -> None:
+        """Plan again now when no phase is active, else at the next call's beginning (a group
+        was removed or refreshed while another group's phase ran: what it held is freed)."""
+        if no_holders:
+            self.replan(groups, reason)
+        else:
+            self._due = reason
+
+    def set_budget(self, groups: Iterable[Residency], device_budget: object) -> None:
+        """Take a new device budget (as `AutoOptions.device_budget` accepts) and re-plan; a
+        budget nothing fits is refused with nothing changed."""
+        options = attrs.evolve(self.options, device_budget=device_budget)
+        budget, headroom = options.resolve(free_device_memory(self._placement.device,
+                                                              held=self._placement.device_nbytes))
+        before = (self.options, self.budget, self.headroom)
+        self.options, self.budget, self.headroom = options, budget, headroom
+        try:
+            self.replan(groups, f"device budget set to {device_budget!r}")
+        except BaseException:
+            self.options, self.budget, self.headroom = before
+            raise
+
+    def _workload(self, group: Residency) -> Workload:
+        entries, passes, compute = (self._observed or self._declared).get(group.name,
+                                                                         (1, 1, 0.0))
+        own, blocks = _sizes(group)
+        return Workload(group.name, own, blocks, exclusive=group.exclusive, entries=entries,
+                        passes=passes, compute_seconds=0.0 if self._collective else compute)
+
+    def _bandwidth(self) -> float:
+        """The measured copy bandwidth: the timed loads' bytes over their seconds (the log's
+        running totals), else the assumed one."""
+        log = self._transitions
+        if log.timed_seconds <= 0:
+            return _ASSUMED_BANDWIDTH[self._overlap]
+        return log.timed_nbytes / log.timed_seconds
+
+    # -- observing calls --------------------------------------------------------------------------
+
+    def entering(self, group: Residency, current: Residency | None,
+                 groups: Iterable[Residency], no_holders: bool) -> None:
+        """A phase of `group` begins (`current`: the exclusive group on the device before it).
+        Counts it; at a call's beginning closes the last call and re-plans when due."""
+        if not group.exclusive:
+            return
+        now = time.perf_counter()
+        switching = current is not group
+        if switching and self._first is None:
+            self._first = group.name
+        if switching and group.name == self._first:
+            self._close_call(now, groups, no_holders)
+        self._passes[group.name] = self._passes.get(group.name, 0) + 1
+        if switching:
+            self._entries[group.name] = self._entries.get(group.name, 0) + 1
+            self._end_phase(now)
+            self._phase_start = (group.name, now)
+
+    def _end_phase(self, now: float) -> None:
+        if self._phase_start is not None:
+            name, began = self._phase_start
+            self._compute[name] = self._compute.get(name, 0.0) + now - began
+
+    def _close_call(self, now: float, groups: Iterable[Residency], no_holders: bool) -> None:
+        self._end_phase(now)
+        self._phase_start = None
+        groups = list(groups)
+        moved = self._transitions.nbytes + self._block_log.nbytes
+        if self._call_start is not None and self.plan is not None:
+            nbytes, seconds = moved - self._call_start[0], now - self._call_start[1]
+            self.plan = attrs.evolve(self.plan, measured=(*self.plan.measured, (nbytes, seconds)))
+            forwards = self._block_forwards(since=self._call_start[1])
+            self._observed = {name: (self._entries[name],
+                                     max(self._passes.get(name, 0), forwards.get(name, 0)),
+                                     self._compute.get(name, 0.0)) for name in self._entries}
+            self._due = self._due or self._why_due(nbytes, groups)
+        if self._due is not None and no_holders:  # else at the next call's beginning
+            reason, self._due = self._due, None
+            self.replan(groups, reason)
+            moved = self._transitions.nbytes + self._block_log.nbytes
+        self._entries, self._passes, self._compute = {}, {}, {}
+        self._call_start = (moved, time.perf_counter())
+
+    def _block_forwards(self, since: float) -> dict[str, int]:
+        """Forwards of each streaming group's first streamed block since `since` (a phase may
+        run its model more than once: the block records count each forward)."""
+        counts: dict[str, int] = {}
+        for record in self._block_log:
+            if record.kind == "compute" and record.index == 0 and record.time >= since:
+                counts[record.group] = counts.get(record.group, 0) + 1
+        return counts
+
+    def _why_due(self, nbytes: int, groups: list[Residency]) -> str | None:
+        """Why a plan is due after a call that moved `nbytes`, or None."""
+        if not self._learned:
+            self._learned = True
+            return "first call observed"
+        predicted = self.plan.predicted.nbytes
+        off = abs(nbytes - predicted) > self.options.drift * max(predicted, 1)
+        self._drifted = self._drifted + 1 if off and not self._collective else 0
+        if self._drifted >= 2:
+            return (f"two calls off the prediction ({predicted} bytes) by more than "
+                    f"{self.options.drift:.0%}")
+        planned = self._planned_sizes
+        if len(groups) != len(planned) or any(planned.get(g.name) != _sizes(g) for g in groups):
+            return "the groups or their parts changed (added, removed or re-packed)"
+        return None
+
+
+def _declared(order: tuple[str, ...]) -> dict[str, tuple[int, int, float]]:
+    """Entries (switches to it, the order taken as a cycle) and passes (phases) per call of each
+    group of a declared phase order."""
+    counts: dict[str, tuple[int, int, float]] = {}
+    for index, name in enumerate(order):
+        entries, passes, _ = counts.get(name, (0, 0, 0.0))
+        counts[name] = (entries + (order[index - 1] != name or len(order) == 1), passes + 1, 0.0)
+    return counts
+
+
+#: A group's sizes as a plan sees them: its own part's (bytes, bytes laid end to end), then each
+#: other part's (name, bytes, bytes laid end to end).
+_Sizes = tuple[tuple[int, int], tuple[tuple[str, int, int], ...]]
+
+
+def _sizes(group: Residency) -> _Sizes:
+    """What `group`'s plan depends on of its parts (`Workload.own` and `Workload.blocks`)."""
+    layout = group.inventory.layout
+    return ((layout.nbytes, layout.contiguous_nbytes),
+            tuple((part.name, part.inventory.layout.nbytes, part.inventory.layout.contiguous_nbytes)
+                  for part in group.parts))
+
+
+def _kept_nbytes(plan: Plan, group: Residency) -> int:
+    parts = {part.name: part for part in group.parts}
+    kept = group.inventory.layout.contiguous_nbytes if plan.own.where is Where.KEPT else 0
+    return kept + sum(parts[name].inventory.layout.contiguous_nbytes for name in plan.kept
+                      if name in parts)
+
+
+def _describe_group(w: Workload, plan: Plan) -> str:
+    held = {name: h for name, _, h in w.blocks}
+    sums = {where: sum(held[n] for n in held if plan.where[n] is where) for where in Where}
+    own = plan.own.where.value
+    text = f"{w.name}: own part {own} ({_size(w.own[1])})"
+    for where, names in ((Where.KEPT, plan.kept), (Where.SWAPPED, plan.swapped),
+                         (Where.STREAMED, plan.streamed)):
+        if names:
+            text += f"; {counted(len(names), 'block')} {where.value} ({_size(sums[where])})"
+    return (text + f"; {counted(w.entries, 'entry', 'entries')}, "
+            f"{counted(w.passes, 'pass', 'passes')} per call")

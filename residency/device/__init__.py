@@ -1,0 +1,5 @@
+"""How bytes reach the device and what changed there: the transports (`transport`: CPU memcpy, an
+accelerator's copy stream and events), page-locking a host mapping (`page_lock`), and digests
+of device bytes that say what changed since they were loaded (`digests`).
+
+No imports here: importing one module of the folder imports only what it needs."""

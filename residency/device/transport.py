@@ -1,0 +1,248 @@
+"""The copy engine: moving packed bytes between host chunks and device storage.
+
+The scheduler and `Residency` only ever talk to a `Transport`; they never call ``copy_`` or touch a
+stream themselves.  Two implementations exist:
+
+* `CpuTransport` — the "device" is host memory too.  Copies are plain memcpy into a reused
+  buffer and complete before they return.  Every behaviour of the library runs through it in CI.
+* `AcceleratorTransport` — a dedicated copy stream and events, through torch's device-generic
+  stream API (`torch.Stream`, `torch.Event`, `torch.accelerator`), so one code path serves CUDA,
+  ROCm, XPU and other accelerators.
+
+`free_device_memory` says how many bytes a device has free (the host's available memory for the
+CPU): what an auto plan's budget is a fraction of, and what placement's prefetch fits within.
+
+[Note: completions instead of synchronisation]
+A load returns a `Completion`.  ``completion.wait()`` makes the *compute stream* wait for the copy
+(an event wait queued on the device), it does not block the host.  On the CPU the copy has already
+happened and ``wait`` does nothing.  The scheduler calls ``wait`` before a phase body runs, so kernels
+in the body are ordered after the bytes they read, while the host runs ahead.
+
+[Note: reusing device storage safely]
+Evicting a group only re-points its tensors to host memory; kernels already queued on the compute
+stream may still read the old device storage.  `Transport.retire` records, on the compute stream,
+the point after which the storage is no longer read; the next copy *into* that storage first waits
+for that point on the copy stream.  Storage is therefore never overwritten under a running kernel.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+import torch
+
+from residency.core.locks import in_context
+from residency.device.page_lock import RegisteredMapping
+
+__all__ = ["AcceleratorTransport", "Completion", "CpuTransport", "Transport", "transport_for"]
+
+#: (destination, source) byte tensors of equal length.
+CopyPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Completion:
+    """The end of a copy.  ``wait()`` orders later compute after it without blocking the host."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: torch.Event | None = None) -> None:
+        self._event = event
+
+    def wait(self) -> None:
+        """Make the current (compute) stream wait for the copy; a no-op for completed copies."""
+        if self._event is not None:
+            torch.accelerator.current_stream(self._event.device).wait_event(self._event)
+
+    def synchronize(self) -> None:
+        """Block the host until the copy is done (used only before the host reads copied bytes)."""
+        if self._event is not None:
+            self._event.synchronize()
+
+
+DONE = Completion()
+
+
+class Transport:
+    """Moves bytes between host chunks and device storage; allocates both kinds of memory."""
+
+    device: torch.device
+
+    def allocate_host(self, nbytes: int, *, pin: bool) -> torch.Tensor:
+        """A uint8 host tensor of exactly `nbytes`, page-locked when `pin`.
+
+        Raises the runtime's error when pinning fails; `HostMaster` decides what to do then.
+        """
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def allocate_device(self, nbytes: int) -> torch.Tensor:
+        """A uint8 device tensor of `nbytes`; raises the allocator's own out-of-memory error."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def to_device(self, pairs: CopyPairs) -> Completion:
+        raise NotImplementedError
+
+    def to_host(self, pairs: CopyPairs) -> Completion:
+        raise NotImplementedError
+
+    def retire(self, storage: torch.Tensor) -> None:
+        """Mark the point after which compute no longer reads `storage` (see the note above)."""
+
+    def release(self, storage: torch.Tensor) -> None:
+        """Called before device storage is dropped, so its memory is not reused under a copy."""
+
+    def can_pin(self) -> bool:
+        return False
+
+
+class CpuTransport(Transport):
+    """The device is the host: copies are synchronous memcpy and complete before returning."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def to_device(self, pairs: CopyPairs) -> Completion:
+        for destination, source in pairs:
+            destination.copy_(source)
+        return DONE
+
+    def to_host(self, pairs: CopyPairs) -> Completion:
+        return self.to_device(pairs)
+
+
+class AcceleratorTransport(Transport):
+    """Copies on a dedicated copy stream; completions are events the compute stream waits on."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device(self.device.type, torch.accelerator.current_device_index())
+        #: Host-to-device and device-to-host copies run here, beside compute.
+        self.copy_stream = torch.Stream(self.device)
+        #: Recorded on the compute stream at eviction; the next copy into the storage waits on it.
+        self._retired: dict[int, torch.Event] = {}
+
+    def can_pin(self) -> bool:
+        return True
+
+    def allocate_host(self, nbytes: int, *, pin: bool) -> torch.Tensor:
+        """Exact-size page-locked memory on CUDA (see [Note: exact-size pinned memory])."""
+        if pin and self.device.type == "cuda" and nbytes > 0:
+            return _page_locked_exact(nbytes)
+        return super().allocate_host(nbytes, pin=pin)
+
+    def to_device(self, pairs: CopyPairs) -> Completion:
+        for destination, _ in pairs:
+            self._wait_retired(destination)
+        return Completion(in_context(self.copy_stream, self._copy_on_stream, pairs))
+
+    def to_host(self, pairs: CopyPairs) -> Completion:
+        # The copy stream must not read device bytes before compute has finished writing them.
+        self.copy_stream.wait_stream(torch.accelerator.current_stream(self.device))
+        return Completion(in_context(self.copy_stream, self._copy_on_stream, pairs))
+
+    def _copy_on_stream(self, pairs: CopyPairs) -> torch.Event:
+        """Issue `pairs` on the copy stream (the current one here); the event of their end.
+        Entered on one line (see [Note: a context on one line] in `residency.core.locks`)."""
+        for destination, source in pairs:
+            destination.copy_(source, non_blocking=True)
+        return self.copy_stream.record_event()
+
+    def retire(self, storage: torch.Tensor) -> None:
+        event = torch.accelerator.current_stream(self.device).record_event()
+        self._retired[storage.untyped_storage().data_ptr()] = event
+
+    def allocate_device(self, nbytes: int) -> torch.Tensor:
+        """A device buffer whose first copy waits for compute queued before its allocation.
+
+        The caching allocator may hand out a block that kernels already queued on the compute
+        stream still read (a tensor freed a moment ago); the copy stream must not write it first.
+        """
+        buffer = super().allocate_device(nbytes)
+        event = torch.accelerator.current_stream(self.device).record_event()
+        self._retired[buffer.untyped_storage().data_ptr()] = event
+        return buffer
+
+    def release(self, storage: torch.Tensor) -> None:
+        # The caching allocator may hand the memory to compute-stream work as soon as it is freed;
+        # that work must come after every copy still queued into or out of it.
+        torch.accelerator.current_stream(self.device).wait_stream(self.copy_stream)
+        self._retired.pop(storage.untyped_storage().data_ptr(), None)
+
+    def _wait_retired(self, destination: torch.Tensor) -> None:
+        event = self._retired.pop(destination.untyped_storage().data_ptr(), None)
+        if event is not None:
+            self.copy_stream.wait_event(event)
+
+
+def _page_locked_exact(nbytes: int) -> torch.Tensor:
+    """`nbytes` of page-locked host memory, exactly (no power-of-two rounding).
+
+    [Note: exact-size pinned memory]
+    PyTorch's pinned allocator rounds every request up to a power of two (a 20.4 GiB request was
+    reported to pin 32 GiB).  Registering anonymous pages with ``cudaHostRegister`` pins exactly the
+    bytes asked for, page-aligned, and the pages are only committed as they are registered chunk by
+    chunk, so building a master never needs twice the host memory.
+    """
+    region = RegisteredMapping(-1, nbytes)
+    _ask_for_huge_pages(region)
+    tensor = torch.frombuffer(region, dtype=torch.uint8)
+    region.register(tensor.data_ptr(), nbytes, what=f"{nbytes} bytes")
+    return tensor
+
+
+def _ask_for_huge_pages(region: mmap.mmap) -> None:
+    """Back `region` with transparent huge pages where the kernel allows (fewer pin faults)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            region.madvise(advice)
+        except OSError:  # kernels without transparent huge pages: 4 KiB pages it is
+            pass
+
+
+def transport_for(device: torch.device) -> Transport:
+    """The transport that serves `device`: memcpy for the CPU, streams and events otherwise."""
+    if device.type == "cpu":
+        return CpuTransport(device)
+    return AcceleratorTransport(device)
+
+
+def default_device() -> torch.device:
+    """The current accelerator when one is present, else the CPU."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def free_device_memory(device: torch.device, held: int = 0) -> int | None:
+    """Bytes free on `device` (with `held`, what the caller holds there now, counted as free):
+    the accelerator's free memory by the device-generic API, or the host's available memory on
+    the CPU; None where the backend cannot tell (a PrivateUse1 allocator may not implement it).
+
+        free_device_memory(torch.device("cuda", 0))                  # free bytes, or None
+        free_device_memory(device, held=placement.device_nbytes)      # as if ours were freed
+    """
+    if device.type == "cpu":
+        available = _host_available()
+        return None if available is None else available + held
+    try:
+        free, _ = torch.accelerator.get_memory_info(device.index)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+    return free + held
+
+
+def _host_available() -> int | None:
+    """The host's available memory (MemAvailable of /proc/meminfo, else the free pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else None
+    return None if pages is None else pages * os.sysconf("SC_PAGE_SIZE")

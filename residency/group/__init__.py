@@ -1,0 +1,6 @@
+"""One group and what it owns: `Residency` and its state machine (`residency`), writing
+changed device bytes back to the master (`write_back`), where each part of a group is (`plan`),
+which group owns which module and tensor (`registry`), the transition records (`records`),
+checks of user input (`arguments`), and `NoOffload`, the stand-in scheduler (`no_offload`).
+
+No imports here: importing one module of the folder imports only what it needs."""

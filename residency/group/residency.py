@@ -1,0 +1,451 @@
+"""`Residency`: one component (a group of modules) and the state machine that moves its weights.
+
+A component is offloaded or resident; ``_load`` and ``_evict`` are the only transitions.  They are
+the scheduler's to call (calling them directly would bypass its bookkeeping): the scheduler decides
+*when*; this file decides *how*, and guarantees that nothing is lost:
+
+* ``_load`` copies the host master into device storage in bulk (one copy per chunk) and re-points
+  every tensor to its device view.
+* ``_evict`` re-points every tensor back to its host view.  Unchanged bytes cost no copy.  What
+  changed while resident is written back first (`residency.group.write_back`), whatever path the
+  edit took: the digest windows whose bytes changed in place, and tensors given new storage with
+  ``tensor.data = ...`` or ``module.to(...)`` (the data pointer moves).
+* ``_adopt`` takes a new inventory and master after the modules changed shape (new or replaced
+  parameters, a new dtype): the scheduler re-packs the group before its next load rather than
+  refusing the change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+from torch import nn
+
+from residency.device.digests import ChangeDetector
+from residency.core.enums import Policy, ResidencyState
+from residency.core.errors import DeviceMemoryError, PhaseError
+from residency.host.memory import DeviceStorage, HostMaster
+from residency.group.plan import Plan
+from residency.multirank.sharded import ShardedLoad
+from residency.modules.tensors import (
+    Inventory, data_ptrs, moved_from, repoint_group, versions,
+)
+from residency.device.transport import Completion, Transport
+from residency.group.write_back import WriteBack, copy_in
+
+if TYPE_CHECKING:
+    from residency.placement.layers import BlockStream
+
+__all__ = ["Policy", "Residency", "ResidencyState", "device_need", "slot_nbytes"]
+
+
+@attrs.frozen
+class _PendingLoad:
+    """A load begun by `_begin_load` and not finished yet."""
+
+    #: The device storage being copied into.
+    storage: DeviceStorage
+    #: The group's views of it, in inventory order, and their data pointers.
+    views: list[torch.Tensor]
+    pointers: list[int]
+    #: The end of the copy.
+    completion: Completion
+    #: Version counters when the copy began (prefetch: edits after it are copied again), or None.
+    watched_versions: list[int] | None
+    #: Bytes this process copies host to device for the load.
+    nbytes: int
+
+
+class Residency:
+    """One group: its modules, its host master, the device storage it was loaded into, its state.
+
+    Created by `Scheduler.add`; model code does not build these.  Its transitions (``_load``,
+    ``_evict`` and the steps of a prefetch) are called by the placements only: a group's own part
+    by `residency.placement.placement`, a streamed part by `residency.placement.slots`.  Reading
+    ``is_resident``, ``nbytes`` and ``state`` is always safe.  `state` and `device_storage` are
+    this object's own facts, written only by its verbs.
+
+        residency = scheduler.add("text_encoder", encoder)
+        with scheduler.resident("text_encoder"):
+            assert residency.is_resident
+    """
+
+    def __init__(
+        self,
+        name: str,
+        modules: tuple[nn.Module, ...],
+        policy: Policy,
+        inventory: Inventory,
+        host_master: HostMaster,
+        transport: Transport,
+        *,
+        excluded: tuple[nn.Module, ...] = (),
+        category: str | None = None,
+        detect_edits: bool = True,
+        sharded: ShardedLoad | None = None,
+        plan: Plan | None = None,
+    ) -> None:
+        self.name = name
+        #: Where each of its parts is between and during phases (`residency.group.plan`);
+        #: module mode's unless given.  Set at registration, and by an auto scheduler's
+        #: placement when it re-plans (`Placement.replan`).
+        self.plan = Plan.for_group(name, policy, ()) if plan is None else plan
+        #: How the group loads when its ranks share its master and split the copy
+        #: (``weight_transfer="allgather"``); None: this process copies every byte.
+        self.sharded = sharded
+        #: The config component it was made for ("dit", "text_encoder", "vae"), or None.
+        self.category = category
+        self.modules = modules
+        #: Submodules of `modules` left out of the group (they belong to other groups or none).
+        self.excluded = excluded
+        self.policy = policy
+        #: Whether the group is swapped by phases (policy EXCLUSIVE); read on the hot path.
+        self.exclusive = policy is Policy.EXCLUSIVE
+        self.inventory = inventory
+        self.host_master = host_master
+        #: The device storage the tensors view while RESIDENT (the last one loaded into).
+        self.device_storage: DeviceStorage | None = None
+        self._transport = transport
+        self.state = ResidencyState.OFFLOADED
+        #: Where each tensor sat in device storage at the last load (to notice ``.data = ...``).
+        self._device_ptrs: list[int] = []
+        #: Version counters as of the last registration or eviction (re-pointing keeps them, so a
+        #: load need not read them; a host edit in between costs a redundant write-back).
+        self._loaded_versions = versions(inventory.tensors)
+        self._marked_dirty = False
+        #: Whether the last eviction left tensors that no longer fit their place (to re-pack).
+        self.left_misfits = False
+        #: Whether edits are found by digests of the bytes (False: the user promised not to edit).
+        self.detect_edits = detect_edits
+        #: Digests of the device bytes as loaded ([Note: finding what changed] in write_back.py);
+        #: None with ``detect_edits=False`` on a private master (versions and pointers tell).
+        self._detector: ChangeDetector | None = None
+        self._detector = self._detector_for(host_master)
+        #: While LOADING: the copy under way.
+        self._pending: _PendingLoad | None = None
+        #: The streams that carry out the plan's streamed parts (each part a small `Residency`
+        #: outside this one's own inventory): one `residency.placement.layers.BlockStream` in layer
+        #: mode, none in module mode.  Set by the scheduler's add (and `Placement.replan`).
+        self.streams: tuple[BlockStream, ...] = ()
+        #: The parts placed whole apart from this one (an auto plan's kept and swapped blocks,
+        #: each a small `Residency`; `plan.where` says which).  Set as `streams` is.
+        self.apart: tuple[Residency, ...] = ()
+
+    def __repr__(self) -> str:
+        """Counts of the whole group, then (layer mode) of its part outside the streamed blocks."""
+        tensors = sum(inventory.tensor_count for inventory in self.inventories)
+        text = (f"<Residency {self.name!r} {self.policy.value} {self.state.value}: "
+                f"{len(self.modules)} module(s), {tensors} tensors, {self.nbytes / 2**20:.1f} MiB")
+        outside = "".join(stream.describe_outside(self.inventory) for stream in self.streams)
+        return text + outside + ">"
+
+    @property
+    def is_resident(self) -> bool:
+        """Whether the own part's weights are on the device now (parts apart: `apart`)."""
+        return self.state is ResidencyState.RESIDENT
+
+    @property
+    def device_target(self) -> DeviceStorage | None:
+        """The device storage the tensors view (RESIDENT) or are being copied into (LOADING);
+        None when offloaded."""
+        if self.state is ResidencyState.RESIDENT:
+            return self.device_storage
+        return self._pending.storage if self._pending is not None else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the unique tensors (tied weights count once), streamed blocks included."""
+        return sum(inventory.nbytes for inventory in self.inventories)
+
+    @property
+    def inventories(self) -> tuple[Inventory, ...]:
+        """The group's own inventory, then each streamed part's (layer mode): everything it
+        owns, for the ownership checks."""
+        return (self.inventory, *(part.inventory for part in self.parts))
+
+    @property
+    def parts(self) -> tuple[Residency, ...]:
+        """Each part apart from the own one: placed whole (`apart`), then streamed."""
+        return (*self.apart, *(part for stream in self.streams for part in stream.parts))
+
+    @property
+    def device_need(self) -> int:
+        """Device bytes the group needs while current (`device_need`)."""
+        return device_need(self.inventory, (p.inventory for p in self.parts), self.sharded)
+
+    def layers(self) -> tuple[nn.Module, ...]:
+        """The blocks of a layer-mode group, in the order the model runs them; calling one
+        streams it (its forward loads it and prefetches the next).
+
+            with scheduler.resident("transformer") as dit:
+                for block in dit.layers():
+                    hidden = block(hidden, temb)
+        """
+        layers = tuple(layer for stream in self.streams for layer in stream.layers())
+        if not layers:
+            raise _no_layers(self.name)
+        return layers
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The unique tensors of the group (parameters and buffers), in registration order."""
+        return self.inventory.tensors
+
+    def mark_dirty(self) -> None:
+        """Have every byte written back at the next eviction (only needed with
+        ``detect_edits=False``: edits no version counter sees); also each streamed part's."""
+        self._marked_dirty = True
+        for part in self.parts:
+            part.mark_dirty()
+
+    def _load(self, storage: DeviceStorage, *, replaced: list[int] | None = None) -> int:
+        """Copy the host master into `storage` and re-point the tensors there; returns bytes copied.
+
+        `replaced`: `replaced_on_host`'s answer, when the caller asked already (one pointer pass
+        per load).  On any failure (including a ``KeyboardInterrupt``) the group is left cleanly
+        offloaded.
+        """
+        try:
+            self._begin_load(storage, replaced=replaced)
+            return self._finish_load()
+        except BaseException:  # see [Note: interrupts] in residency.scheduler.scheduler: undone
+            if self.state is ResidencyState.LOADING:
+                self._cancel_load()
+            raise
+
+    def _begin_load(self, storage: DeviceStorage, *, watch_edits: bool = False,
+                    replaced: list[int] | None = None) -> int:
+        """Issue the copy into device storage; the tensors keep reading the host master.
+        Returns the bytes this process copies host to device.
+
+        The group is LOADING until `_finish_load` (or `_cancel_load`).  Used directly for prefetch,
+        with `watch_edits`: user code may run (and edit the weights on the host) before the
+        load finishes, and `_finish_load` then copies what changed again.  `replaced`: as for
+        `_load`.
+        """
+        self._require(ResidencyState.OFFLOADED, "load")
+        try:
+            self.state = ResidencyState.LOADING
+            _entering(self.host_master)
+            # The placement adopted any change first (`pending_change` is None here): `_adopt`.
+            self._copy_in_replaced(replaced)
+            nbytes = self.inventory.layout.contiguous_nbytes
+            sharded = self.sharded
+            views, pointers, copies = self._prepare_storage(
+                storage, sharded.buffer_nbytes(nbytes) if sharded else nbytes)
+            watched = versions(self.inventory.tensors) if watch_edits else None
+            if sharded is None:
+                completion, moved = self._transport.to_device(copies), self.inventory.layout.nbytes
+            else:
+                completion, moved = sharded.load(
+                    self.name, self._transport, copies, storage.buffer, nbytes
+                )
+            self._pending = _PendingLoad(storage, views, pointers, completion, watched, moved)
+            return moved
+        except BaseException:  # see [Note: interrupts]: undone
+            if self._pending is not None:
+                self._cancel_load()
+            self.state = ResidencyState.OFFLOADED
+            raise
+
+    def _finish_load(self, *, replaced: list[int] | None = None) -> int:
+        """Order compute after the copy and re-point the tensors to device storage."""
+        self._require(ResidencyState.LOADING, "finish loading")
+        pending = self._pending
+        try:
+            if pending.watched_versions is not None:
+                pending = self._recopy_edited(pending, replaced)
+            completion = pending.completion
+            completion.wait()
+            if self._detector is not None:  # ordered after the copy by completion.wait()
+                self._detector.remember(
+                    pending.storage.buffer[: self.inventory.layout.contiguous_nbytes])
+            repoint_group(self.inventory, pending.views)
+            # The commit: one line, so no interrupt lands between these stores.
+            self._pending, self.device_storage, self._device_ptrs, self.state = (
+                None, pending.storage, pending.pointers, ResidencyState.RESIDENT)
+            return pending.nbytes
+        except BaseException:  # undone unless committed (see [Note: interrupts])
+            if self.state is ResidencyState.LOADING:
+                self._cancel_load()
+            raise
+
+    def _cancel_load(self) -> None:
+        """Abandon a load begun with `_begin_load`; the group ends offloaded, on host views.
+
+        Storage the user gave a tensor meanwhile (``.data = ...``) is adopted into the master.
+        Idempotent until its last line, so an interrupted cancel is completed by the next one.
+        """
+        self._require(ResidencyState.LOADING, "cancel loading")
+        pending = self._pending
+        if pending is not None:
+            # The copy may still be reading the host master, whose memory may be released next
+            # (remove, refresh, close): wait for it.  Prefetches are cancelled rarely.
+            pending.completion.synchronize()
+            if data_ptrs(self.inventory.tensors) == data_ptrs(pending.views):
+                repoint_group(self.inventory, self.host_master.views)  # an interrupted finish
+            if pending.storage.buffer is not None:  # else released meanwhile: nothing reads it
+                self._transport.retire(pending.storage.buffer)
+        self._copy_in_replaced()
+        self._pending, self.state = None, ResidencyState.OFFLOADED
+
+    def _recopy_edited(self, pending: _PendingLoad,
+                       replaced: list[int] | None = None) -> _PendingLoad:
+        """After a prefetch: copy again every tensor edited on the host since the copy began.
+
+        The second copy's end becomes the pending load's end, so a cancel waits for it too.
+        """
+        adopted = self._copy_in_replaced(replaced)
+        now = versions(self.inventory.tensors)
+        if now == pending.watched_versions and not adopted:
+            return pending
+        homes = self.host_master.views
+        edited = sorted({i for i, (v, w) in enumerate(zip(now, pending.watched_versions))
+                         if v != w} | adopted)
+        pairs = [(pending.views[i], homes[i]) for i in edited]
+        # [Note: the second copy's completion covers the first]
+        # No wait for the first copy here: the copy stream runs the second after it, so the wait
+        # for the second (in `_finish_load`) orders compute after both.  (The synchronisation
+        # audit found the wait that stood here redundant: docs/design.md.)  One line: the copy's
+        # completion is the pending load's before any interrupt can land.
+        self._pending = attrs.evolve(pending, completion=self._transport.to_device(pairs))
+        return self._pending
+
+    def _evict(self) -> int:
+        """Re-point the tensors to the host master, writing back what changed; returns bytes written.
+
+        A tensor given new storage that no longer fits its place in the master (a new dtype or
+        shape, a broken tie) is left as the user made it, moved to the host; `pending_change` then
+        reports it, and the scheduler re-packs the group before its next load.
+        """
+        self._require(ResidencyState.RESIDENT, "evict")
+        tensors = self.inventory.tensors
+        now_versions, replaced, misfits = self.inventory.changes_while_resident(
+            self._device_ptrs, self.host_master.views)
+        left = {i for i, _ in misfits}
+        written = WriteBack(
+            self.name, self.inventory, self.host_master, self.device_storage, self,
+            self._transport, self._detector, self._marked_dirty, now_versions,
+            self._loaded_versions, replaced, [i for i in replaced if i not in left]).write()
+        homes = list(self.host_master.views)
+        for i in left:
+            homes[i] = tensors[i].detach().to("cpu")
+        try:
+            repoint_group(self.inventory, homes)
+            self._leave_device(now_versions, bool(left))
+        except BaseException:  # re-pointed: rolled forward; else still resident, nothing lost
+            if data_ptrs(tensors) == data_ptrs(homes):
+                self._leave_device(now_versions, bool(left))
+            raise
+        return written
+
+    def _leave_device(self, now_versions: list[int], left_misfits: bool) -> None:
+        """The end of an eviction, the tensors on their homes already; repeatable until its
+        last line (the commit)."""
+        if self.device_storage.buffer is not None:  # the next copy into it waits for compute
+            self._transport.retire(self.device_storage.buffer)
+        if self._detector is not None:
+            self._detector.forget()
+        self._loaded_versions, self._marked_dirty, self.left_misfits, self.state = (
+            now_versions, False, left_misfits, ResidencyState.OFFLOADED)
+
+    def replaced_on_host(self) -> list[int]:
+        """Indices of the tensors given new storage while offloaded (one pointer pass)."""
+        return moved_from(self.inventory.tensors, self.host_master.view_ptrs)
+
+    def changes_on_host(self) -> tuple[str | None, list[int]]:
+        """What changed while offloaded, from the one pointer pass a load makes: why the group
+        must be re-packed first (parameters, buffers or submodules added, replaced or removed
+        since it was packed, or a tensor whose dtype, shape or strides no longer fit its place in
+        the master; None: it may load), and `replaced_on_host`."""
+        master = self.host_master
+        return self.inventory.changes_while_offloaded(master.view_ptrs, master.views)
+
+    def pending_change(self) -> str | None:
+        """Why the offloaded group must be re-packed before it can load (`changes_on_host`)."""
+        return self.changes_on_host()[0]
+
+    def misfit_change(self, replaced: list[int]) -> str | None:
+        """The part of `pending_change` that data pointers tell (no module-structure walk), for
+        the tensors `replaced` (`replaced_on_host`'s answer)."""
+        return self.inventory.describe_misfit(self.inventory.misfits(self.host_master.views,
+                                                                     replaced))
+
+    def _adopt(self, inventory: Inventory, host_master: HostMaster) -> None:
+        """Take over a new inventory and master (packed from the modules as they are now)."""
+        self._require(ResidencyState.OFFLOADED, "re-pack")
+        detector = self._detector_for(host_master)  # an arriving master dropped here has its
+        (self.inventory, self.host_master, self._detector, self._loaded_versions,  # reads stopped
+         self._device_ptrs, self._marked_dirty, self.left_misfits) = (
+            inventory, host_master, detector, versions(inventory.tensors), [], False,
+            False)  # one line: see [Note: interrupts]
+
+    def _detector_for(self, host_master: HostMaster) -> ChangeDetector | None:
+        """Keep digests when the user did not opt out, or when the master is shared (its ranks
+        must agree on every write: `residency.group.write_back`)."""
+        if self._detector is None and (self.detect_edits or host_master.shared_group is not None):
+            return ChangeDetector()
+        return self._detector
+
+    def _require(self, state: ResidencyState, action: str) -> None:
+        if self.state is not state:
+            raise PhaseError(f"cannot {action} group {self.name!r}: it is {self.state.value}, "
+                             f"and {action} needs it {state.value}")
+
+    def _prepare_storage(self, storage: DeviceStorage, nbytes: int):
+        """`DeviceStorage.prepare_load` for this group: its views, their pointers and the chunk
+        copies; an allocation that fails is a `DeviceMemoryError` that says what to do."""
+        try:
+            return storage.prepare_load(self, self.inventory, self.host_master, nbytes)
+        except (MemoryError, RuntimeError) as error:
+            raise _allocation_failed(self.name, nbytes, self._transport.device, error) from error
+
+    def _copy_in_replaced(self, replaced: list[int] | None = None) -> set[int]:
+        """`residency.group.write_back.copy_in` of the tensors given new storage while offloaded
+        (`replaced`: as for `_load`); returns the indices taken into the master."""
+        replaced = self.replaced_on_host() if replaced is None else replaced
+        return copy_in(self._transport, self.inventory, self.host_master, replaced) \
+            if replaced else set()
+
+
+def _entering(master: HostMaster) -> None:
+    """Before a copy reads `master`: one still arriving from its weight files is completed
+    (`residency.host.read_behind`: its group read first, the caller waits for it, the tensors
+    re-pointed to it); a file-backed one's host tier is told (room is made for its pages, the
+    file that followed it last time is read ahead).  A private master in memory: nothing."""
+    if master.arrival is not None:
+        master.arrival.complete(master)
+    if master.spill is not None:
+        master.spill.entering()
+
+
+def slot_nbytes(blocks: Iterable[Inventory], sharded: ShardedLoad | None) -> int:
+    """Bytes a layer-mode slot must hold for `blocks`: the largest one's laid-out bytes (whole
+    shards when the node's ranks all-gather each block); 0 without blocks."""
+    largest = max((block.layout.contiguous_nbytes for block in blocks), default=0)
+    return sharded.buffer_nbytes(largest) if sharded is not None and largest else largest
+
+
+def device_need(own: Inventory, blocks: Iterable[Inventory], sharded: ShardedLoad | None) -> int:
+    """Device bytes a group needs while current: its own part, plus two slots for its streamed
+    `blocks` in layer mode.  The one rule for a registered group and a claim alike."""
+    return own.layout.contiguous_nbytes + 2 * slot_nbytes(blocks, sharded)
+
+
+def _no_layers(name: str) -> PhaseError:
+    return PhaseError(
+        f"group {name!r} is in module mode: it has no streamed layers. Register it with "
+        f"scheduler.add({name!r}, model, layers=True) (or an offload config with \"mode\": "
+        "\"layer\") to stream its blocks"
+    )
+
+
+def _allocation_failed(name: str, nbytes: int, device, error: BaseException) -> DeviceMemoryError:
+    return DeviceMemoryError(
+        f"group {name!r} needs {nbytes} bytes ({nbytes / 2**20:.1f} MiB) of device memory on "
+        f"{device} and the allocation failed ({error}). Free device memory, raise the "
+        "scheduler's device_memory_limit, or split the group; the group stays offloaded"
+    )

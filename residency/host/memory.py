@@ -1,0 +1,446 @@
+"""Where a component's bytes live: the host master (persistent) and device storage (reused).
+
+`HostMaster` — the packed host copy of a component's unique tensors, built once at registration
+and kept for the session: about 1x the weights (alignment padding aside), pinned when an
+accelerator is present.  Offloaded tensors are views of it.
+
+`DeviceStorage` — one device buffer that tensors are views of while resident.  The exclusive groups
+of a scheduler share one (only one of them is resident at a time); each resident-policy group has
+its own.  It is reused across transitions and re-allocated only when it is too small or when
+something outside the library still aliases it.
+
+[Note: building the master without 2x host memory]
+The master is allocated and filled one chunk at a time, and the tensors of each chunk are re-pointed
+to it as soon as it is full, which drops the last reference to their original storages.  At any
+moment the process holds the weights once plus at most one chunk.
+
+[Note: reading regions from their files]
+A region still untouched in a private mapping of its safetensors file (``from_pretrained``'s
+parameters) is read from the file into its chunk by `FileReader`'s threads, while this thread
+copies the chunk's other regions; copying from the mapping instead would fault in every page on
+one thread, each mapped into the process (and counted in its memory) until the re-point.  The
+chunk's tensors are re-pointed only after its reads finished (`FileReader.finish`), so the rule
+above holds: a failed or interrupted read leaves them views of the file, with their values.  An
+edited region is never read (see [Note: which mapped bytes are still the file's] in
+residency/host/file_reads.py).
+
+[Note: the alias check before reuse]
+A weight view kept by user code (``w = linear.weight.detach()``) shares the device buffer's storage.
+Overwriting the buffer with another group would silently change ``w``.  The storage's reference count
+tells: the buffer itself, the views this class created, and nothing else.  Any surplus means an alias,
+and the buffer is abandoned (left to its alias) and a fresh one allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from residency.core.errors import WeightFileError
+from residency.host.file_reads import (
+    FileReader, FileSource, find_file_sources, find_loss, find_mapped_regions,
+)
+from residency.core.locks import in_context
+from residency.modules.tensors import Inventory, data_ptrs, make_views, repoint
+from residency.device.transport import Transport
+
+__all__ = [
+    "DeviceStorage", "HostMaster", "PROGRESS_THRESHOLD", "Progress", "allocate_chunk",
+    "copy_region_into", "refuse_cut_files", "views_into_chunk",
+]
+
+#: Building a host master larger than this shows progress (registration of many GiB takes seconds).
+PROGRESS_THRESHOLD = 2**30
+
+_log = logging.getLogger("residency")
+_use_count = torch._C._storage_Use_Count
+
+
+class HostMaster:
+    """The packed, persistent host copy of one component: a few chunks, one view per unique tensor.
+
+    Build it with `HostMaster.pack(inventory, ...)`, which also re-points the tensors to it.
+    """
+
+    def __init__(self, chunks: list[torch.Tensor], views: list[torch.Tensor], pinned: bool):
+        #: uint8 host tensors, one per chunk of the layout (none yet while arriving).
+        self.chunks = chunks
+        #: One view per unique tensor of the inventory, in inventory order: each tensor's home
+        #: while offloaded (while arriving: the tensor's own storage of `add`).
+        self.views = views
+        #: The views' data pointers (a tensor whose pointer differs was given new storage).
+        self.view_ptrs = data_ptrs(views)
+        #: Whether every chunk is page-locked.
+        self.pinned = pinned
+        #: The node group whose ranks share these bytes (a node-shared segment), or None for a
+        #: master of this process alone.  Writes to a shared master are agreed by its ranks.
+        self.shared_group = None
+        #: The file of ours this master's chunks are slices of (`residency.host.host_tier`:
+        #: a host smaller than the model), or None: private memory or a node-shared segment.
+        self.spill = None
+        #: The reads still filling the chunks from weight files (`residency.host.read_behind`:
+        #: a master read behind the first phase), or None: the bytes are in.  The group's first
+        #: load completes it (`Arrival.complete`), which then calls `arrived`.
+        self.arrival = None
+
+    @classmethod
+    def arriving(cls, inventory: Inventory, arrival) -> HostMaster:
+        """A master whose bytes are still being read (`arrival`); until they are in, each
+        tensor's home is its own storage, so nothing is re-pointed here."""
+        master = cls([], [tensor.detach() for tensor in inventory.tensors], pinned=False)
+        master.arrival = arrival
+        return master
+
+    @property
+    def still_reading(self) -> bool:
+        """Whether its bytes are still being read from weight files (an arriving master whose
+        reads have not ended); a load of it would wait for them."""
+        return self.arrival is not None and not self.arrival.done.is_set()
+
+    def abandon_reads(self) -> None:
+        """Stop the reads of an arriving master nobody will load (its group left the scheduler,
+        or was re-packed): its tensors stay where they were, with their values - unless a
+        weight file was cut short under them, when they are moved off its mapping first
+        (`residency.host.read_behind`, [Note: a weight file cut short under an arriving
+        master])."""
+        if self.arrival is not None:
+            self.arrival.abandon(self)
+
+    def rehome(self, views: list[torch.Tensor]) -> None:
+        """While arriving: the tensors' homes are `views` now (a weight file was cut short
+        under them, and `residency.host.read_behind` moved them off its mapping); one line."""
+        self.views, self.view_ptrs = views, data_ptrs(views)
+
+    def arrived(self, chunks: list[torch.Tensor], views: list[torch.Tensor], pinned: bool) -> None:
+        """Take the chunks an arrival filled and the views the tensors now read (the commit of
+        `Arrival.complete`: one line)."""
+        self.chunks, self.views, self.view_ptrs, self.pinned, self.arrival = (
+            chunks, views, data_ptrs(views), pinned, None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.numel() for chunk in self.chunks)
+
+    @classmethod
+    def pack(
+        cls,
+        inventory: Inventory,
+        transport: Transport,
+        *,
+        pin: bool,
+        into: torch.Tensor | None = None,
+        files: Sequence[FileSource | None] | None = None,
+    ) -> HostMaster:
+        """Copy the inventory's tensors into a new master, chunk by chunk, re-pointing as it goes.
+
+        A region whose bytes are still a weight file's (`find_file_sources`) is read from the
+        file (see [Note: reading regions from their files]); the others are copied from memory.
+
+        `into` (a uint8 host buffer of ``layout.contiguous_nbytes``: a node-shared segment) holds
+        the chunks, laid out as in device storage, instead of memory allocated per chunk.
+        `files`: each region's `FileSource` or None, when the caller has found them already
+        (`find_file_sources` of the inventory's sources: found here when not given).
+        """
+        layout = inventory.layout
+        sources = inventory.source_regions
+        assert sources is not None, "an inventory is packed once"
+        refuse_cut_files(inventory)
+        if files is None:
+            files = find_file_sources(sources, layout.region_nbytes)
+        chunks: list[torch.Tensor] = []
+        views: list[torch.Tensor | None] = [None] * inventory.tensor_count
+        verb = "reading" if any(files) else "pinning" if pin else "packing"
+        progress = Progress(layout.nbytes, verb=f"{verb} host master")
+        with FileReader() as reader:
+            for chunk_index, nbytes in enumerate(layout.chunk_nbytes):
+                if into is None:
+                    chunk, pin = allocate_chunk(transport, nbytes, pin)
+                else:
+                    base = layout.chunk_base[chunk_index]
+                    chunk = into[base : base + nbytes]
+                chunks.append(chunk)
+                regions = inventory.regions_in_chunk(chunk_index)
+                _fill_chunk(chunk, regions, layout, sources, files, reader)
+                _repoint_chunk(inventory, regions, chunk, views)
+                progress.advance(nbytes)
+        progress.close()
+        inventory.source_regions = None
+        if inventory.wrappers is not None:  # a wrapper registered on an accelerator gets a host twin
+            inventory.wrappers.follow(chunks[0].device)
+        return cls(chunks, views, pinned=pin)  # type: ignore[arg-type]
+
+    @classmethod
+    def attach(cls, inventory: Inventory, shared: torch.Tensor, *, pinned: bool) -> HostMaster:
+        """A master over bytes another process packed into `shared` (a node-shared segment laid
+        out as `pack(..., into=shared)` lays it); re-points the inventory's tensors to it, which
+        drops their own storages.  The bytes must equal the tensors' (the ranks checked)."""
+        layout = inventory.layout
+        chunks = [shared[base : base + n] for base, n in zip(layout.chunk_base, layout.chunk_nbytes)]
+        views: list[torch.Tensor | None] = [None] * inventory.tensor_count
+        for chunk_index, chunk in enumerate(chunks):
+            _repoint_chunk(inventory, inventory.regions_in_chunk(chunk_index), chunk, views)
+        inventory.source_regions = None
+        if inventory.wrappers is not None:
+            inventory.wrappers.follow(shared.device)
+        return cls(chunks, views, pinned=pinned)  # type: ignore[arg-type]
+
+    def chunk_copies(self, device_buffer: torch.Tensor, inventory: Inventory):
+        """(device slice, host chunk) pairs: one bulk copy per chunk."""
+        bases = inventory.layout.chunk_base
+        return [(device_buffer[base : base + c.numel()], c) for base, c in zip(bases, self.chunks)]
+
+    def range_copies(self, device_buffer: torch.Tensor, ranges, inventory: Inventory):
+        """(host slice, device slice) pairs that copy device byte `ranges` back into the chunks.
+
+        `ranges` are ``(start, end)`` offsets into the device bytes (chunks laid end to end);
+        alignment padding between chunks has no host counterpart and is skipped.
+        """
+        pairs = []
+        for base, chunk in zip(inventory.layout.chunk_base, self.chunks):
+            for start, end in ranges:
+                first, last = max(start, base), min(end, base + chunk.numel())
+                if first < last:
+                    pairs.append((chunk[first - base : last - base], device_buffer[first:last]))
+        return pairs
+
+    @classmethod
+    def over_chunks(cls, inventory: Inventory, chunks: list[torch.Tensor], *, pinned: bool):
+        """A master over `chunks` that already hold the inventory's bytes in its layout (a
+        warm-restart cache file, mapped: `residency.host.master_cache`); re-points the
+        tensors to them, as `attach` does."""
+        views: list[torch.Tensor | None] = [None] * inventory.tensor_count
+        for chunk_index, chunk in enumerate(chunks):
+            _repoint_chunk(inventory, inventory.regions_in_chunk(chunk_index), chunk, views)
+        inventory.source_regions = None
+        if inventory.wrappers is not None:
+            inventory.wrappers.follow(chunks[0].device)
+        return cls(chunks, views, pinned=pinned)  # type: ignore[arg-type]
+
+
+class DeviceStorage:
+    """A reusable device buffer and the views each group has into it (see the notes above).
+
+    ``views_for(key, inventory)`` returns views laid out for `inventory`, reusing the buffer when it is
+    large enough and not aliased, else allocating a fresh one.  The views of a group stay valid (and
+    its tensors land at the same addresses) for as long as the buffer is reused.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        #: Allocate at least this many bytes (the largest group that will load here), so the
+        #: buffer is allocated once rather than grown group by group.
+        self.size_hint = 0
+        self.buffer: torch.Tensor | None = None
+        self._views: dict[object, list[torch.Tensor]] = {}
+        self._pointers: dict[object, list[int]] = {}
+        self._view_count = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def is_aliased(self) -> bool:
+        """Whether something besides this object and its views still references the buffer."""
+        if self.buffer is None:
+            return False
+        # 1 for self.buffer, 1 for the temporary storage object made to ask, 1 per view.
+        return _use_count(self.buffer.untyped_storage()._cdata) > 2 + self._view_count
+
+    def prepare(self, nbytes: int) -> bool:
+        """Make sure a buffer of at least `nbytes` exists that nothing outside aliases.
+
+        Returns True when a fresh buffer was allocated.  Allocation errors propagate unchanged.
+        """
+        if self.buffer is not None and (self.buffer.numel() >= nbytes) and not self.is_aliased():
+            return False
+        if self.buffer is not None and self.is_aliased():
+            _log.info("device storage is aliased outside the scheduler; allocating a fresh buffer")
+        self.release()
+        # The buffer outlives the caller's mode; see [Note: a context on one line] in locks.py.
+        self.buffer = in_context(torch.inference_mode(False), self._transport.allocate_device,
+                                 max(nbytes, self.size_hint))
+        return True
+
+    def views_for(self, key: object, inventory: Inventory) -> list[torch.Tensor]:
+        """Views of the buffer laid out for `inventory` (cached per key while the buffer lives).
+
+        Only this object holds them, so `release` really frees the buffer.
+        """
+        views = self._views.get(key)
+        if views is None:
+            assert self.buffer is not None
+            views = _views_into_buffer(inventory, self.buffer)
+            self._views[key] = views
+            self._pointers[key] = data_ptrs(views)
+            self._view_count += len(views)
+        return views
+
+    def prepare_load(self, key: object, inventory: Inventory, master: HostMaster, nbytes: int):
+        """Everything a load of `master` (laid out as `inventory`) into this storage needs, in
+        one call: a buffer of at least `nbytes` (`prepare`), the views the tensors will be
+        re-pointed to, their data pointers (plain ints: holding them keeps no memory alive;
+        where eviction finds ``.data = ...``), and the (device slice, host chunk) copies.
+
+            views, pointers, copies = storage.prepare_load(group, inventory, master, nbytes)
+        """
+        self.prepare(nbytes)
+        views = self.views_for(key, inventory)
+        return views, self._pointers[key], master.chunk_copies(self.buffer, inventory)
+
+    def forget(self, key: object) -> None:
+        """Drop the views made for `key` (a group that was unregistered or re-packed)."""
+        views = self._views.pop(key, None)
+        self._pointers.pop(key, None)
+        if views is not None:
+            self._view_count -= len(views)
+
+    def release(self) -> None:
+        """Drop the buffer and every view of it (memory returns once no tensor uses it)."""
+        if self.buffer is not None:
+            self._transport.release(self.buffer)
+        self.buffer = None
+        self._views.clear()
+        self._pointers.clear()
+        self._view_count = 0
+
+
+class Progress:
+    """Shows progress of building a master over `PROGRESS_THRESHOLD` bytes.
+
+    On a terminal: a one-line bar on stderr, redrawn in place.  Otherwise: a log line per 10%.
+    Smaller masters build silently.
+
+        progress = Progress(nbytes, verb="reading host master")
+    """
+
+    def __init__(self, total: int, *, verb: str) -> None:
+        self.total, self.done, self.logged_tenth = total, 0, 0
+        self.enabled = total > PROGRESS_THRESHOLD
+        self.verb = verb
+        self.bar = self.enabled and sys.stderr.isatty()
+        self.started = time.perf_counter()
+
+    def advance(self, nbytes: int) -> None:
+        if not self.enabled:
+            return
+        self.done += nbytes
+        if self.bar:
+            filled = int(30 * self.done / self.total)
+            sys.stderr.write(
+                f"\rresidency: {self.verb} [{'#' * filled}{'.' * (30 - filled)}] "
+                f"{self.done / 2**30:.1f}/{self.total / 2**30:.1f} GiB"
+            )
+            sys.stderr.flush()
+            return
+        tenth = int(10 * self.done / self.total)
+        if tenth > self.logged_tenth:
+            self.logged_tenth = tenth
+            _log.info("%s: %d%% of %.1f GiB", self.verb, tenth * 10, self.total / 2**30)
+
+    def close(self) -> None:
+        if self.bar:
+            seconds = time.perf_counter() - self.started
+            sys.stderr.write(f" done in {seconds:.1f} s\n")
+
+
+def refuse_cut_files(inventory: Inventory) -> None:
+    """Refuse to pack `inventory` when a weight file its tensors view was cut short under them
+    (see [Note: a mapping whose file was cut short] in residency/host/file_reads.py): a
+    `WeightFileError` naming the file and the tensors lost, before any byte is read; nothing
+    changes.
+
+        refuse_cut_files(inventory)    # HostMaster.pack, ReadBehind.master_for
+    """
+    sources = inventory.source_regions
+    loss = find_loss(inventory, find_mapped_regions(sources, inventory.layout.region_nbytes))
+    if loss is not None:
+        raise WeightFileError(
+            f"{loss.files} since the tensors were loaded from it: {loss.tensors} lie past "
+            "where it ends now, so their values are lost, and reading one would kill the "
+            "process (SIGBUS). Load the pipeline (or the model) again once the file is "
+            "restored (download it again); nothing was offloaded"
+        )
+
+
+@torch.inference_mode(False)
+def allocate_chunk(transport: Transport, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A host chunk; falls back to pageable memory with one warning when pinning fails.
+
+    Always a normal tensor, even when registration runs under ``torch.inference_mode()``: the
+    master is written again (write-back) long after that mode has ended.
+    """
+    if not pin:
+        return transport.allocate_host(nbytes, pin=False), False
+    try:
+        return transport.allocate_host(nbytes, pin=True), True
+    except RuntimeError as error:
+        warnings.warn(
+            f"pinning {nbytes} bytes of host memory failed ({error}); using pageable memory "
+            "instead, so transfers will be slower. Raise the locked-memory limit (ulimit -l) or "
+            "pass pin_memory=False to choose pageable memory and silence this warning.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return transport.allocate_host(nbytes, pin=False), False
+
+
+def _fill_chunk(
+    chunk: torch.Tensor,
+    regions: Sequence[int],
+    layout,
+    sources: list,
+    files: list[FileSource | None],
+    reader: FileReader,
+) -> None:
+    """Fill `chunk` with `regions`: those with a file source read from it on the reader's threads
+    while the others are copied here; returns once every byte is in (drops the sources)."""
+    offsets, sizes = layout.region_offset, layout.region_nbytes
+    reader.start(chunk, [(files[r], offsets[r], sizes[r]) for r in regions if files[r] is not None])
+    for region in regions:
+        if files[region] is None:
+            copy_region_into(chunk, offsets[region], sources[region], sizes[region])
+    reader.finish()
+    for region in regions:
+        sources[region] = None
+
+
+def copy_region_into(chunk: torch.Tensor, offset: int, source, nbytes: int) -> None:
+    """Copy `nbytes` of region `source` (its storage and first byte) to `chunk[offset:]`."""
+    storage, first = source
+    if nbytes == 0:
+        return
+    source_bytes = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    source_bytes.set_(storage, first, (nbytes,))
+    chunk[offset : offset + nbytes].copy_(source_bytes)
+
+
+def _repoint_chunk(inventory: Inventory, regions, chunk: torch.Tensor, views: list) -> None:
+    """Re-point the tensors of `regions` (all in `chunk`) to views of it; record the views."""
+    members = inventory.tensors_in_regions(regions)
+    chunk_views = views_into_chunk(inventory, members, chunk)
+    repoint([inventory.tensors[i] for i in members], chunk_views)
+    for i, view in zip(members, chunk_views):
+        views[i] = view
+
+
+def views_into_chunk(
+    inventory: Inventory, members: Sequence[int], chunk: torch.Tensor
+) -> list[torch.Tensor]:
+    """Views of `chunk` for the tensors `members`.  A chunk may be a slice of a larger buffer (a
+    node-shared segment holds every chunk end to end), so the offsets start at its own."""
+    places = [inventory.places[i] for i in members]
+    first = chunk.storage_offset()
+    region_base = [first + offset for offset in inventory.layout.region_offset]
+    return make_views(places, chunk.untyped_storage(), region_base, chunk.device)
+
+
+def _views_into_buffer(inventory: Inventory, buffer: torch.Tensor) -> list[torch.Tensor]:
+    layout = inventory.layout
+    bases = layout.chunk_base
+    region_base = [bases[c] + o for c, o in zip(layout.region_chunk, layout.region_offset)]
+    return make_views(inventory.places, buffer.untyped_storage(), region_base, buffer.device)

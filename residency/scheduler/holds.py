@@ -1,0 +1,520 @@
+"""Holds: who may run.  Every thread's open phases, who holds the current group, and the queue.
+
+[Note: holds, nesting and threads]
+A thread *holds* the group of its innermost open phase.  A group can only be evicted when nobody
+holds it.  Entering a phase of another group first gives up the thread's own hold (a nested phase
+suspends the outer one), then waits until the current group has no holders, then swaps.  Leaving the
+nested phase gives up its hold and takes the outer group back, swapping again if needed.  Because a
+waiting thread never holds anything, threads cannot deadlock on each other through the scheduler.
+Waiters are served first come, first served; a thread asking for the group already on the device
+joins it at once unless someone queued earlier for another group.
+
+What can still hang is a hold that is never released: a thread that ended inside a phase (a phase
+must be left on the thread that entered it).  Waiters notice such holds and raise `DeadlockError`;
+``wait_timeout`` turns any longer wait into a `DeadlockError` too.
+
+[Note: misnested exits]
+Leaving a phase while a phase inside it is still open (possible without ``with``: generators,
+``ExitStack`` misuse) is refused with `PhaseError` and changes nothing now: the inner phases'
+code may still be running and must keep its weights.  The phase is marked LEAVING and closes by
+itself the moment the phases inside it have been left - so after a misnested ``with`` the thread
+does not hold its group forever: once the inner phases exit, the holds are empty and other threads
+can enter any group.  Leaving it again afterwards does nothing (a ``with`` statement never calls
+``__exit__`` twice, so a caller that retries must not be punished).  Leaving a phase on a thread
+that did not enter it raises and changes nothing: that thread's frames are not ours to touch.
+
+A phase whose ``with`` statement ended without a completed exit (an interrupt at the first line
+of ``Phase.__exit__``) is *abandoned*: nothing refers to it but its frame.  It is closed by the
+next call that meets it (`collect_abandoned`; see [Note: interrupts] in the facade),
+and its thread's hold goes with it.
+
+Fields (every one guarded by the scheduler lock; `Holds` is their one mutator):
+
+* ``_threads``: thread -> `ThreadHolds`, for each thread with an open phase or a hold.  Invariant:
+  an entry with no frames and no hold is removed; a thread's frames are its open phases, innermost
+  last, and each frame names the exclusive group the thread needs while the frame is innermost.
+* a thread's ``held``: the group it holds, or None.  Invariant: every held group is the placement's
+  current group (a hold is granted only after the placement made the group current).
+* ``closed``: set by `close`; then no hold is granted and waiters raise.  The scheduler's one
+  closed flag: the facade reads it to refuse its verbs.  ``reopen`` is what those refusals tell
+  the user to do instead (set before ``closed``, by the same `close`).
+
+* ``_queue``: tickets of threads waiting for a group, oldest first.  Invariant: a thread waits on
+  at most one ticket and holds nothing while it waits.
+
+Calls go down from here: when a thread's turn comes, the holds ask the placement to make its group
+current (`Placement.switch_to`); they read ``placement.current``, ask the registry whether a phase's
+group is still registered, and call nothing above them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+from residency.group.residency import Residency
+from residency.core.enums import PhaseStatus
+from residency.core.errors import DeadlockError, PhaseError, SchedulerClosedError
+from residency.core.locks import CHECKING, check_held
+from residency.placement.placement import Placement
+from residency.group.registry import Registry
+
+__all__ = ["Holds", "REOPEN", "ThreadHolds", "Ticket"]
+
+#: What a closed scheduler's refusals advise by default (`Holds.close` takes another).
+REOPEN = "Create a new Scheduler and add the modules again to keep offloading"
+
+#: How often a waiting thread looks for holders whose threads have ended (seconds).
+_DEAD_HOLDER_POLL = 0.05
+_log = logging.getLogger("residency")
+_current_thread = threading.current_thread
+_ACTIVE = PhaseStatus.ACTIVE
+
+
+class ThreadHolds:
+    """One thread's frames and hold."""
+
+    __slots__ = ("thread", "frames", "held")
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+        #: (phase, the exclusive group the thread needs while it is innermost), outermost first.
+        #: A phase's ``status`` is written here only.
+        self.frames: list[tuple[object, Residency | None]] = []
+        self.held: Residency | None = None
+
+    def needs(self) -> Residency | None:
+        """The exclusive group the innermost frame needs (None outside every phase)."""
+        return self.frames[-1][1] if self.frames else None
+
+
+class Ticket:
+    """A thread's place in the queue for `group`."""
+
+    __slots__ = ("group", "thread")
+
+    def __init__(self, group: Residency, thread: threading.Thread) -> None:
+        self.group = group
+        self.thread = thread
+
+
+class Holds:
+    """The table of who may run (see the notes above); the facade calls it with the lock held.
+
+        entry = holds.entry(thread)
+        holds.push(entry, phase, needs=group)    # a frame, after the hold was granted
+    """
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        placement: Placement,
+        registry: Registry,
+        *,
+        wait_timeout: float | None,
+    ) -> None:
+        self._lock = lock
+        #: Makes a group current when a thread's turn comes; its ``current`` is the group a
+        #: hold may join.
+        self._placement = placement
+        #: Asked whether a phase's group is still registered (a phase may outlive its group).
+        self._registry = registry
+        #: Waiters sleep here; the same lock.
+        self._wakeup = threading.Condition(lock)
+        self.wait_timeout = wait_timeout
+        self._threads: dict[threading.Thread, ThreadHolds] = {}  # guarded by the lock
+        #: Per thread, a shortcut to its entry (read by that thread only).
+        self._local = threading.local()
+        #: How many entries hold a group (kept with ``held``, read on every exit).
+        self._holder_count = 0  # guarded by the lock
+        self._queue: collections.deque[Ticket] = collections.deque()  # guarded by the lock
+        #: Set by `close`: no more holds are granted, and waiters raise.
+        self.closed = False  # guarded by the lock
+        #: What a refusal after `close` advises (an adapter names its own verb).
+        self.reopen = REOPEN  # guarded by the lock
+
+    # -- queries (the lock held) ---------------------------------------------------------------
+
+    def _local_entry(self) -> ThreadHolds:
+        """The calling thread's entry, made on its first phase.  The thread-local slot is only a
+        shortcut to the entry: the table (``_threads``) says whether it is open or holds."""
+        entry = self._local.entry = ThreadHolds(_current_thread())
+        return entry
+
+    def holders(self) -> list[threading.Thread]:
+        return [t for t, e in self._threads.items() if e.held is not None]
+
+    def __iter__(self) -> Iterator[ThreadHolds]:
+        """Every thread's entry (a copy of the table: for inspection and tests)."""
+        return iter(list(self._threads.values()))
+
+    def has_holders(self) -> bool:
+        return self._holder_count > 0
+
+    def queue_is_empty(self) -> bool:
+        return not self._queue
+
+    def involves(self, group: Residency) -> bool:
+        """Whether any thread holds `group`, waits for it, or has a phase of it open (suspended
+        phases included)."""
+        return any(ticket.group is group for ticket in self._queue) or any(
+            entry.held is group
+            or any(phase.group is group or needs is group for phase, needs in entry.frames)
+            for entry in self._threads.values()
+        )
+
+    def describe_holders(self, current: Residency | None) -> str:
+        names = ", ".join(repr(t.name) for t in self.holders()) or "no thread"
+        return f"group {current.name if current else None!r} is held by {names}"
+
+    # -- frames ------------------------------------------------------------------------------
+
+    def push(self, entry: ThreadHolds, phase, needs: Residency | None) -> Residency:
+        """Open `phase` as `entry`'s innermost frame; returns its group."""
+        if CHECKING:
+            check_held(self._lock)
+        entry.frames.append((phase, needs))
+        phase.status = PhaseStatus.ACTIVE
+        self._threads[entry.thread] = entry
+        return phase.group
+
+    def join(self, phase) -> Residency:
+        """Open `phase`; returns its group.
+
+        At once when that needs no swap and no wait: re-entry of the group the thread holds, or
+        a thread holding nothing joining the current group while nobody is queued.  This is
+        every phase of a denoising loop after the first: a dict lookup and a list append under
+        the lock, no tensor work.  Else the group must still be registered (the phase may be
+        older than a ``remove``), the thread takes the hold the group needs (waiting for the
+        turn, and having the placement swap it in), then the frame is pushed.  A phase of a
+        resident-policy group needs what the thread's innermost phase needs.  If the swap fails,
+        the thread takes its previous group back and nothing is opened.
+        """
+        if CHECKING:
+            check_held(self._lock)
+        entry = getattr(self._local, "entry", None) or self._local_entry()
+        group, held = phase.group, entry.held
+        if held is group or (held is None and not self._queue and group.exclusive
+                             and group is self._placement.current):  # (a held group is exclusive)
+            if held is None:
+                self._holder_count += 1
+                entry.held = group
+                self._threads[entry.thread] = entry
+            entry.frames.append((phase, group))
+            phase.status = _ACTIVE
+            return group
+        self._registry.check_registered(group)
+        self.collect_abandoned()
+        needs = group if group.exclusive else entry.needs()
+        if needs is not entry.held:
+            self.move(entry, needs, restore_on_failure=True)
+        return self.push(entry, phase, needs)
+
+    def leave(self, phase) -> None:
+        """Close `phase` (see `pop`), then give up the hold when no phase of the thread needs
+        one, or move it to the group the new innermost frame needs.  Raises `PhaseError` like
+        `pop`.
+        """
+        if CHECKING:
+            check_held(self._lock)
+        entry = getattr(self._local, "entry", None) or self._local_entry()
+        frames = entry.frames
+        if frames and frames[-1][0] is phase and len(frames) == 1 and entry.held is not None:
+            # The common exit: the thread's only phase; give up the hold, forget the entry.
+            frames.pop()
+            phase.status = PhaseStatus.EXITED
+            self._drop_hold(entry)
+            return None
+        needs = self.pop(entry, phase)
+        if frames and _drop_abandoned(entry):
+            needs = entry.needs()
+        if needs is entry.held:
+            self.forget_if_idle(entry)
+            return None
+        if needs is None:
+            self.give_up(entry)
+            return None
+        self.move(entry, needs, restore_on_failure=False)
+        self.forget_if_idle(entry)
+        return None
+
+    def pop(self, entry: ThreadHolds, phase) -> Residency | None:
+        """Close `phase`, the innermost frame, and every LEAVING frame it uncovers; returns what
+        the new innermost frame needs.
+
+        Raises `PhaseError` when `phase` is not open on this thread, or when phases inside it are
+        still open (then it is marked LEAVING: see [Note: misnested exits]).
+        """
+        if CHECKING:
+            check_held(self._lock)
+        frames = entry.frames
+        if not frames or frames[-1][0] is not phase:  # unless phases inside were abandoned
+            if not (_drop_abandoned(entry) and frames and frames[-1][0] is phase):
+                _refuse_exit(entry, phase)
+        frames.pop()
+        phase.status = PhaseStatus.EXITED
+        while frames and frames[-1][0].status is PhaseStatus.LEAVING:
+            frames.pop()[0].status = PhaseStatus.EXITED_LATE
+        return frames[-1][1] if frames else None
+
+    def collect_abandoned(self) -> None:
+        """Close every phase whose ``with`` statement has ended without a completed exit (an
+        interrupt at the first line of ``Phase.__exit__``): nothing refers to it but its frame
+        (see [Note: interrupts] in the facade).  A thread left with no frame gives up
+        its hold; the calling thread's own hold is the facade's to move."""
+        if CHECKING:
+            check_held(self._lock)
+        for entry in list(self._threads.values()):
+            if not entry.thread.is_alive():  # a thread that ended inside: `DeadlockError`
+                continue
+            if _drop_abandoned(entry) and not entry.frames and entry.held is not None:
+                self._drop_hold(entry)
+
+    def settle(self, phase) -> None:
+        """After an entry or exit of `phase` on this thread stopped half-way (see [Note:
+        interrupts] in the facade): close `phase` if it is open, drop the thread's
+        tickets, count the holders again, and give the thread the hold its innermost open
+        phase needs."""
+        if CHECKING:
+            check_held(self._lock)
+        if self.closed:
+            return
+        entry = getattr(self._local, "entry", None) or self._local_entry()
+        frames = entry.frames
+        if frames and frames[-1][0] is phase:
+            frames.pop()
+        _drop_abandoned(entry)
+        if phase.status is _ACTIVE or phase.status is PhaseStatus.NEW:
+            phase.status = PhaseStatus.EXITED
+        while frames and frames[-1][0].status is PhaseStatus.LEAVING:
+            frames.pop()[0].status = PhaseStatus.EXITED_LATE
+        if entry.held is not None and entry.held is not self._placement.current:
+            entry.held = None
+        self._queue = collections.deque(t for t in self._queue if t.thread is not entry.thread)
+        if frames or entry.held is not None:
+            self._threads[entry.thread] = entry
+        else:
+            self._threads.pop(entry.thread, None)
+        self._holder_count = sum(e.held is not None for e in self._threads.values())
+        self._wakeup.notify_all()
+        if entry.needs() is not entry.held:
+            self.move(entry, entry.needs(), restore_on_failure=False)
+        self.forget_if_idle(entry)
+
+    def forget_if_idle(self, entry: ThreadHolds) -> None:
+        """Drop `entry` from the table once it has no frame and no hold."""
+        if CHECKING:
+            check_held(self._lock)
+        if not entry.frames and entry.held is None:
+            self._threads.pop(entry.thread, None)
+
+    # -- holding -----------------------------------------------------------------------------
+
+    def take(self, entry: ThreadHolds, group: Residency) -> None:
+        """Record that `entry`'s thread holds `group` (the placement's current group)."""
+        if CHECKING:
+            check_held(self._lock)
+        if entry.held is None:
+            self._holder_count += 1
+        entry.held = group
+        self._threads[entry.thread] = entry
+
+    def give_up(self, entry: ThreadHolds) -> None:
+        """`entry`'s thread holds nothing any more; wake waiters if nobody does.  An entry left
+        with no frame is dropped from the table."""
+        if CHECKING:
+            check_held(self._lock)
+        if entry.held is not None:
+            self._drop_hold(entry)
+        elif not entry.frames:
+            self._threads.pop(entry.thread, None)
+
+    def _drop_hold(self, entry: ThreadHolds) -> None:
+        self._holder_count -= 1
+        entry.held = None
+        if not entry.frames:
+            del self._threads[entry.thread]
+        if self._queue and not self._holder_count:
+            self._wakeup.notify_all()
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def enqueue(self, ticket: Ticket) -> None:
+        if CHECKING:
+            check_held(self._lock)
+        self._queue.append(ticket)
+
+    def dequeue(self, ticket: Ticket) -> None:
+        if CHECKING:
+            check_held(self._lock)
+        self._queue.remove(ticket)
+        self._wakeup.notify_all()
+
+    def move(
+        self,
+        entry: ThreadHolds,
+        needs: Residency | None,
+        *,
+        restore_on_failure: bool,
+    ) -> None:
+        """Give up `entry`'s hold and take `needs`: at once when it is current and nobody waits,
+        else after waiting for the turn and having the placement make it current.
+
+        If that fails and `restore_on_failure`, the thread takes its previous group back (the
+        first error is the one raised; a failure to restore is noted on it).
+        """
+        previous = entry.held
+        if previous is not None:
+            self.give_up(entry)
+        if needs is None:
+            return
+        try:
+            self._acquire(entry, needs)
+        except BaseException as error:
+            if restore_on_failure and previous is not None:
+                self._restore(entry, previous, error)
+            raise
+
+    def close(self, reopen: str = "") -> None:
+        """Grant no more holds; waiters wake up to `SchedulerClosedError`, advised to `reopen`
+        (default `REOPEN`)."""
+        if CHECKING:
+            check_held(self._lock)
+        self.reopen = reopen or REOPEN
+        self.closed = True
+        self._wakeup.notify_all()
+
+    def _acquire(self, entry: ThreadHolds, group: Residency) -> None:
+        if group is self._placement.current and not self._queue:  # at once: nobody waits
+            self.take(entry, group)
+            return
+        ticket = Ticket(group, entry.thread)
+        try:  # no `finally`: its first line would be a place an interrupt skips it
+            self.enqueue(ticket)
+            self._wait_for_turn(ticket)
+            if self._placement.current is not group:
+                self._placement.switch_to(group)
+            self.take(entry, group)
+            self.dequeue(ticket)
+        except BaseException:
+            if ticket in self._queue:
+                self.dequeue(ticket)
+            raise
+
+    def _restore(self, entry, previous, error: BaseException) -> None:
+        try:
+            self._acquire(entry, previous)
+        except BaseException as restore_error:  # the first error is the one to report
+            _add_note(error, f"residency: group {previous.name!r} could not be made resident "
+                             f"again ({restore_error!r}); the enclosing phase runs without it")
+
+    def _wait_for_turn(self, ticket: Ticket) -> None:
+        """Sleep until `ticket` may join the current group or swap it out (first come, first
+        served)."""
+        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
+        while not self._may_proceed(ticket, self._placement.current):
+            if self.closed:
+                raise _closed_while_waiting(self.reopen)
+            self.collect_abandoned()
+            self._release_dead_holders(ticket.group, self._placement.current)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlockError(
+                    f"waited {self.wait_timeout} s for group {ticket.group.name!r}: "
+                    f"{self.describe_holders(self._placement.current)}. Leave phases promptly, or "
+                    "raise wait_timeout")
+            self._wakeup.wait(_DEAD_HOLDER_POLL)
+
+    def _may_proceed(self, ticket: Ticket, current: Residency | None) -> bool:
+        for earlier in self._queue:
+            if earlier is ticket:
+                break
+            if earlier.group is not ticket.group:
+                return False
+        if current is ticket.group:
+            return True
+        return not self.has_holders() and self._queue[0] is ticket
+
+    def _release_dead_holders(self, wanted: Residency, current: Residency | None) -> None:
+        """When every holder's thread has ended inside a phase, drop their entries and raise."""
+        if CHECKING:
+            check_held(self._lock)
+        holders = self.holders()
+        dead = [thread for thread in holders if not thread.is_alive()]
+        if not dead or len(dead) < len(holders):
+            return
+        for thread in dead:
+            del self._threads[thread]
+        self._holder_count -= len(dead)
+        raise _dead_holders(wanted, current, dead)
+
+
+def _closed_while_waiting(reopen: str) -> SchedulerClosedError:
+    return SchedulerClosedError(
+        f"the scheduler was closed while this phase waited for its group. {reopen}"
+    )
+
+
+def _dead_holders(wanted: Residency, current: Residency | None, dead) -> DeadlockError:
+    names = ", ".join(repr(t.name) for t in dead)
+    return DeadlockError(
+        f"group {wanted.name!r} waited on group {current.name if current else None!r}, held "
+        f"by phases of thread(s) {names} that ended without leaving them; those holds are now "
+        "released. Leave every phase on the thread that entered it (use `with`)"
+    )
+
+
+def _refuse_exit(entry: ThreadHolds, phase) -> None:
+    """Refuse leaving `phase` (see [Note: misnested exits]): it is not open on this thread, or
+    phases inside it are still open (then it is marked LEAVING)."""
+    depth = _depth_of(entry, phase)
+    if depth != len(entry.frames) - 1:
+        phase.status = PhaseStatus.LEAVING
+        inner = ", ".join(repr(p.group.name) for p, _ in entry.frames[depth + 1 :])
+        raise PhaseError(
+            f"the phase of {phase.group.name!r} was left while phases inside it are still "
+            f"active ({inner}); it will close when they are left. Use `with`, and leave "
+            "phases in the reverse order of entering them"
+        )
+
+
+def _drop_abandoned(entry: ThreadHolds) -> bool:
+    """Close `entry`'s abandoned frames (see `Holds.collect_abandoned`); whether there were any."""
+    dropped = {id(frame): frame for frame in entry.frames if _abandoned(frame)}
+    if not dropped:
+        return False
+    entry.frames[:] = [frame for frame in entry.frames if id(frame) not in dropped]
+    for frame in dropped.values():
+        frame[0].status = PhaseStatus.EXITED
+        _log.info("closed an abandoned phase of %r on thread %r (its `with` ended without "
+                  "a completed exit: interrupted)", frame[0].group.name, entry.thread.name)
+    return True
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(note)
+    else:
+        _log.error(note)
+
+
+def _abandoned(frame: tuple) -> bool:
+    """Whether nothing refers to the frame's phase but the frame: the ``with`` statement (or
+    whoever entered it) let go of it without a completed exit."""
+    phase = frame[0]
+    # The references: the frame's tuple, `phase` here, and getrefcount's own argument.
+    return sys.getrefcount(phase) <= 3
+
+
+def _depth_of(entry: ThreadHolds, phase) -> int:
+    for depth in range(len(entry.frames) - 1, -1, -1):
+        if entry.frames[depth][0] is phase:
+            return depth
+    raise PhaseError(
+        f"the phase of {phase.group.name!r} was left on thread "
+        f"{threading.current_thread().name!r}, which did not enter it; leave a phase on the "
+        "thread that entered it"
+    )
