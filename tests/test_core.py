@@ -794,9 +794,22 @@ def test_scheduler_options_are_checked(options, message):
         Scheduler(**options)
 
 
-def test_residency_moves_are_the_schedulers_alone(scheduler):
-    group = scheduler.add("a", make_block())
-    assert not hasattr(group, "load") and not hasattr(group, "evict")
+def test_a_groups_verbs_refuse_a_move_its_state_does_not_allow_and_change_nothing(scheduler):
+    """A group's verbs are public for the placements (docs/design.md); one called in the wrong
+    state says what it needs and leaves the group as it was."""
+    from residency import PhaseError
+
+    model = make_block()
+    group = scheduler.add("a", model)
+    before = [t.data_ptr() for t in model.state_dict().values()]
+    for verb, action, needed in [(group.evict, "evict", "resident"),
+                                 (group.finish_load, "finish loading", "loading"),
+                                 (group.cancel_load, "cancel loading", "loading")]:
+        with pytest.raises(PhaseError, match=f"cannot {action} group 'a': it is offloaded, "
+                                             f"and {action} needs it {needed}"):
+            verb()
+    assert group.state is ResidencyState.OFFLOADED
+    assert [t.data_ptr() for t in model.state_dict().values()] == before
 
 
 def test_a_resident_policy_phase_of_a_removed_group_is_refused(scheduler):

@@ -205,7 +205,7 @@ def test_a_failed_eviction_leaves_the_group_resident_and_streaming(monkeypatch):
     model, reference, scheduler = warmed()
     parked = scheduler["dit"].streams[0].parts[0]
     assert parked.state is RESIDENT
-    fail_once(monkeypatch, parked, "_evict", RuntimeError("write-back refused"))
+    fail_once(monkeypatch, parked, "evict", RuntimeError("write-back refused"))
     with pytest.raises(RuntimeError, match="write-back refused"):
         swap_away(scheduler)
     assert scheduler.current == "dit" and scheduler["dit"].streams[0].active
@@ -438,7 +438,7 @@ def test_close_does_not_repack_a_block_retyped_in_its_slot():
 def test_a_close_that_fails_leaves_the_scheduler_open_to_close_again(monkeypatch):
     model, reference, scheduler = warmed()
     group = scheduler["dit"]
-    fail_once(monkeypatch, group, "_evict", RuntimeError("write-back refused"))
+    fail_once(monkeypatch, group, "evict", RuntimeError("write-back refused"))
     with pytest.raises(RuntimeError, match="write-back refused"):
         scheduler.close()
     assert "dit" in scheduler  # still registered, the scheduler still open, still streaming

@@ -530,11 +530,11 @@ RETIRED_WAIT = Site(_TRANSPORT, "AcceleratorTransport._wait_retired", "wait_even
 RELEASE_AFTER_COPIES = Site(_TRANSPORT, "AcceleratorTransport.release", "wait_stream")
 STORAGE_RELEASE = Site(_MEMORY, "DeviceStorage.release", "release")
 FRESH_BUFFER_RELEASE = Site(_MEMORY, "DeviceStorage.prepare", "release")
-FINISH_LOAD_WAIT = Site(_COMPONENT, "Residency._finish_load", "wait")
+FINISH_LOAD_WAIT = Site(_COMPONENT, "Residency.finish_load", "wait")
 EVICTION_RETIRE = Site(_COMPONENT, "Residency._leave_device", "retire")
-MISFIT_TO_HOST = Site(_COMPONENT, "Residency._evict", "to")
-CANCEL_SYNCHRONIZE = Site(_COMPONENT, "Residency._cancel_load", "synchronize")
-CANCEL_RETIRE = Site(_COMPONENT, "Residency._cancel_load", "retire")
+MISFIT_TO_HOST = Site(_COMPONENT, "Residency.evict", "to")
+CANCEL_SYNCHRONIZE = Site(_COMPONENT, "Residency.cancel_load", "synchronize")
+CANCEL_RETIRE = Site(_COMPONENT, "Residency.cancel_load", "retire")
 WRITE_BACK_SYNCHRONIZE = Site(_WRITE_BACK, "_copy_to_master", "synchronize")
 SAME_BYTES_FLAGS = Site(_WRITE_BACK, "_same_bytes", "tolist", stale=True)
 #: 0: the bytes of the user's new tensor (zeros, whatever words they are read as).
@@ -571,7 +571,7 @@ def load_then_compute(device, point, *, layers: bool = False) -> None:
 
 @pytest.mark.gpu
 def test_a_phase_waits_for_its_load(device):
-    """group/residency.py:Residency._finish_load -> Completion.wait()."""
+    """group/residency.py:Residency.finish_load -> Completion.wait()."""
     audit(lambda point: load_then_compute(device, point), FINISH_LOAD_WAIT)
 
 
@@ -590,7 +590,7 @@ def test_a_load_records_its_end_on_the_copy_stream(device):
 
 @pytest.mark.gpu
 def test_a_streamed_block_waits_for_its_copy(device):
-    """Layer mode: BlockStream._park -> Residency._finish_load -> Completion.wait()."""
+    """Layer mode: BlockStream._park -> Residency.finish_load -> Completion.wait()."""
     audit(lambda point: load_then_compute(device, point, layers=True), FINISH_LOAD_WAIT)
 
 
@@ -635,7 +635,7 @@ def test_a_copy_into_a_retired_buffer_waits(device):
 
 @pytest.mark.gpu
 def test_a_slot_is_not_overwritten_under_the_block_that_read_it(device):
-    """Layer mode: BlockStream._evict -> SlotPlacement.evict -> Residency._evict ->
+    """Layer mode: BlockStream._evict -> SlotPlacement.evict -> Residency.evict ->
     transport.retire(slot buffer)."""
     audit(lambda point: evict_then_overwrite(device, point, layers=True), EVICTION_RETIRE)
 
@@ -847,7 +847,7 @@ def prefetch_then(device, point, *, then: str) -> None:
         for name in ("a", "b", "c", "a"):
             run(name)
         torch.accelerator.synchronize()
-        with held_until_host_waits(copy_stream, "Residency._cancel_load"), point():
+        with held_until_host_waits(copy_stream, "Residency.cancel_load"), point():
             with scheduler.resident("a"):
                 assert scheduler.prefetch("b")
                 with torch.no_grad():
@@ -866,7 +866,7 @@ def prefetch_then(device, point, *, then: str) -> None:
 def test_an_edit_during_a_prefetch_is_copied_again(device):
     """group/residency.py:Residency._recopy_edited waited for the first copy before issuing the second,
     a wait the audit found redundant and removed: the compute stream waits for the second copy's
-    completion (in _finish_load), which implies the first, since the copy stream runs them in
+    completion (in finish_load), which implies the first, since the copy stream runs them in
     order.  b's edited output, with its copy stream held while the phase is queued, shows it."""
     for _ in range(REPEATS):
         prefetch_then(device, contextlib.nullcontext, then="b")
@@ -875,7 +875,7 @@ def test_an_edit_during_a_prefetch_is_copied_again(device):
 @pytest.mark.gpu
 @pytest.mark.harmless_removal
 def test_a_cancelled_prefetch_needs_no_wait_on_the_simulated_device(device):
-    """group/residency.py:Residency._cancel_load -> completion.synchronize(): harmless here (see the
+    """group/residency.py:Residency.cancel_load -> completion.synchronize(): harmless here (see the
     table): nothing reads the abandoned copy's destination before a later copy, queued after it
     on the copy stream, overwrites it, and the pinned source is not reused before the copy ran."""
     audit_harmless(lambda point: prefetch_then(device, point, then="c"), CANCEL_SYNCHRONIZE)
@@ -884,7 +884,7 @@ def test_a_cancelled_prefetch_needs_no_wait_on_the_simulated_device(device):
 @pytest.mark.gpu
 @pytest.mark.harmless_removal
 def test_a_cancelled_prefetch_needs_no_retire(device):
-    """group/residency.py:Residency._cancel_load -> transport.retire(buffer): harmless (see the
+    """group/residency.py:Residency.cancel_load -> transport.retire(buffer): harmless (see the
     table)."""
     audit_harmless(lambda point: prefetch_then(device, point, then="c"), CANCEL_RETIRE)
 
@@ -1063,7 +1063,7 @@ def retyped_then_read_on_the_host(device, point, shift: int) -> None:
         torch.accelerator.synchronize()
         weight = g.models["a"][0].weight
         expected = (g.host_copies["a"][0].weight.detach() + shift).half()
-        with held_until_host_waits(compute_stream(), "Residency._evict"), point():
+        with held_until_host_waits(compute_stream(), "Residency.evict"), point():
             with g.scheduler.resident("a"), torch.no_grad():
                 weight.data = (weight.data + shift).half()  # new storage, new dtype: a misfit
             g.scheduler.offload_all()
@@ -1074,7 +1074,7 @@ def retyped_then_read_on_the_host(device, point, shift: int) -> None:
 
 @pytest.mark.gpu
 def test_a_misfit_is_on_the_host_before_the_host_reads_it(device):
-    """group/residency.py:Residency._evict -> tensors[i].detach().to("cpu") (a blocking copy)."""
+    """group/residency.py:Residency.evict -> tensors[i].detach().to("cpu") (a blocking copy)."""
     shifts = itertools.count(1)
     audit(lambda point: retyped_then_read_on_the_host(device, point, next(shifts)), MISFIT_TO_HOST)
 

@@ -1,16 +1,16 @@
 """`Residency`: one component (a group of modules) and the state machine that moves its weights.
 
-A component is offloaded or resident; ``_load`` and ``_evict`` are the only transitions.  They are
+A component is offloaded or resident; ``load`` and ``evict`` are the only transitions.  They are
 the scheduler's to call (calling them directly would bypass its bookkeeping): the scheduler decides
 *when*; this file decides *how*, and guarantees that nothing is lost:
 
-* ``_load`` copies the host master into device storage in bulk (one copy per chunk) and re-points
+* ``load`` copies the host master into device storage in bulk (one copy per chunk) and re-points
   every tensor to its device view.
-* ``_evict`` re-points every tensor back to its host view.  Unchanged bytes cost no copy.  What
+* ``evict`` re-points every tensor back to its host view.  Unchanged bytes cost no copy.  What
   changed while resident is written back first (`residency.group.write_back`), whatever path the
   edit took: the digest windows whose bytes changed in place, and tensors given new storage with
   ``tensor.data = ...`` or ``module.to(...)`` (the data pointer moves).
-* ``_adopt`` takes a new inventory and master after the modules changed shape (new or replaced
+* ``adopt`` takes a new inventory and master after the modules changed shape (new or replaced
   parameters, a new dtype): the scheduler re-packs the group before its next load rather than
   refusing the change.
 """
@@ -44,7 +44,7 @@ __all__ = ["Policy", "Residency", "ResidencyState", "device_need", "slot_nbytes"
 
 @attrs.frozen
 class _PendingLoad:
-    """A load begun by `_begin_load` and not finished yet."""
+    """A load begun by `begin_load` and not finished yet."""
 
     #: The device storage being copied into.
     storage: DeviceStorage
@@ -62,8 +62,8 @@ class _PendingLoad:
 class Residency:
     """One group: its modules, its host master, the device storage it was loaded into, its state.
 
-    Created by `Scheduler.add`; model code does not build these.  Its transitions (``_load``,
-    ``_evict`` and the steps of a prefetch) are called by the placements only: a group's own part
+    Created by `Scheduler.add`; model code does not build these.  Its transitions (``load``,
+    ``evict`` and the steps of a prefetch) are called by the placements only: a group's own part
     by `residency.placement.placement`, a streamed part by `residency.placement.slots`.  Reading
     ``is_resident``, ``nbytes`` and ``state`` is always safe.  `state` and `device_storage` are
     this object's own facts, written only by its verbs.
@@ -201,7 +201,7 @@ class Residency:
         for part in self.parts:
             part.mark_dirty()
 
-    def _load(self, storage: DeviceStorage, *, replaced: list[int] | None = None) -> int:
+    def load(self, storage: DeviceStorage, *, replaced: list[int] | None = None) -> int:
         """Copy the host master into `storage` and re-point the tensors there; returns bytes copied.
 
         `replaced`: `replaced_on_host`'s answer, when the caller asked already (one pointer pass
@@ -209,28 +209,28 @@ class Residency:
         offloaded.
         """
         try:
-            self._begin_load(storage, replaced=replaced)
-            return self._finish_load()
+            self.begin_load(storage, replaced=replaced)
+            return self.finish_load()
         except BaseException:  # see [Note: interrupts] in residency.scheduler.scheduler: undone
             if self.state is ResidencyState.LOADING:
-                self._cancel_load()
+                self.cancel_load()
             raise
 
-    def _begin_load(self, storage: DeviceStorage, *, watch_edits: bool = False,
+    def begin_load(self, storage: DeviceStorage, *, watch_edits: bool = False,
                     replaced: list[int] | None = None) -> int:
         """Issue the copy into device storage; the tensors keep reading the host master.
         Returns the bytes this process copies host to device.
 
-        The group is LOADING until `_finish_load` (or `_cancel_load`).  Used directly for prefetch,
+        The group is LOADING until `finish_load` (or `cancel_load`).  Used directly for prefetch,
         with `watch_edits`: user code may run (and edit the weights on the host) before the
-        load finishes, and `_finish_load` then copies what changed again.  `replaced`: as for
-        `_load`.
+        load finishes, and `finish_load` then copies what changed again.  `replaced`: as for
+        `load`.
         """
         self._require(ResidencyState.OFFLOADED, "load")
         try:
             self.state = ResidencyState.LOADING
             _entering(self.host_master)
-            # The placement adopted any change first (`pending_change` is None here): `_adopt`.
+            # The placement adopted any change first (`pending_change` is None here): `adopt`.
             self._copy_in_replaced(replaced)
             nbytes = self.inventory.layout.contiguous_nbytes
             sharded = self.sharded
@@ -247,11 +247,11 @@ class Residency:
             return moved
         except BaseException:  # see [Note: interrupts]: undone
             if self._pending is not None:
-                self._cancel_load()
+                self.cancel_load()
             self.state = ResidencyState.OFFLOADED
             raise
 
-    def _finish_load(self, *, replaced: list[int] | None = None) -> int:
+    def finish_load(self, *, replaced: list[int] | None = None) -> int:
         """Order compute after the copy and re-point the tensors to device storage."""
         self._require(ResidencyState.LOADING, "finish loading")
         pending = self._pending
@@ -270,11 +270,11 @@ class Residency:
             return pending.nbytes
         except BaseException:  # undone unless committed (see [Note: interrupts])
             if self.state is ResidencyState.LOADING:
-                self._cancel_load()
+                self.cancel_load()
             raise
 
-    def _cancel_load(self) -> None:
-        """Abandon a load begun with `_begin_load`; the group ends offloaded, on host views.
+    def cancel_load(self) -> None:
+        """Abandon a load begun with `begin_load`; the group ends offloaded, on host views.
 
         Storage the user gave a tensor meanwhile (``.data = ...``) is adopted into the master.
         Idempotent until its last line, so an interrupted cancel is completed by the next one.
@@ -308,13 +308,13 @@ class Residency:
         pairs = [(pending.views[i], homes[i]) for i in edited]
         # [Note: the second copy's completion covers the first]
         # No wait for the first copy here: the copy stream runs the second after it, so the wait
-        # for the second (in `_finish_load`) orders compute after both.  (The synchronisation
+        # for the second (in `finish_load`) orders compute after both.  (The synchronisation
         # audit found the wait that stood here redundant: docs/design.md.)  One line: the copy's
         # completion is the pending load's before any interrupt can land.
         self._pending = attrs.evolve(pending, completion=self._transport.to_device(pairs))
         return self._pending
 
-    def _evict(self) -> int:
+    def evict(self) -> int:
         """Re-point the tensors to the host master, writing back what changed; returns bytes written.
 
         A tensor given new storage that no longer fits its place in the master (a new dtype or
@@ -374,7 +374,7 @@ class Residency:
         return self.inventory.describe_misfit(self.inventory.misfits(self.host_master.views,
                                                                      replaced))
 
-    def _adopt(self, inventory: Inventory, host_master: HostMaster) -> None:
+    def adopt(self, inventory: Inventory, host_master: HostMaster) -> None:
         """Take over a new inventory and master (packed from the modules as they are now)."""
         self._require(ResidencyState.OFFLOADED, "re-pack")
         detector = self._detector_for(host_master)  # an arriving master dropped here has its
@@ -405,7 +405,7 @@ class Residency:
 
     def _copy_in_replaced(self, replaced: list[int] | None = None) -> set[int]:
         """`residency.group.write_back.copy_in` of the tensors given new storage while offloaded
-        (`replaced`: as for `_load`); returns the indices taken into the master."""
+        (`replaced`: as for `load`); returns the indices taken into the master."""
         replaced = self.replaced_on_host() if replaced is None else replaced
         return copy_in(self._transport, self.inventory, self.host_master, replaced) \
             if replaced else set()

@@ -6,7 +6,7 @@ else.
                         replaced=replaced, fitting=fitting).write()
     copied = write_tensors(transport, inventory, master, [3, 7])   # tensors into their places
 
-`Residency._evict` reads what it must of the tensors (version counters, data pointers), decides
+`Residency.evict` reads what it must of the tensors (version counters, data pointers), decides
 which tensors still fit their places, and hands one `WriteBack` the rest: this file decides which
 bytes to copy and copies them.  The host may read a master right after, so `_copy_to_master` is
 the one place a write-back waits.

@@ -3,7 +3,7 @@
     tier = HostTier.for_options(HostOptions(memory_limit="16GiB"), accelerator=False)
     if tier.file_backs("dit", inventory):                 # else: a private master, counted
         master = tier.pack("dit", inventory, transport)   # master.spill: its file
-    master.spill.entering()   # a copy is about to read it: `Residency._begin_load`
+    master.spill.entering()   # a copy is about to read it: `Residency.begin_load`
 
 One owner (`HostTier`, one per scheduler, held by its `Packer`) answers "which masters are
 file-backed, and whose pages are in?".  A master is *file-backed* when it is a `SpillFile`: one

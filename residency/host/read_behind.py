@@ -11,7 +11,7 @@ it on), a group whose tensors are still views of their weight files gets a maste
 are *arriving*: `master_for` returns at once, the group's tensors stay the file views they were,
 and one thread of the scheduler's ("residency-arrive") reads the groups' file regions into their
 chunks, one group after another in the order they were added, a part (``chunk_nbytes`` of reads)
-at a time.  A group's first load (`Residency._begin_load`, every path that copies a master to the
+at a time.  A group's first load (`Residency.begin_load`, every path that copies a master to the
 device) calls `Arrival.complete`: its group goes to the front of the queue (after the part in
 flight of the group being read), the caller waits for its reads alone, and then the master is
 committed.  So the first phase starts once its own group is in, and the other groups are read in

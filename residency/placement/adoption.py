@@ -5,7 +5,7 @@
 
 A change made to a group's modules (a new dtype, new or replaced parameters, a tensor untied) is
 adopted, not refused: the modules' tensors as they are now are packed into a fresh host master and
-the group takes it over (`Residency._adopt`).  Refused only when the new tensors break an ownership
+the group takes it over (`Residency.adopt`).  Refused only when the new tensors break an ownership
 rule or the device budget; then nothing changed.  Placement asks for it (before a load, after an
 eviction that left re-typed tensors on the host), and so does a layer-mode group's stream (for one
 block); neither is the facade, so this lives below them, with the registry and the packer it asks.
@@ -61,7 +61,7 @@ class Adoption:
         self._buffers.forget(part)
         owned = owned_modules(group)
         try:
-            part._adopt(inventory, master)
+            part.adopt(inventory, master)
             self._registry.retake(group, owned)
         except BaseException:  # adopted: the ownership follows (see [Note: interrupts])
             if part.inventory is inventory:

@@ -51,7 +51,7 @@ class PartsApart:
         storage of its own, then its kept parts apart; returns the bytes copied."""
         nbytes = 0
         if group.plan.own.where is Where.KEPT and group.state is ResidencyState.OFFLOADED:
-            nbytes = group._load(self.storage_of_its_own(group))
+            nbytes = group.load(self.storage_of_its_own(group))
         return nbytes + self.load(group, Where.KEPT)
 
     def load_for_phase(self, group: Residency) -> int:
@@ -62,12 +62,12 @@ class PartsApart:
     def load(self, group: Residency, where: Where) -> int:
         """Load every part of `group` planned `where` that is not on the device yet (re-packed
         first if its modules changed); returns the bytes copied.  A part whose load fails is
-        left offloaded (`Residency._load`), and the error propagates."""
+        left offloaded (`Residency.load`), and the error propagates."""
         nbytes = 0
         for part in _planned(group, where):
             if part.state is ResidencyState.OFFLOADED:
                 self._adoption.adopt(group, part)
-                nbytes += part._load(self.storage_of_its_own(part))
+                nbytes += part.load(self.storage_of_its_own(part))
         return nbytes
 
     def evict(self, group: Residency, where: Where | None, *, repack: bool = True) -> int:
@@ -78,9 +78,9 @@ class PartsApart:
         written = 0
         for part in group.apart if where is None else _planned(group, where):
             if part.state is ResidencyState.LOADING:
-                part._cancel_load()
+                part.cancel_load()
             if part.state is ResidencyState.RESIDENT:
-                written += part._evict()
+                written += part.evict()
             if part.device_storage is not None and part.device_storage not in self._shared:
                 part.device_storage.release()
             if part.left_misfits and repack:
@@ -93,10 +93,10 @@ class PartsApart:
         written = 0
         for part in group.apart:
             if part.is_resident and plan.where.get(part.name) is not Where.KEPT:
-                written += part._evict()
+                written += part.evict()
                 part.device_storage.release()  # a kept part's storage is its own
         if group.is_resident and plan.own.where is not Where.KEPT:
-            written += group._evict()
+            written += group.evict()
             group.device_storage.release()
         return written
 

@@ -27,7 +27,7 @@ step or CFG pass starts without waiting).  No allocation per block, no host wait
 A streamed block's tensors point at its host master whenever the block is not in a slot, so an
 edit made then, by any path, lands in the master itself.  A block in a slot is a resident group
 in the module-mode sense: its bytes are digested when loaded and again when it leaves
-(`Residency._evict`), and what changed is written back - inside its forward (a custom kernel),
+(`Residency.evict`), and what changed is written back - inside its forward (a custom kernel),
 and while it waits in a slot between forwards (the first block, prefetched by the last one, is
 re-pointed to its slot when the last block ends, so an edit made between steps - a LoRA fused in
 a step-end callback - lands in the slot and is written back when it leaves).  A block's copy is

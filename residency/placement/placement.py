@@ -223,7 +223,7 @@ class Placement:
             self.prefetched = None
         for group in candidates:
             if group.state is ResidencyState.LOADING and group is not self.prefetched:
-                group._cancel_load()
+                group.cancel_load()
         moved = [g for g in candidates if g.is_resident and _moves_own(g)]
         kept = self.current if self.current in candidates and self.current.is_resident else None
         current = moved[0] if moved else kept
@@ -260,7 +260,7 @@ class Placement:
             return False
         self.cancel_prefetch()
         try:
-            group._begin_load(self._free_storage(group), watch_edits=True, replaced=replaced)
+            group.begin_load(self._free_storage(group), watch_edits=True, replaced=replaced)
         except DeviceMemoryError:  # no memory info to ask first: the allocator said no
             return False
         self.prefetched = group  # an interrupt before this line: `settle` cancels the copy
@@ -272,7 +272,7 @@ class Placement:
         prefetched = self.prefetched
         if prefetched is not None:
             self.prefetched = None  # first: `settle` completes an interrupted cancel
-            prefetched._cancel_load()
+            prefetched.cancel_load()
 
     def offload_all(self) -> None:
         """Evict the current exclusive group and free the shared buffers."""
@@ -345,7 +345,7 @@ class Placement:
         written = sum(stream.stop() for stream in group.streams)
         written += self.apart.evict(group, Where.SWAPPED)
         if _moves_own(group) and group.state is ResidencyState.RESIDENT:
-            written += group._evict()
+            written += group.evict()
             if not group.plan.reuses_buffers:
                 group.device_storage.release()
         return written
@@ -357,7 +357,7 @@ class Placement:
         it resident; the caller's `settle` starts its stream again."""
         written = sum(stream.stop(repack=repack) for stream in group.streams)
         written += self.apart.evict(group, None, repack=repack)
-        return written + (group._evict() if group.is_resident else 0)
+        return written + (group.evict() if group.is_resident else 0)
 
     def _make_room(self, group: Residency) -> DeviceStorage:
         """Free the buffers of the modes `group` is not in (see [Note: layer mode holds no buffer
@@ -374,9 +374,9 @@ class Placement:
     def _load(self, group: Residency, storage: DeviceStorage, replaced: list[int]) -> int:
         if group is self.prefetched:
             self.prefetched = None
-            return group._finish_load()
+            return group.finish_load()
         self.cancel_prefetch()
-        return group._load(storage, replaced=replaced)
+        return group.load(storage, replaced=replaced)
 
     def _free_storage(self, group: Residency) -> DeviceStorage:
         """The shared buffer `group` should load into: its last one, unless the current group

@@ -54,7 +54,7 @@ class SlotPlacement:
         given new storage since the block's last eviction, before or after this copy (one pass
         per load).
         """
-        return block._begin_load(self.slots[slot], watch_edits=True, replaced=[])
+        return block.begin_load(self.slots[slot], watch_edits=True, replaced=[])
 
     def park(self, block: Residency) -> bool:
         """Finish `block`'s copy: its tensors view its slot.  A block given another dtype or
@@ -62,26 +62,26 @@ class SlotPlacement:
         block is re-packed and loaded when it is entered."""
         replaced = block.replaced_on_host()
         if block.misfit_change(replaced) is not None:
-            block._cancel_load()
+            block.cancel_load()
             return False
-        block._finish_load(replaced=replaced)
+        block.finish_load(replaced=replaced)
         return True
 
     def cancel(self, block: Residency) -> None:
         """Abandon `block`'s copy: it stays on its master."""
-        block._cancel_load()
+        block.cancel_load()
 
     def load(self, group: Residency, block: Residency, slot: int) -> int:
         """Load `block` (one of `group`'s streamed parts) into `slot` now, re-packed first if
         its modules changed; returns the bytes copied."""
         self._adoption.adopt(group, block)
-        return block._load(self.slots[slot])
+        return block.load(self.slots[slot])
 
     def evict(self, group: Residency, block: Residency, *, repack: bool = True) -> int:
         """Evict `block` from its slot, writing back what changed; returns the bytes written.
         A block re-typed in its slot is re-packed at once (so it views its master), unless
         `repack` is False (its group is being removed)."""
-        written = block._evict()
+        written = block.evict()
         if block.left_misfits and repack:
             self._adoption.adopt(group, block)
         return written

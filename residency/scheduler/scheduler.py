@@ -26,8 +26,8 @@ SIGINT cannot be the answer (a trace callback's exception cannot be deferred), s
   (``self._pending, self.state = None, OFFLOADED``): stores of one line cannot be separated.
   A group's ``state`` is its truth; the owners above it read it to decide.
 * A step of several statements is undone or rolled forward in ``except BaseException`` (then
-  re-raised): a load that did not commit is cancelled (`Residency._finish_load`); an eviction
-  whose re-pointing happened is completed (`Residency._evict`); `Placement.settle` makes
+  re-raised): a load that did not commit is cancelled (`Residency.finish_load`); an eviction
+  whose re-pointing happened is completed (`Residency.evict`); `Placement.settle` makes
   ``current``, ``prefetched`` and each block stream agree with the groups' states; a phase entry
   is undone and a phase exit completed (`Holds.settle`, which also moves the thread's hold back
   to what its innermost phase needs); a registration is undone (`Scheduler._register`); a
