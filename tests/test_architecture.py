@@ -643,6 +643,121 @@ def test_the_schedulers_transport_is_public_and_read_only():
         given.close()
 
 
+# -- rules of the code ----------------------------------------------------------------------------
+# [Note: one object's underscore names are its own]
+# A name with a leading underscore belongs to the object that defines it: another object asks
+# through a public verb or attribute, so that each owner can change its insides without a reader
+# hunting for reaches from other files.  Checked statically: every ``x._name`` where ``x`` is not
+# ``self``/``cls`` (or the class itself, in the module that defines it) and ``_name`` is an
+# underscore name some class of ours defines (a method, a field set on ``self``, a class-level
+# name).  Third-party internals (``module._parameters``, ``torch._C``) are not ours to rule.
+
+#: Underscore names a pipeline author declares on their own class, read from it by design (as
+#: vLLM-Omni reads ``_dit_modules``): not a reach into an object of ours.
+DECLARED_CLASS_NAMES = {"_split_parts"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def our_underscore_names(trees) -> set[str]:
+    """Every underscore name a class of ours defines: methods, fields set on ``self``/``cls``,
+    class-level names."""
+    names = set()
+    for tree in trees:
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(node.name)
+                elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                      and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    names.add(node.attr)
+            for statement in cls.body:
+                targets = (statement.targets if isinstance(statement, ast.Assign)
+                           else [statement.target] if isinstance(statement, ast.AnnAssign) else [])
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {name for name in names if _private(name)} - DECLARED_CLASS_NAMES
+
+
+def private_reaches(tree: ast.Module, where: str, ours: set[str]) -> list[str]:
+    """``x._name`` of ours in `tree` where ``x`` is not ``self``, ``cls`` or a class of `tree`."""
+    classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    return [
+        f"{where}:{node.lineno} {ast.unparse(node)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in ours
+        and not (isinstance(node.value, ast.Name)
+                 and (node.value.id in ("self", "cls") or node.value.id in classes))
+    ]
+
+
+def positional_overflow(tree: ast.Module, where: str, limit: int = 6) -> list[str]:
+    """Each ``def`` taking more than `limit` parameters by position (``self``/``cls`` not
+    counted)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [a.arg for a in (*node.args.posonlyargs, *node.args.args)]
+            if names[:1] in (["self"], ["cls"]):
+                names = names[1:]
+            if len(names) > limit:
+                found.append(f"{where}:{node.lineno} {node.name}({', '.join(names)})")
+    return found
+
+
+def _package_trees() -> dict[str, ast.Module]:
+    return {module: _tree(module) for module in MODULES}
+
+
+@pytest.mark.fast
+def test_no_object_reaches_into_another_objects_underscore_names():
+    """See [Note: one object's underscore names are its own]."""
+    trees = _package_trees()
+    ours = our_underscore_names(trees.values())
+    assert {"_lock", "_placement"} <= ours  # really read: the owners' fields
+    reaches = [r for module, tree in trees.items() for r in private_reaches(tree, module, ours)]
+    assert not reaches, "reaches into another object's underscore names: " + "; ".join(reaches)
+
+
+@pytest.mark.fast
+def test_no_module_imports_an_underscore_name_of_another():
+    imported = [
+        f"{module}:{node.lineno} {alias.name} from {node.module}"
+        for module, tree in _package_trees().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("residency")
+        for alias in node.names if _private(alias.name)
+    ]
+    assert not imported, "underscore names imported from another module: " + "; ".join(imported)
+
+
+@pytest.mark.fast
+def test_no_function_takes_more_than_six_parameters_by_position():
+    """Past six, a call site cannot be read without the signature beside it: pass the rest by
+    keyword, or carry them in a frozen attrs spec (`GroupSpec`)."""
+    overflow = [f for module, tree in _package_trees().items()
+                for f in positional_overflow(tree, module)]
+    assert not overflow, "more than 6 positional parameters: " + "; ".join(overflow)
+
+
+@pytest.mark.fast
+def test_the_code_rules_catch_what_they_forbid():
+    """The checkers themselves, on planted code."""
+    planted = ast.parse(
+        "class A:\n"
+        "    def __init__(self): self._x = 1\n"
+        "    def _y(self): return A._y, self._x\n"
+        "def f(a, b, c, d, e, f, g): return a._x, b._y, b._other, a._split_parts\n"
+        "def g(a, b, c, d, e, f, *, g): pass\n"
+        "class B:\n"
+        "    def m(self, a, b, c, d, e, f): pass\n")
+    ours = our_underscore_names([planted])
+    assert ours == {"_x", "_y"}
+    assert private_reaches(planted, "m", ours) == ["m:4 a._x", "m:4 b._y"]
+    assert positional_overflow(planted, "m") == ["m:4 f(a, b, c, d, e, f, g)"]
+
+
 # -- the import graph -----------------------------------------------------------------------------
 
 

@@ -462,7 +462,7 @@ def test_device_bytes_at_every_block_stay_within_the_rest_plus_two_slots(
 def placement_storages(scheduler: Scheduler) -> list:
     """The placement's shared device storages: module mode's exclusive pair, layer mode's
     storage for a group's own part (when the placement has one), the two block slots."""
-    return list(scheduler._placement._buffers.all)
+    return list(scheduler._placement._device_buffers.all)
 
 
 def device_storages(scheduler: Scheduler) -> dict[int, int]:

@@ -133,7 +133,7 @@ def test_each_group_carries_its_plan_and_its_streams_hold_the_plans_streamed_par
                 assert torch.equal(module(torch.ones(2, 8)), expected[name])
         assert torch.equal(vae(torch.ones(2, 8)), expected["vae"])
         # the layer plan's own part loaded into the layer buffer, its parts through the slots
-        buffers = scheduler._placement._buffers
+        buffers = scheduler._placement._device_buffers
         assert scheduler["dit"].device_storage is buffers.layer
         assert scheduler["encoder"].device_storage is buffers.exclusive[0]
         kinds = {record.kind for record in scheduler.block_records}
@@ -165,7 +165,7 @@ def test_every_plan_is_carried_out_on_an_accelerator_bit_identically():
         scheduler.add("dit", models["dit"].to(device),
                       layers=model_blocks(models["dit"], path="dit", resident_layers=2))
         scheduler.add("vae", models["vae"].to(device), policy="resident")
-        buffers, slots = scheduler._placement._buffers, scheduler._placement.slots.slots
+        buffers, slots = scheduler._placement._device_buffers, scheduler._placement.slots.slots
         vae = scheduler["vae"]
         for step in range(2):
             with scheduler.resident("encoder"), torch.no_grad():

@@ -662,7 +662,7 @@ def allocate_over_freed_memory(device, point) -> None:
 
 def _exclusive_buffer_nbytes(g: Groups) -> int:
     placement = g.scheduler._placement
-    return max(storage.size_hint for storage in placement._buffers.exclusive)
+    return max(storage.size_hint for storage in placement._device_buffers.exclusive)
 
 
 @pytest.mark.gpu

@@ -214,7 +214,9 @@ class PhaseRecorder:
     def resident(self, name: str) -> _RecordedPhase:
         return _RecordedPhase(self, name)
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
+        """Wait for the device's queued work (when timing an accelerator), so that a phase's
+        span starts and ends with its work."""
         if self.synchronize:
             torch.accelerator.synchronize()
 
@@ -230,10 +232,10 @@ class _RecordedPhase:
     def __enter__(self):
         recorder = self._recorder
         count = recorder.scheduler.transitions.count
-        recorder._sync()
+        recorder.sync()
         self._start = time.perf_counter()
         group = self._phase.__enter__()
-        recorder._sync()
+        recorder.sync()
         self._enter = time.perf_counter() - self._start
         after = recorder.scheduler.transitions.count
         self._transition = after - 1 if after > count else None

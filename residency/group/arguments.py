@@ -169,7 +169,7 @@ def _accelerator_is(kind: str) -> bool:
     return torch.accelerator.current_accelerator().type == kind
 
 
-def check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory,
+def check_options(chunk_nbytes, device_memory_limit, wait_timeout, record_limit, pin_memory, *,
                   auto=None, host=None, process_group=None
                   ) -> tuple[AutoOptions | None, HostOptions]:
     """The constructor's numbers and flags, checked before anything is built (no collective of

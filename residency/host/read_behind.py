@@ -133,7 +133,7 @@ class Arrival:
     """
 
     def __init__(self, reads: ReadBehind, name: str, inventory: Inventory, sources: list,
-                 files: Sequence, transport: Transport, pin: bool) -> None:
+                 files: Sequence, *, transport: Transport, pin: bool) -> None:
         #: The queue this master is read by.
         self._reads = reads
         self.name = name
@@ -490,7 +490,7 @@ class ReadBehind:
         sources = inventory.source_regions
         assert sources is not None, "an inventory is packed once"
         refuse_cut_files(inventory)
-        arrival = Arrival(self, name, inventory, sources, files, transport, pin)
+        arrival = Arrival(self, name, inventory, sources, files, transport=transport, pin=pin)
         master = HostMaster.arriving(inventory, arrival)
         # An undone add stops its reads; a weak reference: a committed arrival is dropped.
         finalizer = weakref.finalize(master, self._abandon_if_alive, weakref.ref(arrival))

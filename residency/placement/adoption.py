@@ -37,7 +37,7 @@ class Adoption:
                  *, device_memory_limit: int | None) -> None:
         self._packer = packer
         self._registry = registry
-        self._buffers = buffers
+        self._device_buffers = buffers
         self.device_memory_limit = device_memory_limit
 
     def adopt(self, group: Residency, part: Residency | None = None,
@@ -58,7 +58,7 @@ class Adoption:
         check_budget(self.device_memory_limit, group.name,
                      self._registry.needs(group.name, group.policy, need, ignore=group))
         master = self._packer.pack(part.name, inventory, require_shared=why_shared(part.sharded))
-        self._buffers.forget(part)
+        self._device_buffers.forget(part)
         owned = owned_modules(group)
         try:
             part.adopt(inventory, master)

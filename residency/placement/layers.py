@@ -77,6 +77,7 @@ from residency.group.plan import Plan, Where
 from residency.group.records import BlockLog
 from residency.placement.slots import SlotPlacement
 from residency.modules.tensors import Inventory
+from residency.device.transport import Transport
 
 __all__ = [
     "BlockStream", "as_model_blocks", "auto_blocks", "build_stream", "restream",
@@ -178,6 +179,7 @@ def build_stream(
     inventories: Sequence[Inventory],
     *,
     pack: Callable[[str, Inventory], HostMaster],
+    transport: Transport,
     slots: SlotPlacement,
     lock: threading.RLock,
     log: BlockLog,
@@ -199,7 +201,7 @@ def build_stream(
     for part, module, inventory in zip(group.plan.parts[1:], modules, inventories, strict=True):
         master = pack(f"{group.name}[{part.name}]", inventory)
         parts.append(Residency(
-            part.name, (module,), Policy.EXCLUSIVE, inventory, master, group._transport,
+            part.name, (module,), Policy.EXCLUSIVE, inventory, master, transport,
             category=group.category, detect_edits=group.detect_edits, sharded=group.sharded,
         ))
     group.apart = tuple(p for p in parts if p.name not in group.plan.streamed)

@@ -24,7 +24,7 @@ Fields (every one guarded by the scheduler lock; `Placement` is their one mutato
 * ``prefetched``: an exclusive group whose copy `prefetch` started, or None.  Invariant: it is
   LOADING into the exclusive buffer that ``current`` does not use.
 * ``budget``: an auto plan's weights budget, which a prefetch may not exceed; None: fixed plans.
-* The reused buffers are `residency.placement.buffers.DeviceBuffers`'s (``_buffers``; set once).  Invariant:
+* The reused buffers are `residency.placement.buffers.DeviceBuffers`'s (``_device_buffers``; set once).  Invariant:
   only the current group's stream has blocks in the block slots.
 
 Calls go down from here: to the groups (their transitions), to their streams, to `Adoption` (a
@@ -82,7 +82,7 @@ class Placement:
         self._lock = lock
         self._transport = transport
         self.device = device
-        self._buffers = buffers
+        self._device_buffers = buffers
         self._adoption = adoption
         #: The scheduler's log: appended to here (under the lock); it has its own lock for readers.
         self._transitions = transitions
@@ -109,9 +109,9 @@ class Placement:
     def device_nbytes(self) -> int:
         """Bytes of every device storage that exists now (the shared buffers included)."""
         own = {id(g.device_storage): g.device_storage for g in self._planned
-               if g.device_storage is not None and g.device_storage not in self._buffers.all}
+               if g.device_storage is not None and g.device_storage not in self._device_buffers.all}
         own.update((id(s), s) for g in self._planned for s in self.apart.held(g))
-        return self._buffers.nbytes + sum(storage.nbytes for storage in own.values())
+        return self._device_buffers.nbytes + sum(storage.nbytes for storage in own.values())
 
     def resident_names(self) -> list[str]:
         """Names of the groups whose weights are on the device now, in registration order: the
@@ -133,7 +133,7 @@ class Placement:
         nbytes = in_context(record_function(f"residency::load {group.name}"),
                             self.apart.load_kept, group)
         self._planned.append(group)
-        self._buffers.size_for(self._planned)
+        self._device_buffers.size_for(self._planned)
         if nbytes:
             self._record(None, group, nbytes, 0, start, start)
 
@@ -157,12 +157,12 @@ class Placement:
             stream.close()
         if self.current is group:
             self.current = None
-        self._buffers.forget(group)
-        if group.device_storage is not None and group.device_storage not in self._buffers.all:
+        self._device_buffers.forget(group)
+        if group.device_storage is not None and group.device_storage not in self._device_buffers.all:
             group.device_storage.release()
         if group in self._planned:
             self._planned.remove(group)
-        self._buffers.size_for(self._planned)
+        self._device_buffers.size_for(self._planned)
 
     # -- phase changes ---------------------------------------------------------------------------
 
@@ -293,7 +293,7 @@ class Placement:
     def release_shared(self) -> None:
         if CHECKING:
             check_held(self._lock)
-        self._buffers.free_all()
+        self._device_buffers.free_all()
 
     def replan(self, group: Residency, plan: Plan) -> None:
         """Carry out a new `plan` for `group` (an auto scheduler's; no holders): the current
@@ -318,7 +318,7 @@ class Placement:
         if group.plan != plan:
             take_plan(group, plan, slots=self.slots, lock=self._lock, log=self._block_log)
         nbytes = self.apart.load_kept(group)
-        self._buffers.size_for(self._planned)
+        self._device_buffers.size_for(self._planned)
         if nbytes or written:
             self._record(None, group, nbytes, written, start, start)
 
@@ -366,7 +366,7 @@ class Placement:
         prefetched = self.prefetched
         if prefetched is not None and prefetched.plan.mode != group.plan.mode:
             self.cancel_prefetch()
-        shared = self._buffers.make_room(group)
+        shared = self._device_buffers.make_room(group)
         return shared if group.plan.reuses_buffers else self.apart.storage_of_its_own(group)
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -381,7 +381,7 @@ class Placement:
     def _free_storage(self, group: Residency) -> DeviceStorage:
         """The shared buffer `group` should load into: its last one, unless the current group
         uses it."""
-        return self._buffers.free_for(group, self.current)
+        return self._device_buffers.free_for(group, self.current)
 
     def _room_for_prefetch(self, group: Residency) -> bool:
         """Whether the buffer `group` would be copied into fits beside everything already held

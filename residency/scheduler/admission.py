@@ -1,8 +1,7 @@
 """Admission: how a group comes to be registered, and how it leaves (``add``, ``refresh``,
 ``remove``, ``close``).
 
-    admission.register("dit", (transformer,), Policy.EXCLUSIVE, excluded=(), category="dit",
-                       detect_edits=True, model_blocks=(), sharded=None)
+    admission.register(GroupSpec(name="dit", roots=(transformer,), policy=Policy.EXCLUSIVE))
     admission.remove(group, "remove")
 
 A registration claims the name, modules and tensors under the lock, packs the host master outside
@@ -19,8 +18,13 @@ import functools
 import threading
 from collections.abc import Iterable
 
+import attrs
+from torch import nn
+
 from residency.placement.adoption import why_shared
+from residency.core.enums import Policy
 from residency.group.residency import Residency
+from residency.modules.blocks import ModelBlocks
 from residency.core.errors import PhaseError, RegistrationError, SchedulerClosedError
 from residency.scheduler.holds import Holds
 from residency.placement.layers import build_stream, restream, streamed_modules
@@ -33,7 +37,29 @@ from residency.group.registry import Claim, Registry
 from residency.multirank.sharded import ShardedLoad
 from residency.device.transport import Transport
 
-__all__ = ["Admission", "check_open", "sharded_load"]
+__all__ = ["Admission", "GroupSpec", "check_open", "sharded_load"]
+
+
+@attrs.frozen(kw_only=True)
+class GroupSpec:
+    """What `Scheduler.add` was given for one group, checked (or what a refresh reads back from
+    the group it replaces): carried down whole to the owners that build the group.
+
+        spec = GroupSpec(name="dit", roots=(transformer,), policy=Policy.EXCLUSIVE)
+    """
+
+    name: str
+    roots: tuple[nn.Module, ...]
+    policy: Policy
+    #: Submodules left out of the group (theirs are other groups' or none's).
+    excluded: tuple[nn.Module, ...] = ()
+    #: The config component ("dit", ...), or None.
+    category: str | None = None
+    detect_edits: bool = True
+    #: The blocks packed apart from the own part (layer mode, or an auto plan's); () for none.
+    model_blocks: tuple[ModelBlocks, ...] = ()
+    #: How a group shared by a node's ranks loads (``weight_transfer="allgather"``), or None.
+    sharded: ShardedLoad | None = None
 
 
 class Admission:
@@ -64,20 +90,21 @@ class Admission:
                 self._refresh(old, model_blocks, excluded, aliases)
             raise
 
-    def register(self, name, roots, policy, excluded, category, detect_edits, model_blocks,
-                 sharded, aliases=()) -> Residency:
-        """Plan, claim, pack and enroll a group (`add`, `refresh`); on any exception, whatever
-        step it reached is undone (see [Note: interrupts] in `residency.scheduler.scheduler`).
+    def register(self, spec: GroupSpec, aliases: Iterable[str] = ()) -> Residency:
+        """Plan, claim, pack and enroll the group `spec` describes (`add`, `refresh`); on any
+        exception, whatever step it reached is undone (see [Note: interrupts] in the facade).
 
         The plan (`residency.group.plan`) comes first: it names the parts that are packed."""
-        plan = Plan.for_group(name, policy, model_blocks, apart=self._auto)
-        streamed = tuple(self._packer.inventory((m,), ()) for m in streamed_modules(model_blocks))
-        inventory = self._packer.inventory(roots, excluded, allow_empty=len(plan.parts) > 1)
-        claim, group = Claim(name, policy, inventory, streamed, sharded), None
+        plan = Plan.for_group(spec.name, spec.policy, spec.model_blocks, apart=self._auto)
+        streamed = tuple(self._packer.inventory((m,), ())
+                         for m in streamed_modules(spec.model_blocks))
+        inventory = self._packer.inventory(spec.roots, spec.excluded,
+                                           allow_empty=len(plan.parts) > 1)
+        claim = Claim(spec.name, spec.policy, inventory, streamed, spec.sharded)
+        group = None
         try:
             locked(self._lock, self._reserve, claim)
-            group = self._pack_claimed(claim, plan, roots, excluded, category, detect_edits,
-                                       model_blocks)
+            group = self._pack_claimed(claim, plan, spec)
             return locked(self._lock, self._enroll, group, claim, aliases)
         except BaseException:
             locked(self._lock, self._abandon, claim, group)
@@ -99,9 +126,7 @@ class Admission:
             for stream in group.streams:
                 stream.close()
 
-    def _pack_claimed(
-        self, claim, plan, roots, excluded, category, detect_edits, model_blocks
-    ) -> Residency:
+    def _pack_claimed(self, claim: Claim, plan: Plan, spec: GroupSpec) -> Residency:
         """Pack a claimed group outside the lock (see [Note: packing outside the lock])."""
         # [Note: packing outside the lock] Building a master of many GiB takes seconds; phases of
         # other threads must not wait for it.  The claim keeps the name, modules and tensors
@@ -109,14 +134,14 @@ class Admission:
         sharded = claim.sharded
         pack = functools.partial(self._packer.pack, require_shared=why_shared(sharded))
         group = Residency(
-            claim.name, roots, claim.policy, claim.inventory, pack(claim.name, claim.inventory),
-            self._transport, excluded=excluded, category=category, detect_edits=detect_edits,
-            sharded=sharded, plan=plan,
+            claim.name, spec.roots, claim.policy, claim.inventory,
+            pack(claim.name, claim.inventory), self._transport, excluded=spec.excluded,
+            category=spec.category, detect_edits=spec.detect_edits, sharded=sharded, plan=plan,
         )
         try:
             group.streams = build_stream(
-                group, model_blocks, claim.streamed, pack=pack, slots=self._placement.slots,
-                lock=self._lock, log=self._block_records,
+                group, spec.model_blocks, claim.streamed, pack=pack, transport=self._transport,
+                slots=self._placement.slots, lock=self._lock, log=self._block_records,
             )
             return group
         except BaseException:
@@ -162,8 +187,10 @@ class Admission:
         """Withdraw `old` (its edits written back, its tensors on its host master), then register
         its modules again as they are.  Repeatable: each step reads where the last one ended."""
         locked(self._lock, self.remove, old, "refresh")
-        return self.register(old.name, old.modules, old.policy, excluded, old.category,
-                              old.detect_edits, model_blocks, old.sharded, aliases)
+        return self.register(GroupSpec(
+            name=old.name, roots=old.modules, policy=old.policy, excluded=excluded,
+            category=old.category, detect_edits=old.detect_edits, model_blocks=model_blocks,
+            sharded=old.sharded), aliases)
 
     def remove(self, group: Residency | str, action: str) -> Residency:
         """Evict `group` (or the group named so) and forget it; refused while a phase of it is

@@ -52,7 +52,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from residency.scheduler.admission import Admission, check_open, sharded_load
+from residency.scheduler.admission import Admission, GroupSpec, check_open, sharded_load
 from residency.placement.adoption import Adoption
 from residency.multirank.agreement import PhaseLedger
 from residency.group.arguments import as_excluded, as_modules, check_flag, check_name, check_options
@@ -95,10 +95,10 @@ class Phase:
     (see [Note: misnested exits] in `residency.scheduler.holds`).
     """
 
-    __slots__ = ("_scheduler", "group", "status")
+    __slots__ = ("_gate", "group", "status")
 
-    def __init__(self, scheduler: Scheduler, group: Residency) -> None:
-        self._scheduler = scheduler
+    def __init__(self, gate: PhaseGate, group: Residency) -> None:
+        self._gate = gate
         #: The Residency this phase makes resident.
         self.group = group
         #: Where the phase is in its life; written by the scheduler's holds only.
@@ -113,33 +113,62 @@ class Phase:
                 f"this phase of {self.group.name!r} was already entered; a phase is not "
                 f"reusable: write `with scheduler.resident({self.group.name!r}):` again"
             )
-        scheduler = self._scheduler
+        gate = self._gate
         try:  # the lock on one line: see [Note: a context on one line] in residency.core.locks
-            with scheduler._lock: return scheduler._enter(self)  # noqa: E701
+            with gate.lock: return gate.enter(self)  # noqa: E701
         except BaseException:  # undone, whatever it reached (see [Note: interrupts])
-            locked(scheduler._lock, scheduler._holds.settle, self)
+            locked(gate.lock, gate.holds.settle, self)
             raise
 
     def __exit__(self, *exc_info) -> None:
-        scheduler = self._scheduler
+        gate = self._gate
         try:
             if self.status is _ACTIVE:
-                with scheduler._lock: return scheduler._exit(self)  # noqa: E701
+                with gate.lock: return gate.holds.leave(self)  # noqa: E701
             self._exit_inactive()
         except PhaseError:  # refused: nothing changed
             raise
         except BaseException:  # completed (see [Note: interrupts])
-            locked(scheduler._lock, scheduler._holds.settle, self)
+            locked(gate.lock, gate.holds.settle, self)
             raise
 
     def _exit_inactive(self) -> None:
         status = self.status
         if status is PhaseStatus.LEAVING:
-            locked(self._scheduler._lock, self._scheduler._exit, self)
+            locked(self._gate.lock, self._gate.holds.leave, self)
         elif status is PhaseStatus.EXITED_LATE:  # see [Note: misnested exits]
             self.status = PhaseStatus.EXITED
         else:
             raise PhaseError(f"the phase of {self.group.name!r} is {status.value}, not active")
+
+
+class PhaseGate:
+    """Where every phase of one scheduler enters and leaves: its lock, its holds (who may run),
+    and its auto plan, which learns of each entry first.  Made once per scheduler; it refers to
+    the owners only, never back to the facade.
+
+        with gate.lock: return gate.enter(phase)     # Phase.__enter__
+    """
+
+    __slots__ = ("auto", "holds", "lock", "placement", "registry")
+
+    def __init__(self, lock, holds: Holds, placement: Placement, registry: Registry,
+                 auto: AutoPlanner | None) -> None:
+        self.lock, self.holds, self.placement, self.registry, self.auto = (
+            lock, holds, placement, registry, auto)
+
+    def enter(self, phase: Phase) -> Residency:
+        """Open `phase` (the lock held): the auto plan learns of it, its group's block forwards
+        are in place, then the holds give the thread its turn (`Holds.join`)."""
+        holds = self.holds
+        if holds.closed:
+            check_open(holds)
+        if self.auto is not None:
+            self.auto.entering(phase.group, self.placement.current, self.registry,
+                               not holds.has_holders())
+        for stream in phase.group.streams:
+            stream.rewrap()
+        return holds.join(phase)
 
 
 class Scheduler:
@@ -175,7 +204,7 @@ class Scheduler:
         auto: AutoOptions | Mapping | bool | None = None, host: HostOptions | Mapping | None = None,
     ) -> None:
         auto_options, host = check_options(chunk_nbytes, device_memory_limit, wait_timeout,
-                                           record_limit, pin_memory, auto, host, process_group)
+            record_limit, pin_memory, auto=auto, host=host, process_group=process_group)
         #: Where resident groups live.
         self.device = parse_device(device)
         self._transport = transport if transport is not None else transport_for(self.device)
@@ -197,15 +226,17 @@ class Scheduler:
                                     placement=self._placement, holds=self._holds,
                                     transport=self._transport, block_records=self.block_records,
                                     auto=auto_options is not None)
-        self._auto = _auto_planner(auto_options, self)
+        self._auto = None if auto_options is None else AutoPlanner(
+            auto_options, placement=self._placement, transport=self._transport,
+            transitions=self.transitions, block_log=self.block_records, collective=node is not None)
+        self._gate = PhaseGate(self._lock, self._holds, self._placement, self._registry, self._auto)
         #: Agreement of the node's ranks on collective loads (``weight_transfer="allgather"``).
         self._ledger = None if node is None else PhaseLedger(self._packer.node.group)
         _note_pageable(self.pin_memory, self.device, self._transport)
 
     @property
     def pin_memory(self) -> bool:
-        """Whether host masters are pinned (off after the first failure to pin, with a
-        warning)."""
+        """Whether host masters are pinned (off, with a warning, after a failure to pin)."""
         return self._packer.pin_memory
 
     @property
@@ -257,13 +288,12 @@ class Scheduler:
         """Register `modules` as group `name` and pack their weights into a host master.
 
         ``policy="exclusive"`` groups are swapped by ``resident()``, ``policy="resident"`` ones
-        placed on the device now.  Submodules in `exclude` (and all under them) are left out, to
-        form groups of their own.  `category`: the config component ("dit", ...).  No edit made while
-        resident is lost; ``detect_edits=False`` is the opt-out for weights you promise not to edit
-        behind the version counter (docs/guarantees.md).  ``weight_transfer="allgather"``: the
-        ranks of a node split the copy, then all-gather (`residency.multirank.sharded`).  ``layers=True``
-        (or `ModelBlocks`s from `model_blocks`) streams the blocks of an exclusive group through two
-        device slots while its phase runs (`residency.placement.layers`).  A refused call changes nothing.
+        placed on the device now; `exclude`'s submodules (and all under them) are left out;
+        `category` is the config component ("dit", ...).  No edit made while resident is lost
+        (``detect_edits=False`` opts out: docs/guarantees.md).  ``weight_transfer="allgather"``:
+        a node's ranks split the copy (`residency.multirank.sharded`).  ``layers=True`` (or
+        `ModelBlocks`) streams an exclusive group's blocks through two device slots in its
+        phases (`residency.placement.layers`).  A refused call changes nothing.
 
             scheduler.add("text_encoder", [clip, t5])
             scheduler.add("vae", pipe.vae, policy="resident")
@@ -276,10 +306,11 @@ class Scheduler:
         check_flag("detect_edits", detect_edits)
         sharded = sharded_load(self._packer.node, self._ledger, name, weight_transfer)
         roots = as_modules(name, modules)
-        given = _blocks_for(self, name, roots, layers, policy)
+        given = self._blocks_for(name, roots, layers, policy)
         excluded = as_excluded(name, exclude, roots) + streamed_modules(given)
-        group = self._admission.register(name, roots, policy, excluded, category, detect_edits,
-                                         given, sharded)
+        group = self._admission.register(GroupSpec(
+            name=name, roots=roots, policy=policy, excluded=excluded, category=category,
+            detect_edits=detect_edits, model_blocks=given, sharded=sharded))
         return self._auto.added(group, self._registry, self._lock, self._admission.remove) \
             if self._auto is not None else group
 
@@ -445,7 +476,7 @@ class Scheduler:
         if group is None:
             check_open(self._holds)
             group = self._registry.lookup(name)
-        return Phase(self, group)
+        return Phase(self._gate, group)
 
     def offload_all(self) -> None:
         """Evict the resident exclusive group and free the shared device storage.
@@ -480,38 +511,13 @@ class Scheduler:
     def _prefetch(self, name: str) -> bool:
         return self._placement.prefetch(self._registry.lookup(name))
 
-    def _enter(self, phase: Phase) -> Residency:
-        if self._holds.closed:
-            check_open(self._holds)
-        if self._auto is not None:
-            self._auto.entering(phase.group, self._placement.current, self._registry,
-                                not self._holds.has_holders())
-        for stream in phase.group.streams:
-            stream.rewrap()
-        return self._holds.join(phase)
-
-    def _exit(self, phase: Phase) -> None:
-        self._holds.leave(phase)
-
-    # -- helpers -------------------------------------------------------------------------------
-
-def _blocks_for(scheduler: Scheduler, name: str, roots, layers, policy: Policy):
-    """The blocks of `roots` that `add` packs apart: ``layers=``'s, or an auto scheduler's
-    (which plans every group again at `add`, so it refuses one during a phase)."""
-    if scheduler._auto is None:
-        return as_model_blocks(name, roots, layers, policy)
-    locked(scheduler._lock, scheduler._admission.check_no_holders,
-           f"add group {name!r} to an auto scheduler (it plans every group again)")
-    return auto_blocks(name, roots, layers, policy)
-
-
-def _auto_planner(options: AutoOptions | None, scheduler: Scheduler) -> AutoPlanner | None:
-    """The owner of `scheduler`'s auto plan (`residency.auto.auto`), or None."""
-    if options is None:
-        return None
-    return AutoPlanner(options, placement=scheduler._placement, transport=scheduler._transport,
-                       transitions=scheduler.transitions, block_log=scheduler.block_records,
-                       collective=scheduler._packer.node is not None)
+    def _blocks_for(self, name: str, roots, layers, policy: Policy):
+        """The blocks `add` packs apart: ``layers=``'s, or an auto plan's (not in a phase)."""
+        if self._auto is None:
+            return as_model_blocks(name, roots, layers, policy)
+        locked(self._lock, self._admission.check_no_holders,
+               f"add group {name!r} to an auto scheduler (it plans every group again)")
+        return auto_blocks(name, roots, layers, policy)
 
 
 def _note_pageable(pinned: bool, device: torch.device, transport: Transport) -> None:
