@@ -742,6 +742,29 @@ def test_no_function_takes_more_than_six_parameters_by_position():
 
 
 @pytest.mark.fast
+def test_attrs_classes_of_more_than_six_fields_are_built_by_keyword():
+    """Past six fields a positional construction hides which value is which (imported: the
+    fields attrs really made)."""
+    import importlib
+
+    import attrs
+
+    classes = {
+        f"{module}.{name}": value
+        for module in MODULES
+        for name, value in vars(importlib.import_module(module)).items()
+        if isinstance(value, type) and value.__module__ == module and attrs.has(value)
+    }
+    assert "residency.group.records.TransitionRecord" in classes
+    positional = sorted(
+        name for name, cls in classes.items()
+        if len([f for f in attrs.fields(cls) if f.init]) > 6
+        and not all(f.kw_only for f in attrs.fields(cls) if f.init)
+    )
+    assert not positional, f"make these kw_only (more than 6 fields): {positional}"
+
+
+@pytest.mark.fast
 def test_the_code_rules_catch_what_they_forbid():
     """The checkers themselves, on planted code."""
     planted = ast.parse(

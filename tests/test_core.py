@@ -398,7 +398,9 @@ def test_the_timed_load_totals_count_every_transition_past_the_limit_and_a_clear
 
     log = TransitionLog(limit=1)
     for nbytes, load_seconds in ((100, 0.5), (0, 0.25), (50, 0.0), (300, 1.5)):
-        log.append(TransitionRecord("a", "b", nbytes, 0, 0.0, 0.0, load_seconds, "main"))
+        log.append(TransitionRecord(from_group="a", to_group="b", nbytes=nbytes, written_back=0,
+                                    start=0.0, evict_seconds=0.0, load_seconds=load_seconds,
+                                    thread="main"))
     log.clear()
     assert (len(log), log.count, log.nbytes) == (0, 4, 450)
     assert (log.timed_nbytes, log.timed_seconds) == (400, 2.0)

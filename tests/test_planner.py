@@ -23,7 +23,8 @@ def _workloads(rng: random.Random, groups: int) -> list[Workload]:
         depth = rng.randint(0, 3)
         own = rng.choice([1, 2, 4])
         made.append(Workload(
-            name, (own, own), tuple((f"{name}.b{i}", block, block) for i in range(depth)),
+            name=name, own=(own, own),
+            blocks=tuple((f"{name}.b{i}", block, block) for i in range(depth)),
             exclusive=rng.random() > 0.15, entries=rng.randint(1, 2), passes=rng.randint(1, 4),
             compute_seconds=rng.random()))
     return made
@@ -72,8 +73,9 @@ def test_the_chosen_plan_costs_what_the_brute_force_optimum_costs(seed, overlap)
 
 
 def test_everything_is_kept_when_it_fits_and_nothing_moves():
-    groups = [Workload("enc", (2, 2), (("enc.b0", 4, 4),)),
-              Workload("dit", (2, 2), tuple((f"dit.b{i}", 8, 8) for i in range(3)), passes=10)]
+    groups = [Workload(name="enc", own=(2, 2), blocks=(("enc.b0", 4, 4),)),
+              Workload(name="dit", own=(2, 2),
+                       blocks=tuple((f"dit.b{i}", 8, 8) for i in range(3)), passes=10)]
     plans = choose(groups, weights_budget=40, bandwidth=1.0, overlap=False)
     assert all(plan.wholly_kept for plan in plans.values())
     assert predict(groups, plans, bandwidth=1.0, overlap=False).nbytes == 0
@@ -81,8 +83,9 @@ def test_everything_is_kept_when_it_fits_and_nothing_moves():
 
 def test_a_tight_budget_keeps_what_saves_most_and_streams_only_where_it_must():
     # the DiT runs 10 passes per call: streaming its blocks costs 10x swapping them
-    groups = [Workload("enc", (1, 1), (("enc.b0", 8, 8),)),
-              Workload("dit", (1, 1), tuple((f"dit.b{i}", 8, 8) for i in range(4)), passes=10)]
+    groups = [Workload(name="enc", own=(1, 1), blocks=(("enc.b0", 8, 8),)),
+              Workload(name="dit", own=(1, 1),
+                       blocks=tuple((f"dit.b{i}", 8, 8) for i in range(4)), passes=10)]
     plans = choose(groups, weights_budget=34, bandwidth=1.0, overlap=False)
     assert plans["dit"].streamed == ()  # swapping fits, so nothing streams
     cost = predict(groups, plans, bandwidth=1.0, overlap=False)
@@ -93,7 +96,7 @@ def test_a_tight_budget_keeps_what_saves_most_and_streams_only_where_it_must():
 
 
 def test_no_plan_fits_a_budget_below_the_least_any_plan_needs():
-    groups = [Workload("dit", (4, 4), (("dit.b0", 8, 8), ("dit.b1", 8, 8)))]
+    groups = [Workload(name="dit", own=(4, 4), blocks=(("dit.b0", 8, 8), ("dit.b1", 8, 8)))]
     with pytest.raises(DeviceMemoryError, match=r"no plan of the groups \['dit'\] fits a weights "
                                                  r"budget of 10 bytes: the least any plan needs "
                                                  r"is about 20 bytes \(streaming every block it "

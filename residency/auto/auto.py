@@ -60,7 +60,7 @@ _ASSUMED_BANDWIDTH = {True: 10e9, False: 5e9}
 _size = functools.partial(format_nbytes, digits=2)
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class AutoPlan:
     """The plans an auto scheduler carries out, why, what they predict and what calls measured.
 
@@ -150,7 +150,8 @@ class AutoPlanner:
                 self._placement.replan(group, plans[group.name])
             raise
         self._placement.budget = self.budget - self.headroom
-        plan = AutoPlan(self.budget, self.headroom, plans, predicted, workloads, reason)
+        plan = AutoPlan(budget=self.budget, headroom=self.headroom, plans=plans,
+                        predicted=predicted, workloads=workloads, reason=reason)
         sizes = {w.name: (w.own, w.blocks) for w in workloads}
         self.plan, self._planned_sizes = plan, sizes  # one line: see [Note: interrupts]
         self._call_start = None  # the loads above belong to no call
@@ -195,8 +196,9 @@ class AutoPlanner:
         entries, passes, compute = (self._observed or self._declared).get(group.name,
                                                                          (1, 1, 0.0))
         own, blocks = _sizes(group)
-        return Workload(group.name, own, blocks, exclusive=group.exclusive, entries=entries,
-                        passes=passes, compute_seconds=0.0 if self._collective else compute)
+        return Workload(name=group.name, own=own, blocks=blocks, exclusive=group.exclusive,
+                        entries=entries, passes=passes,
+                        compute_seconds=0.0 if self._collective else compute)
 
     def _bandwidth(self) -> float:
         """The measured copy bandwidth: the timed loads' bytes over their seconds (the log's

@@ -1,6 +1,6 @@
 """The auto planner: the plans of every group that cost least per call within a device budget.
 
-    groups = [Workload("encoder", own=(8, 8), blocks=(), entries=1, passes=1), ...]
+    groups = [Workload(name="encoder", own=(8, 8), blocks=(), entries=1, passes=1), ...]
     plans = choose(groups, weights_budget=38 * 2**30, bandwidth=25e9, overlap=True)
     cost = predict(groups, plans, bandwidth=25e9, overlap=True)    # bytes, seconds, peak per call
 
@@ -52,7 +52,7 @@ from residency.group.plan import Part, Plan, Where
 __all__ = ["Cost", "Workload", "choose", "predict"]
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Workload:
     """One group as the planner sees it: its parts' bytes and what one call does with it."""
 
@@ -120,7 +120,7 @@ def choose(groups: Sequence[Workload], *, weights_budget: int, bandwidth: float,
     return {option.group: option.plan for option in best[1]}
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class _Option:
     """One way to place one group: its plan and what it costs (see [Note: the cost model])."""
 
@@ -160,8 +160,9 @@ class _Option:
         ring = streamed[0][0] if len(streamed) > 1 else 0
         nbytes = w.entries * (swapped_copied + ring) + w.passes * streamed_copied
         seconds = w.compute_seconds + nbytes / bandwidth  # no overlap credited: see the Note
-        return cls(w.name, plan, kept, swapped_held, bool(streamed),
-                   max((h for _, h in streamed), default=0), nbytes, seconds)
+        return cls(group=w.name, plan=plan, kept=kept, swapped=swapped_held,
+                   streams=bool(streamed), slot=max((h for _, h in streamed), default=0),
+                   nbytes=nbytes, seconds=seconds)
 
 
 def _options(w: Workload, bandwidth: float, overlap: bool) -> Iterable[_Option]:

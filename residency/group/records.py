@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class TransitionRecord:
     """One phase change: the group that left, the group that came, bytes and seconds.
 
@@ -122,7 +122,7 @@ class TransitionLog(_KeptLog):
         return f"<TransitionLog {len(self)} kept of {self.count}, {self.nbytes} bytes loaded>"
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen(slots=True, kw_only=True)
 class BlockRecord:
     """One move of a layer-mode block, or the start of its compute (`residency.placement.layers`).
 
@@ -142,6 +142,10 @@ class BlockRecord:
     #: Bytes copied host to device ("prefetch", "load") or written back ("evict").
     nbytes: int
     time: float
+
+
+#: `BlockRecord`'s fields in order: a `BlockLog` keeps each record as a tuple of them.
+_BLOCK_FIELDS = tuple(field.name for field in attrs.fields(BlockRecord))
 
 
 class BlockLog(_KeptLog):
@@ -169,7 +173,8 @@ class BlockLog(_KeptLog):
             self.copies, self.nbytes = self.copies + 1, self.nbytes + fields[5]
 
     def __iter__(self) -> Iterator[BlockRecord]:
-        return iter([BlockRecord(*fields) for fields in self._snapshot()])
+        return iter([BlockRecord(**dict(zip(_BLOCK_FIELDS, fields)))
+                     for fields in self._snapshot()])
 
     def __repr__(self) -> str:
         return f"<BlockLog {len(self)} kept, {self.copies} block copies, {self.nbytes} bytes>"

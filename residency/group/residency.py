@@ -122,8 +122,7 @@ class Residency:
         self.detect_edits = detect_edits
         #: Digests of the device bytes as loaded ([Note: finding what changed] in write_back.py);
         #: None with ``detect_edits=False`` on a private master (versions and pointers tell).
-        self._detector: ChangeDetector | None = None
-        self._detector = self._detector_for(host_master)
+        self._detector: ChangeDetector | None = _detector_for(None, detect_edits, host_master)
         #: While LOADING: the copy under way.
         self._pending: _PendingLoad | None = None
         #: The streams that carry out the plan's streamed parts (each part a small `Residency`
@@ -327,9 +326,11 @@ class Residency:
             self._device_ptrs, self.host_master.views)
         left = {i for i, _ in misfits}
         written = WriteBack(
-            self.name, self.inventory, self.host_master, self.device_storage, self,
-            self._transport, self._detector, self._marked_dirty, now_versions,
-            self._loaded_versions, replaced, [i for i in replaced if i not in left]).write()
+            name=self.name, inventory=self.inventory, master=self.host_master,
+            storage=self.device_storage, key=self, transport=self._transport,
+            detector=self._detector, marked_dirty=self._marked_dirty, now_versions=now_versions,
+            loaded_versions=self._loaded_versions, replaced=replaced,
+            fitting=[i for i in replaced if i not in left]).write()
         homes = list(self.host_master.views)
         for i in left:
             homes[i] = tensors[i].detach().to("cpu")
@@ -377,18 +378,12 @@ class Residency:
     def adopt(self, inventory: Inventory, host_master: HostMaster) -> None:
         """Take over a new inventory and master (packed from the modules as they are now)."""
         self._require(ResidencyState.OFFLOADED, "re-pack")
-        detector = self._detector_for(host_master)  # an arriving master dropped here has its
-        (self.inventory, self.host_master, self._detector, self._loaded_versions,  # reads stopped
+        # (an arriving master dropped here has had its reads stopped already)
+        detector = _detector_for(self._detector, self.detect_edits, host_master)
+        (self.inventory, self.host_master, self._detector, self._loaded_versions,
          self._device_ptrs, self._marked_dirty, self.left_misfits) = (
             inventory, host_master, detector, versions(inventory.tensors), [], False,
             False)  # one line: see [Note: interrupts]
-
-    def _detector_for(self, host_master: HostMaster) -> ChangeDetector | None:
-        """Keep digests when the user did not opt out, or when the master is shared (its ranks
-        must agree on every write: `residency.group.write_back`)."""
-        if self._detector is None and (self.detect_edits or host_master.shared_group is not None):
-            return ChangeDetector()
-        return self._detector
 
     def _require(self, state: ResidencyState, action: str) -> None:
         if self.state is not state:
@@ -449,3 +444,13 @@ def _allocation_failed(name: str, nbytes: int, device, error: BaseException) -> 
         f"{device} and the allocation failed ({error}). Free device memory, raise the "
         "scheduler's device_memory_limit, or split the group; the group stays offloaded"
     )
+
+
+def _detector_for(detector: ChangeDetector | None, detect_edits: bool,
+                  host_master: HostMaster) -> ChangeDetector | None:
+    """A group's digests over `host_master`: kept (`detector`), or new when the user did not opt
+    out or the master is shared (its ranks must agree on every write: `residency.group.write_back`);
+    None otherwise."""
+    if detector is None and (detect_edits or host_master.shared_group is not None):
+        return ChangeDetector()
+    return detector

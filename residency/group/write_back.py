@@ -1,9 +1,10 @@
 """Write-back: what changed on a group's device bytes goes back into its host master, and nothing
 else.
 
-    written = WriteBack(group.name, inventory, master, storage, group, transport, detector,
-                        marked_dirty=False, now_versions=now, loaded_versions=loaded,
-                        replaced=replaced, fitting=fitting).write()
+    written = WriteBack(name=group.name, inventory=inventory, master=master, storage=storage,
+                        key=group, transport=transport, detector=detector, marked_dirty=False,
+                        now_versions=now, loaded_versions=loaded, replaced=replaced,
+                        fitting=fitting).write()
     copied = write_tensors(transport, inventory, master, [3, 7])   # tensors into their places
 
 `Residency.evict` reads what it must of the tensors (version counters, data pointers), decides
@@ -37,7 +38,7 @@ from residency.multirank.agreement import agree_write_back, digest_ranges
 __all__ = ["WriteBack", "copy_in", "write_tensors"]
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class WriteBack:
     """One eviction's write-back from `storage` into `master` (see the module docstring)."""
 

@@ -242,7 +242,7 @@ class PackLayout:
         return sum(_aligned(size, self.boundary) for size in self.chunk_nbytes)
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, kw_only=True)
 class Inventory:
     """The unique tensors of a set of modules, where each is reachable from, and how they pack.
 
