@@ -14,16 +14,13 @@
 
 from importlib import metadata as _metadata
 
-from residency.modules.blocks import BlockPlan, ModelBlocks, model_blocks, plan_blocks  # historical names
+from residency.modules.blocks import ModelBlocks, model_blocks
 from residency.group.residency import Policy, Residency, ResidencyState
 from residency.options.vllm_omni import OffloadConfig, resolve_config
 from residency.pipelines.discovery import (
     ComponentGroups,
-    ComponentPlan,  # historical name
     SupportsComponentDiscovery,
-    apply_plan,  # historical name
     group_components,
-    plan_components,  # historical name
     register_groups,
 )
 from residency.core.errors import (
@@ -64,9 +61,7 @@ except _metadata.PackageNotFoundError:
 
 # What users and pipeline authors import.  Extenders' names (transports, completions, the
 # records' classes, Residency) are listed by `residency.extend`; they stay importable from
-# here, as before.  So do the historical names (`plan_blocks`, `BlockPlan`, `ComponentPlan`,
-# `plan_components`, `apply_plan`: docs/surface.md), imported above and listed nowhere: a name
-# in __all__ has one meaning, and "plan" now means where each part of a group is.
+# here.
 __all__ = [
     # the top-level API
     "Scheduler",

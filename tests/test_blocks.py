@@ -631,15 +631,15 @@ def test_block_lists_and_pipeline_components_resolve_by_one_walk():
         resolve_path("Owner", model, "holder.stakc", listed_in="_dit_modules")
 
 
-def test_the_historical_names_lead_to_the_renamed_ones():
-    """"plan" means where a group's parts are during phases; the old names stay importable."""
+def test_plan_means_one_thing_the_old_names_of_other_things_are_gone():
+    """"plan" means where a group's parts are during phases (docs/design.md's glossary); the
+    names that used the word for blocks and discovered groups were renamed, and the old ones
+    removed."""
     import residency
     from residency.modules import blocks
     from residency.pipelines import discovery
 
-    assert residency.plan_blocks is blocks.plan_blocks is residency.model_blocks
-    assert residency.BlockPlan is residency.ModelBlocks
-    assert residency.ComponentPlan is discovery.ComponentGroups
-    assert residency.plan_components is residency.group_components
-    assert residency.apply_plan is residency.register_groups
-    assert residency.plan_blocks(Repeated(), declared=["blocks"]).lists == ("blocks",)
+    for gone in ("plan_blocks", "BlockPlan", "ComponentPlan", "plan_components", "apply_plan"):
+        assert not hasattr(residency, gone) and not hasattr(blocks, gone)
+        assert not hasattr(discovery, gone)
+    assert residency.model_blocks(Repeated(), declared=["blocks"]).lists == ("blocks",)

@@ -373,7 +373,7 @@ def _categories(pipe):
     )
 
 
-def test_plan_components_is_pure_and_lists_groups(pipe):
+def test_group_components_is_pure_and_lists_groups(pipe):
     pointers = [t.data_ptr() for t in pipe.state_dict().values()]
     plan = group_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
     assert isinstance(plan, ComponentGroups)
@@ -402,7 +402,7 @@ def test_a_member_nested_in_a_member_of_the_same_group_adds_only_an_alias(pipe):
     scheduler.close()
 
 
-def test_apply_plan_removes_what_it_added_when_a_registration_fails(pipe):
+def test_register_groups_removes_what_it_added_when_a_registration_fails(pipe):
     plan = group_components("TwoExpertPipeline", *_categories(pipe), OffloadConfig(mode="module", components=["dit", "text_encoder"]))
     scheduler = Scheduler("cpu")
     scheduler.add("time_embed", nn.Linear(2, 2), policy="resident")
@@ -692,7 +692,7 @@ class _InterruptedAfter:
 
 @pytest.mark.parametrize(("call", "name"), [("add", "transformer_2"), ("add", "time_embed"),
                                             ("alias", "prompt_adapter.encoder")])
-def test_an_interrupted_apply_plan_leaves_no_group_of_the_plan(call, name):
+def test_an_interrupted_register_groups_leaves_no_group_it_added(call, name):
     """Also when the interrupt lands after an ``add`` returned (main lost that group)."""
     pipe, reference = TwoExpertPipeline(), TwoExpertPipeline()
     scheduler = Scheduler("cpu")

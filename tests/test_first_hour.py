@@ -249,3 +249,30 @@ def test_a_size_the_model_cannot_take_says_diffusers_own_call_failed(capsys, sav
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "4    --pipeline: the run without offloading failed" in capsys.readouterr().out
+
+
+# -- the README: a front door ----------------------------------------------------------------------
+
+#: What a newcomer finds on the README, in this order (issue 45): what it is, the two commands, what
+#: the main job prints, the quick start, diffusers in one call, the command line, then links.
+README_SECTIONS = ["## Two commands on a fresh machine", "## What the main job prints",
+                   "## Which mode?", "## Quick start", "## Diffusers in one call",
+                   "## Configs and the command line", "## Further"]
+
+
+@pytest.mark.fast
+def test_the_readme_is_a_front_door_of_at_most_150_lines_whose_links_resolve():
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 150, "the README is a front door: move details to docs/"
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings == README_SECTIONS
+    commands = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
+    assert commands[0].startswith("python3 -m venv .venv") and commands[0].endswith(
+        "python -m residency")
+    assert commands[1].endswith("python -m pytest -q")
+    links = re.findall(r"\]\(([^)#]+)\)", text)
+    assert len(links) >= 8
+    missing = [link for link in links if not (ROOT / link).exists()]
+    assert not missing, f"README links to files that do not exist: {missing}"

@@ -395,7 +395,7 @@ def test_a_split_model_with_no_tensor_outside_its_parts_has_no_shared_group():
 
 
 @pytest.mark.fast
-def test_apply_plan_removes_the_shared_group_too_when_a_later_registration_fails():
+def test_register_groups_removes_the_shared_group_too_when_a_later_registration_fails():
     pipe = SplitPipeline()
     plain = copy.deepcopy(pipe)
     dits, encoders, vaes = ({"transformer": pipe.transformer}, {"text_encoder": pipe.text_encoder},

@@ -87,14 +87,12 @@ __all__ = [
     "SOURCES",
     "Block",
     "ModelBlocks",
-    "BlockPlan",  # historical name
     "PipelineBlocks",
     "did_you_mean",
     "find_block_lists",
     "follow_path",
     "is_dotted",
     "model_blocks",
-    "plan_blocks",  # historical name
     "pipeline_blocks",
     "repeated_block_lists",
     "reread_blocks",
@@ -638,13 +636,6 @@ def reread_blocks(chosen: ModelBlocks) -> ModelBlocks:
     return model_blocks(chosen.model, path=chosen.model_path,
                        declared=own if chosen.source == "offload_plan" else None,
                        extra=chosen.extra_lists, resident_layers=chosen.resident_layers)
-
-
-#: `model_blocks` by the name it had before "plan" kept one meaning (where each part of a group
-#: is between and during phases); kept, with its meaning, for `residency.plan_blocks` callers.
-plan_blocks = model_blocks  # historical name
-#: `ModelBlocks` by its old name, for one release (docs/surface.md).
-BlockPlan = ModelBlocks  # historical name
 
 
 def _join(note: str | None, more: str) -> str:

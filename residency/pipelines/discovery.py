@@ -54,16 +54,13 @@ __all__ = [
     "ENCODER_GROUP",
     "VAE_GROUP",
     "ComponentGroups",
-    "ComponentPlan",  # historical name
     "Member",
     "SupportsComponentDiscovery",
-    "apply_plan",  # historical name
     "register_groups",
     "build_scheduler",
     "check_transfers_have_ranks",
     "declares_components",
     "group_components",
-    "plan_components",  # historical name
     "resolve_path",
     "scheduler_from_pipeline",
     "stage_note",
@@ -713,13 +710,6 @@ def _undo_plan(scheduler: Registrar, names: Sequence[str], attached) -> None:
     for name in reversed(names):
         if name in scheduler:
             scheduler.remove(name)
-
-
-#: The old names of `ComponentGroups`, `group_components` and `register_groups`, importable for one
-#: release (docs/surface.md): "plan" now means where each part of a group is during phases.
-ComponentPlan = ComponentGroups  # historical name
-plan_components = group_components  # historical name
-apply_plan = register_groups  # historical name
 
 
 def _layer_mode_options(found: ComponentGroups, name: str) -> dict[str, object]:
