@@ -767,6 +767,19 @@ def test_attrs_classes_of_more_than_six_fields_are_built_by_keyword():
 
 
 @pytest.mark.fast
+def test_no_two_classes_of_ours_share_a_name():
+    """One word, one meaning: a class name leads to one class."""
+    where: dict[str, list[str]] = {}
+    for module, tree in _package_trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(module)
+    assert len(where) > 100  # really read: every class
+    shared = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert not shared, f"class names used twice: {shared}"
+
+
+@pytest.mark.fast
 def test_the_code_rules_catch_what_they_forbid():
     """The checkers themselves, on planted code."""
     planted = ast.parse(

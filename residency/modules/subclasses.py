@@ -53,7 +53,7 @@ from residency.core.errors import RegistrationError
 __all__ = [
     "Extent",
     "ModuleSlot",
-    "Run",
+    "ByteRun",
     "WrapperSet",
     "attached_tensors",
     "check_rebuild_keeps_inner_tensors",
@@ -280,7 +280,7 @@ class Extent(NamedTuple):
         return self.end - self.start
 
 
-class Run(NamedTuple):
+class ByteRun(NamedTuple):
     """A run of overlapping bytes of one storage (`overlapping_runs`): what packs as one region."""
 
     storage: Hashable
@@ -322,12 +322,12 @@ def leaf_extents(tensor: torch.Tensor) -> list[tuple[Path, Extent]]:
     return [((), extent(tensor))]
 
 
-def overlapping_runs(extents: Sequence[Extent]) -> list[Run]:
+def overlapping_runs(extents: Sequence[Extent]) -> list[ByteRun]:
     """The extents grouped into runs of overlapping bytes of one storage, in the order of each
     run's first extent given.
 
-        overlapping_runs([extent(w), extent(w.T), extent(b)])   # [Run(..., members=(0, 1)),
-                                                                #  Run(..., members=(2,))]
+        overlapping_runs([extent(w), extent(w.T), extent(b)])   # [ByteRun(..., members=(0, 1)),
+                                                                #  ByteRun(..., members=(2,))]
 
     Extents that merely sit side by side in one storage are in runs of their own; an extent of
     no bytes joins the run it sits strictly inside (a view of nothing in a region).
@@ -335,7 +335,7 @@ def overlapping_runs(extents: Sequence[Extent]) -> list[Run]:
     by_storage: dict[Hashable, list[int]] = {}
     for index, found in enumerate(extents):
         by_storage.setdefault(found.storage, []).append(index)
-    runs: list[Run] = []
+    runs: list[ByteRun] = []
     for key, members in by_storage.items():
         members.sort(key=lambda i: (extents[i].start, extents[i].end))
         run: list[int] = []
@@ -345,10 +345,10 @@ def overlapping_runs(extents: Sequence[Extent]) -> list[Run]:
                 end = max(end, extents[index].end)
             else:
                 if run:
-                    runs.append(Run(key, start, end, tuple(run)))
+                    runs.append(ByteRun(key, start, end, tuple(run)))
                 run, start, end = [], extents[index].start, extents[index].end
             run.append(index)
-        runs.append(Run(key, start, end, tuple(run)))
+        runs.append(ByteRun(key, start, end, tuple(run)))
     return sorted(runs, key=lambda r: min(r.members))
 
 

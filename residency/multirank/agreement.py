@@ -76,7 +76,7 @@ __all__ = [
     "TensorDifference",
     "TensorLayout",
     "WeightsVerdict",
-    "WriteBack",
+    "AgreedWriteBack",
     "agree_write_back",
     "compare_weights",
     "describe_tensors",
@@ -586,7 +586,7 @@ def _normalized_ranges(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, in
 
 
 @attrs.frozen(kw_only=True)
-class WriteBack:
+class AgreedWriteBack:
     """What the ranks sharing a master agreed to write back for a group (`agree_write_back`)."""
 
     #: The group.
@@ -611,15 +611,15 @@ def agree_write_back(
     group: dist.ProcessGroup | None = None,
     *,
     tensors: Sequence[tuple[str, int, int]] = (),
-) -> WriteBack:
+) -> AgreedWriteBack:
     """Decide with the ranks sharing group `name`'s master what to write back; collective.
 
     `changed` is this rank's changed byte ranges of the group's buffer
     (`ChangeDetector.changed_windows`), `digest` their `digest_ranges` (ignored when nothing
     changed).  Nobody changed anything: nothing to write.  Every rank changed the same ranges to
-    the same bytes: the group's lowest rank writes (`WriteBack.writes`).  Otherwise every rank
-    raises the same `CollectiveError`, naming each rank's ranges and the `tensors` (name, start, end)
-    they touch; nothing is written, and each rank keeps its device copy.  The writer's copy must
+    the same bytes: the group's lowest rank writes (`AgreedWriteBack.writes`).  Otherwise every
+    rank raises the same `CollectiveError`, naming each rank's ranges and the `tensors` (name,
+    start, end) they touch; nothing is written, and each rank keeps its device copy.  The writer's copy must
     be ordered before any rank reads the master again (the next agreement, or a barrier).
 
         decision = agree_write_back("dit", changed, digest_ranges(buffer, changed), node.group)
@@ -636,7 +636,7 @@ def agree_write_back(
     if len(set(gathered.values())) > 1:
         raise CollectiveError(_disagreement(name, gathered, tensors))
     agreed = next(iter(gathered.values()))[0]
-    return WriteBack(name=name, ranges=agreed, writer=min(gathered) if agreed else None,
+    return AgreedWriteBack(name=name, ranges=agreed, writer=min(gathered) if agreed else None,
                      rank=dist.get_rank())
 
 
