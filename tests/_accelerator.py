@@ -29,6 +29,15 @@ the session fail when fewer than N accelerator tests passed (``.ci/run`` sets it
 marked ``harmless_removal`` (a synchronisation-audit experiment that shows a removal harmless:
 tests/test_sync_audit.py) runs with them and fails like them, but its pass is not counted toward N:
 it checks that a call is not needed, not that one is.
+
+[Note: a second child for the long CPU tests]
+On two cores the accelerator child leaves the second core idle for most of the run.  Tests marked
+``beside`` (the long interrupt sweeps: CPU-bound, one thread's worth of Python, fixtures cheap to
+set up) run in a second child, ``python -m pytest --accelerator=none ...`` with the parent's
+``--sweep`` and ``--soak``, started with the first one and reported the same way; torch keeps its
+default threads there, so the code paths swept are the CPU tests' own.  The parent runs them last
+and waits for that child once.  Only a session that also has other tests to run delegates them
+(run alone, a test marked ``beside`` runs in the parent), and a child never delegates further.
 """
 
 from __future__ import annotations
@@ -50,10 +59,11 @@ import torch
 
 TESTS = Path(__file__).resolve().parent
 #: How long the child may run before its tests are reported as failed (a hang is a failure).
-CHILD_TIMEOUT_S = 900
+CHILD_TIMEOUT_S = 1500
 
-_DELEGATED = pytest.StashKey[set]()  # node ids of the tests the child runs
+_DELEGATED = pytest.StashKey[set]()  # node ids of the tests the accelerator child runs
 _CHILD = pytest.StashKey["ChildRun"]()
+_BESIDE = pytest.StashKey["ChildRun"]()  # the child of the tests marked beside
 _SIMULATOR_ERROR = pytest.StashKey[str]()
 
 
@@ -67,12 +77,16 @@ def add_options(parser) -> None:
 
 
 def configure(config) -> None:
-    """Register the ``harmless_removal`` mark; in a ``--accelerator=sim`` process, load the
-    simulator before anything is collected."""
+    """Register the ``harmless_removal`` and ``beside`` marks; in a ``--accelerator=sim``
+    process, load the simulator before anything is collected."""
     config.addinivalue_line(
         "markers", "harmless_removal: a synchronisation-audit experiment showing a removal "
                    "harmless on the simulated device; not counted toward "
                    "RESIDENCY_MIN_ACCELERATOR_TESTS (tests/_accelerator.py)")
+    config.addinivalue_line(
+        "markers", "beside: a long CPU test (an interrupt sweep) run in a second child process "
+                   "beside the rest of the session ([Note: a second child for the long CPU "
+                   "tests] in tests/_accelerator.py)")
     results = config.getoption("--accelerator-results")
     if results is not None:
         config.pluginmanager.register(ResultsWriter(results), "accelerator-results")
@@ -113,8 +127,10 @@ def _keep_only(config, items, kept) -> None:
 
 def start_child(session) -> None:
     """Once collection is final (``-k``/``-m`` applied): in an ``auto`` process without an
-    accelerator, move the accelerator tests to the end and start their child (see the note)."""
+    accelerator, move the accelerator tests to the end and start their child; move the tests
+    marked ``beside`` to the end and start theirs (see the notes)."""
     config = session.config
+    _start_beside(session)
     if config.getoption("--accelerator") != "auto" or torch.accelerator.is_available():
         return
     delegated = [item for item in session.items if "gpu" in item.keywords]
@@ -126,42 +142,67 @@ def start_child(session) -> None:
     config.stash[_CHILD] = ChildRun(config, [item.nodeid for item in delegated])
 
 
+def _start_beside(session) -> None:
+    """Move the tests marked ``beside`` to the end and start their child, when the session has
+    other tests to run meanwhile and is not a child itself (see the note)."""
+    config = session.config
+    if config.option.collectonly or config.getoption("--accelerator-results") is not None:
+        return
+    beside = [item for item in session.items
+              if "beside" in item.keywords and "gpu" not in item.keywords]
+    if not beside or len(beside) == len(session.items):
+        return
+    chosen = {id(item) for item in beside}
+    session.items[:] = [item for item in session.items if id(item) not in chosen] + beside
+    config.stash[_BESIDE] = ChildRun(config, [item.nodeid for item in beside],
+                                     accelerator="none", what="long CPU tests")
+
+
+def _children(config) -> list[ChildRun]:
+    return [child for child in (config.stash.get(_CHILD, None), config.stash.get(_BESIDE, None))
+            if child is not None]
+
+
 def stop_child(session) -> None:
     """At the session's end: a child still running (the session stopped early) is killed."""
-    child = session.config.stash.get(_CHILD, None)
-    if child is not None:
+    for child in _children(session.config):
         child.stop()
 
 
 def run_delegated(pyfuncitem) -> bool:
-    """Report a delegated accelerator test's outcome from the child; False if it runs here."""
-    config = pyfuncitem.config
-    if pyfuncitem.nodeid not in config.stash.get(_DELEGATED, ()):
-        return False
-    config.stash[_CHILD].report(pyfuncitem.nodeid)
-    return True
+    """Report a delegated test's outcome from its child; False if it runs here."""
+    for child in _children(pyfuncitem.config):
+        if pyfuncitem.nodeid in child.nodeids:
+            child.report(pyfuncitem.nodeid)
+            return True
+    return False
 
 
 def child_duration(item) -> float | None:
-    """How long a delegated test's phases took in the child (None: not delegated, or no report),
-    so that ``--durations`` shows the child's figure, not the parent's wait."""
-    child = item.config.stash.get(_CHILD, None)
-    if child is None or child.outcomes is None or item.nodeid not in child.outcomes:
-        return None
-    return child.outcomes[item.nodeid]["duration"]
+    """How long a delegated test's phases took in its child (None: not delegated, or no
+    report), so that ``--durations`` shows the child's figure, not the parent's wait."""
+    for child in _children(item.config):
+        if child.outcomes is not None and item.nodeid in child.outcomes:
+            return child.outcomes[item.nodeid]["duration"]
+    return None
 
 
 class ChildRun:
-    """One ``--accelerator=sim`` pytest process for every delegated test (see the note above),
-    started at once; `report` waits for it the first time."""
+    """One pytest process for a list of delegated tests (see the notes above): on the simulated
+    device (``accelerator="sim"``, one OpenMP thread) or on the CPU (``"none"``), started at
+    once; `report` waits for it the first time."""
 
-    def __init__(self, config, nodeids: list[str]) -> None:
-        self._folder = tempfile.TemporaryDirectory(prefix="residency-accelerator-")
+    def __init__(self, config, nodeids: list[str], *, accelerator: str = "sim",
+                 what: str = "accelerator tests") -> None:
+        #: The node ids it runs, and what they are (for its messages).
+        self.nodeids, self.what = frozenset(nodeids), what
+        self._folder = tempfile.TemporaryDirectory(prefix=f"residency-{accelerator}-")
         self._results = Path(self._folder.name) / "results.jsonl"
         self._log = open(Path(self._folder.name) / "output.txt", "w+")
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rN",
-                   "--accelerator=sim", f"--accelerator-results={self._results}",
+                   f"--accelerator={accelerator}", f"--accelerator-results={self._results}",
                    *_passed_on(config), *nodeids]
+        threads = {"OMP_NUM_THREADS": "1"} if accelerator == "sim" else {}
         self.started = time.monotonic()
         #: Seconds the child ran, and the parent waited for it (once it finished).
         self.ran_s = self.waited_s = None
@@ -169,8 +210,7 @@ class ChildRun:
         self.output = ""
         self._process = subprocess.Popen(command, cwd=config.rootpath, stdout=self._log,
                                          stderr=subprocess.STDOUT, text=True,
-                                         start_new_session=True,
-                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                         start_new_session=True, env={**os.environ, **threads})
         self._ended = threading.Event()  # set the moment the child exits (for `ran_s`)
         threading.Thread(target=self._watch, name="accelerator-child", daemon=True).start()
 
@@ -213,10 +253,11 @@ class ChildRun:
         self.wait()
         outcome = self.outcomes.get(nodeid)
         if outcome is None:
-            pytest.fail(f"the accelerator test did not report from the simulator's process:\n"
+            pytest.fail(f"the test did not report from the child process of the {self.what}:\n"
                         f"{self.output[-6000:]}", pytrace=False)
         if outcome["outcome"] == "failed":
-            pytest.fail(f"failed on the simulated device:\n{outcome['text']}", pytrace=False)
+            pytest.fail(f"failed in the child process of the {self.what}:\n{outcome['text']}",
+                        pytrace=False)
         if outcome["outcome"] == "skipped":
             pytest.skip(outcome["text"])
 
@@ -294,6 +335,11 @@ def summarize(terminalreporter, config) -> None:
         terminalreporter.write_line(f"accelerator tests ({_where(config)}): {passed} passed, "
                                     f"{failed} failed, {skipped} skipped; {harmless} harmless-"
                                     "removal experiments passed (not counted)")
+    beside = config.stash.get(_BESIDE, None)
+    if beside is not None and beside.ran_s is not None:
+        terminalreporter.write_line(
+            f"{len(beside.nodeids)} long CPU tests (marked beside) ran in a second child process: "
+            f"{beside.ran_s:.0f} s beside the rest, then the parent waited {beside.waited_s:.0f} s")
     minimum = _minimum()
     if passed < minimum:
         terminalreporter.write_line(f"FAILED: {passed} accelerator tests passed; "

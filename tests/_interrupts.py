@@ -14,7 +14,8 @@ Which points (`points_to_interrupt`), by the run's ``--sweep`` option: ``full`` 
 ``ci`` (the default) takes every `stride`-th point the caller gives and, unless the sweep says
 ``every_line=False``, the first and the last execution of each distinct (file, line) the
 operation executes - so a regression on any one line (two statements of a state change split by
-a new line, say) is caught without the full sweep.  Each sweep prints how many points and
+a new line, say) is caught without the full sweep; ``lines`` does the same for every sweep, those
+that say ``every_line=False`` (too costly for CI) included.  Each sweep prints how many points and
 distinct lines the operation has, how many it interrupted, and how many lines it missed.
 
 `consistent(scheduler)` reads the owners' own state (holds, registry, placement, each group and
@@ -51,7 +52,7 @@ PACKAGE_DIRS = tuple(
 #: Seconds the checks after one injection may take before they count as waiting forever.
 WATCHDOG_S = 20.0
 #: The values of ``pytest --sweep``.
-SWEEPS = ("ci", "full")
+SWEEPS = ("ci", "lines", "full")
 #: The run's ``--sweep`` value, set once by conftest's `pytest_configure` (`configure`).
 _sweep = "ci"
 
@@ -184,15 +185,15 @@ def sweep(
 
 def points_to_interrupt(counter: Interrupter, stride: int, every_line: bool = True) -> list[int]:
     """The points a sweep interrupts, after `counter` counted the operation: all of them under
-    ``--sweep=full``; else every `stride`-th and, with `every_line`, the first and the last
-    point of each distinct (file, line) in `counter.lines`.
+    ``--sweep=full``; else every `stride`-th and, with `every_line` (or under ``--sweep=lines``),
+    the first and the last point of each distinct (file, line) in `counter.lines`.
 
         points_to_interrupt(counter, 7, every_line=False)   # [1, 8, 15, ...]
     """
     if full_sweep():
         return list(range(1, counter.count + 1))
     points = set(range(1, counter.count + 1, stride))
-    if every_line:
+    if every_line or _sweep == "lines":
         first: dict[tuple[str, int], int] = {}
         last: dict[tuple[str, int], int] = {}
         for point, line in enumerate(counter.lines, start=1):

@@ -84,6 +84,7 @@ def test_the_budgets_give_the_shapes_the_sweeps_need():
     assert streamed
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("budget", [PARTLY_KEPT, STREAMING], ids=["partly-kept", "streaming"])
 def test_a_phase_change_under_an_auto_plan(budget, stride):
     """Leave the edited, partly kept (or streaming) "t" for "a", run, come back: interrupted at
@@ -98,6 +99,7 @@ def test_a_phase_change_under_an_auto_plan(budget, stride):
                  every_line=False) > 100
 
 
+@pytest.mark.beside
 def test_a_re_plan_for_a_new_budget(stride):
     """`set_device_budget` from a partly kept plan to a streaming one and back: every line
     (every 31st in CI)."""
@@ -109,6 +111,7 @@ def test_a_re_plan_for_a_new_budget(stride):
                  every_line=False) > 100
 
 
+@pytest.mark.beside
 def test_a_registration_that_re_plans(stride):
     """Adding "t" to a scheduler that holds "a": the registration and the re-plan it makes."""
     def add(world):

@@ -374,6 +374,7 @@ def test_a_file_the_disk_refuses_is_a_typed_error_at_add(tmp_path):
 # -- interrupts -----------------------------------------------------------------------------------
 
 
+@pytest.mark.beside
 def test_an_interrupt_anywhere_in_a_phase_change_leaves_the_tier_and_weights_sound(tmp_path):
     x = torch.randn(2, WIDTH)
     with torch.no_grad():

@@ -133,6 +133,7 @@ def _entered(world: World, name: str):
 
 @pytest.mark.parametrize(("name", "sweep_kind"), [
     ("b", "registration-module"), ("r", "registration-resident"), ("t", "registration-layers")])
+@pytest.mark.beside
 def test_registration(name, sweep_kind, stride):
     """Add a module-mode group, a resident-policy one, a layer-mode one."""
     def build():
@@ -161,6 +162,7 @@ def _change(world: World) -> None:
         world.run("b")
 
 
+@pytest.mark.beside
 def test_phase_change_with_an_edit():
     """Evict "a" holding an edit (found by digests), load "b", run, leave."""
     assert sweep(_edited_then_in("a"), _change, World.check) > 100
@@ -176,6 +178,7 @@ def test_phase_change_with_an_edit_on_an_accelerator(stride):
                  stride=stride("accelerator-change")) > 100
 
 
+@pytest.mark.beside
 def test_phase_exit_gives_the_outer_group_back():
     """Leave a nested phase of "b" (edited) inside "a" (edited): swap back to "a"."""
     def build():
@@ -205,6 +208,7 @@ def _step(world: World) -> None:
         world.run("a")
 
 
+@pytest.mark.beside
 def test_layer_mode_step(stride):
     """A step of a layer-mode group whose parked first block and outer part were edited between
     steps, then a phase change to a module-mode group."""
@@ -257,6 +261,7 @@ def _queued(world: World, count: int = 1) -> None:
         time.sleep(0.001)
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("layered", [False, True], ids=["module", "layer"])
 def test_leaving_while_another_thread_waits(layered, stride):
     """The first thread's phase (a step in layer mode) ends while a second waits for "b"."""
@@ -291,6 +296,7 @@ def test_leaving_while_another_thread_waits(layered, stride):
                  every_line=lines(kind)) > 20
 
 
+@pytest.mark.beside
 def test_entering_while_another_thread_holds():
     """The first thread asks for "a" while a second holds "b" and leaves once the first waits."""
     def build():
@@ -328,6 +334,7 @@ def _release_when_queued(world: World) -> None:
 # -- a fixed stride ---------------------------------------------------------------------------------
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("then", ["enter", "cancel"])
 def test_prefetch(then, stride):
     """Prefetch "b" inside a phase of edited "a"; then enter "b", or cancel by offloading all."""
@@ -350,6 +357,7 @@ def test_prefetch(then, stride):
     assert sweep(build, prefetch, World.check, stride=stride("prefetch")) > 50
 
 
+@pytest.mark.beside
 def test_refresh(stride):
     """Refresh "a" (resident, edited, a tensor re-typed)."""
     def build():
@@ -365,6 +373,7 @@ def test_refresh(stride):
     assert sweep(build, refresh, World.check, stride=stride("refresh"), every_line=False) > 50
 
 
+@pytest.mark.beside
 def test_close(stride):
     """Close a scheduler of every kind of group, the current one edited."""
     def build():
@@ -415,12 +424,14 @@ class Pipeline:
                 assert_same_weights(self.pipe.components[name], module, name)
 
 
+@pytest.mark.beside
 def test_enable_offload(stride):
     pytest.importorskip("diffusers")
     assert sweep(Pipeline, lambda p: enable_offload(p.pipe), Pipeline.check,
                  stride=stride("enable"), every_line=False) > 1000
 
 
+@pytest.mark.beside
 def test_disable_offload(stride):
     pytest.importorskip("diffusers")
 

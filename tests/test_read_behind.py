@@ -416,6 +416,7 @@ def test_on_an_accelerator_a_master_read_behind_is_pinned_and_exact(saved: Path)
 SWEEP_STRIDE = int(os.environ.get("READ_BEHIND_STRIDE", 29))
 
 
+@pytest.mark.beside
 def test_an_interrupt_anywhere_in_a_first_load_keeps_the_weights(saved: Path):
     from diffusers import WanTransformer3DModel
     from transformers import UMT5EncoderModel
@@ -457,6 +458,7 @@ def test_an_interrupt_anywhere_in_a_first_load_keeps_the_weights(saved: Path):
     assert points > 50
 
 
+@pytest.mark.beside
 def test_an_interrupt_anywhere_in_an_add_that_reads_behind_keeps_the_weights(saved: Path):
     """An add interrupted at any line: undone (the arrival abandoned, the tensors the file views
     they were) or done (the group loads and is exact); no reading thread is left behind."""

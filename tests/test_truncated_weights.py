@@ -196,11 +196,13 @@ def test_an_add_after_the_file_was_cut_is_refused_before_any_byte_is_read(
     assert result["registered"] == [] and result["pointers_unchanged"]
 
 
+@pytest.mark.beside
 def test_an_interrupt_anywhere_in_a_load_that_finds_the_file_cut_keeps_the_rest(folder, tmp_path):
     result = run_child("sweep-load", folder, tmp_path / "out", str(SWEEP_STRIDE), timeout=540)
     assert result["points"] > 100
 
 
+@pytest.mark.beside
 def test_an_interrupt_anywhere_in_a_close_that_finds_the_file_cut_keeps_the_rest(folder, tmp_path):
     result = run_child("sweep-close", folder, tmp_path / "out", str(SWEEP_STRIDE), timeout=540)
     assert result["points"] > 100
