@@ -34,16 +34,20 @@ it checks that a call is not needed, not that one is.
 On two cores the accelerator child leaves the second core idle for most of the run.  Tests marked
 ``beside`` (the long interrupt sweeps: CPU-bound, one thread's worth of Python, fixtures cheap to
 set up) run in a second child, ``python -m pytest --accelerator=none ...`` with the parent's
-``--sweep`` and ``--soak``, started with the first one and reported the same way; torch keeps its
-default threads there, so the code paths swept are the CPU tests' own.  The parent runs them last
-and waits for that child once.  Only a session that also has other tests to run delegates them
-(run alone, a test marked ``beside`` runs in the parent), and a child never delegates further.
+``--sweep`` and ``--soak``, reported the same way; torch keeps its default threads there, so the
+code paths swept are the CPU tests' own.  It starts the moment the accelerator child ends (at
+once without one): three processes on two cores slowed every test, and the thread tests most.
+The parent runs them last and waits for that child once.  The mark goes on as many of the longest
+sweeps as balance the two cores: the accelerator child and these together take about what the
+parent's share takes.  Only a session that also has other tests to run delegates them (run alone,
+a test marked ``beside`` runs in the parent), and a child never delegates further.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -129,8 +133,12 @@ def start_child(session) -> None:
     """Once collection is final (``-k``/``-m`` applied): in an ``auto`` process without an
     accelerator, move the accelerator tests to the end and start their child; move the tests
     marked ``beside`` to the end and start theirs (see the notes)."""
-    config = session.config
+    _start_accelerator_child(session)
     _start_beside(session)
+
+
+def _start_accelerator_child(session) -> None:
+    config = session.config
     if config.getoption("--accelerator") != "auto" or torch.accelerator.is_available():
         return
     delegated = [item for item in session.items if "gpu" in item.keywords]
@@ -155,7 +163,8 @@ def _start_beside(session) -> None:
     chosen = {id(item) for item in beside}
     session.items[:] = [item for item in session.items if id(item) not in chosen] + beside
     config.stash[_BESIDE] = ChildRun(config, [item.nodeid for item in beside],
-                                     accelerator="none", what="long CPU tests")
+                                     accelerator="none", what="long CPU tests",
+                                     after=config.stash.get(_CHILD, None))
 
 
 def _children(config) -> list[ChildRun]:
@@ -190,10 +199,10 @@ def child_duration(item) -> float | None:
 class ChildRun:
     """One pytest process for a list of delegated tests (see the notes above): on the simulated
     device (``accelerator="sim"``, one OpenMP thread) or on the CPU (``"none"``), started at
-    once; `report` waits for it the first time."""
+    once or, with `after`, the moment that child ends; `report` waits for it the first time."""
 
     def __init__(self, config, nodeids: list[str], *, accelerator: str = "sim",
-                 what: str = "accelerator tests") -> None:
+                 what: str = "accelerator tests", after: ChildRun | None = None) -> None:
         #: The node ids it runs, and what they are (for its messages).
         self.nodeids, self.what = frozenset(nodeids), what
         self._folder = tempfile.TemporaryDirectory(prefix=f"residency-{accelerator}-")
@@ -203,24 +212,50 @@ class ChildRun:
                    f"--accelerator={accelerator}", f"--accelerator-results={self._results}",
                    *_passed_on(config), *nodeids]
         threads = {"OMP_NUM_THREADS": "1"} if accelerator == "sim" else {}
+        #: When it was asked for: `CHILD_TIMEOUT_S` counts from here (a wait for `after` too).
         self.started = time.monotonic()
         #: Seconds the child ran, and the parent waited for it (once it finished).
         self.ran_s = self.waited_s = None
         self.outcomes: dict[str, dict] | None = None  # read once the child finished
         self.output = ""
-        self._process = subprocess.Popen(command, cwd=config.rootpath, stdout=self._log,
-                                         stderr=subprocess.STDOUT, text=True,
-                                         start_new_session=True, env={**os.environ, **threads})
-        self._ended = threading.Event()  # set the moment the child exits (for `ran_s`)
-        threading.Thread(target=self._watch, name="accelerator-child", daemon=True).start()
+        self._process: subprocess.Popen | None = None  # set at launch, under `_launching`
+        self._stopped = False  # set by `stop`, under `_launching`: no launch after it
+        self._launching = threading.Lock()
+        self._ended = threading.Event()  # set the moment the child exits (or will never run)
+        launch = functools.partial(subprocess.Popen, command, cwd=config.rootpath,
+                                   stdout=self._log, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True, env={**os.environ, **threads})
+        threading.Thread(target=self._run, args=(launch, after), name=f"{accelerator}-child",
+                         daemon=True).start()
 
-    def _watch(self) -> None:
+    def _run(self, launch, after: ChildRun | None) -> None:
+        if after is not None:  # the second core is the other child's until it ends
+            after._ended.wait()
+        with self._launching:
+            if self._stopped:
+                self._ended.set()
+                return
+            self._process = launch()
+        launched = time.monotonic()
         self._process.wait()
-        self.ran_s = time.monotonic() - self.started
+        self.ran_s = time.monotonic() - launched
         self._ended.set()
 
+    def _kill(self) -> None:
+        """Kill the child's process group, or keep it from ever starting."""
+        with self._launching:
+            self._stopped = True
+            process = self._process
+        if process is None:
+            self._ended.set()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        self._ended.wait()
+
     def wait(self) -> None:
-        """Wait for the child (at most `CHILD_TIMEOUT_S` from its start) and read its outcomes."""
+        """Wait for the child (at most `CHILD_TIMEOUT_S` from when it was asked for) and read its
+        outcomes."""
         if self.outcomes is not None:
             return
         waiting_since = time.monotonic()
@@ -228,9 +263,7 @@ class ChildRun:
         timed_out = ""
         if not self._ended.wait(timeout=remaining):
             timed_out = f"the child timed out after {CHILD_TIMEOUT_S} s\n"
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._process.pid, signal.SIGKILL)
-            self._ended.wait()
+            self._kill()
         self.waited_s = time.monotonic() - waiting_since
         self._log.seek(0)
         self.output = timed_out + self._log.read()
@@ -242,9 +275,7 @@ class ChildRun:
         """Kill the child and whatever it started (its own process group), if still running;
         its files go with it unless `wait` read them."""
         if not self._ended.is_set():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._process.pid, signal.SIGKILL)
-            self._ended.wait()
+            self._kill()
         if self.outcomes is None:
             self._log.close()
             self._folder.cleanup()

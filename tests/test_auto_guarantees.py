@@ -84,7 +84,6 @@ def test_the_budgets_give_the_shapes_the_sweeps_need():
     assert streamed
 
 
-@pytest.mark.beside
 @pytest.mark.parametrize("budget", [PARTLY_KEPT, STREAMING], ids=["partly-kept", "streaming"])
 def test_a_phase_change_under_an_auto_plan(budget, stride):
     """Leave the edited, partly kept (or streaming) "t" for "a", run, come back: interrupted at

@@ -342,7 +342,6 @@ def test_a_short_read_says_the_file_was_truncated(tmp_path: Path, no_earlier_rea
 SWEEP_STRIDE = int(os.environ.get("FILE_READS_SWEEP_STRIDE", 20))
 
 
-@pytest.mark.beside
 def test_an_interrupt_anywhere_in_a_pack_with_file_reads_keeps_the_weights(saved: Path,
                                                                           no_earlier_reads):
     from transformers import UMT5EncoderModel

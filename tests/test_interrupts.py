@@ -162,7 +162,6 @@ def _change(world: World) -> None:
         world.run("b")
 
 
-@pytest.mark.beside
 def test_phase_change_with_an_edit():
     """Evict "a" holding an edit (found by digests), load "b", run, leave."""
     assert sweep(_edited_then_in("a"), _change, World.check) > 100
@@ -178,7 +177,6 @@ def test_phase_change_with_an_edit_on_an_accelerator(stride):
                  stride=stride("accelerator-change")) > 100
 
 
-@pytest.mark.beside
 def test_phase_exit_gives_the_outer_group_back():
     """Leave a nested phase of "b" (edited) inside "a" (edited): swap back to "a"."""
     def build():
@@ -261,7 +259,6 @@ def _queued(world: World, count: int = 1) -> None:
         time.sleep(0.001)
 
 
-@pytest.mark.beside
 @pytest.mark.parametrize("layered", [False, True], ids=["module", "layer"])
 def test_leaving_while_another_thread_waits(layered, stride):
     """The first thread's phase (a step in layer mode) ends while a second waits for "b"."""
@@ -292,11 +289,11 @@ def test_leaving_while_another_thread_waits(layered, stride):
         world.check()
 
     kind = "leaving-layers" if layered else None
+    # (a module-mode exit is 20 line events: the phase hands its hold straight to the holds)
     assert sweep(build, leave, check, after=after, stride=stride(kind),
-                 every_line=lines(kind)) > 20
+                 every_line=lines(kind)) >= 20
 
 
-@pytest.mark.beside
 def test_entering_while_another_thread_holds():
     """The first thread asks for "a" while a second holds "b" and leaves once the first waits."""
     def build():
@@ -334,7 +331,6 @@ def _release_when_queued(world: World) -> None:
 # -- a fixed stride ---------------------------------------------------------------------------------
 
 
-@pytest.mark.beside
 @pytest.mark.parametrize("then", ["enter", "cancel"])
 def test_prefetch(then, stride):
     """Prefetch "b" inside a phase of edited "a"; then enter "b", or cancel by offloading all."""
@@ -357,7 +353,6 @@ def test_prefetch(then, stride):
     assert sweep(build, prefetch, World.check, stride=stride("prefetch")) > 50
 
 
-@pytest.mark.beside
 def test_refresh(stride):
     """Refresh "a" (resident, edited, a tensor re-typed)."""
     def build():
@@ -424,14 +419,12 @@ class Pipeline:
                 assert_same_weights(self.pipe.components[name], module, name)
 
 
-@pytest.mark.beside
 def test_enable_offload(stride):
     pytest.importorskip("diffusers")
     assert sweep(Pipeline, lambda p: enable_offload(p.pipe), Pipeline.check,
                  stride=stride("enable"), every_line=False) > 1000
 
 
-@pytest.mark.beside
 def test_disable_offload(stride):
     pytest.importorskip("diffusers")
 

@@ -441,7 +441,6 @@ def weights_of(module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-@pytest.mark.beside
 def test_an_interrupt_anywhere_in_mapping_keeps_every_weight(wan, tmp_path):
     """Every line of the map path (`map_master`, `HostMaster.over_chunks`), then every 1000th of
     a whole ``add`` that maps: the weights keep their values, the file never changes."""
