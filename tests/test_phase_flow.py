@@ -21,9 +21,10 @@ from _flow import import_closure, trace
 from _interrupts import tiny_dit
 
 DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
-#: The most crossings between files one phase change may make (issue 21's goal was 25; main at
-#: 6a25d47 made 46; issue 22's parts apart add one call to evict them and one to load them).
-MOST_CROSSINGS = 27
+#: The most crossings between files one phase change may make: the turns (holds), the device
+#: (placement) and the grant of the hold, each asked by the gate; parts apart only when a group
+#: has them.
+MOST_CROSSINGS = 26
 
 
 def _phase_change() -> tuple[Scheduler, object]:

@@ -330,7 +330,7 @@ class Placement:
         streams.  On failure (no device memory) the group leaves again and the error propagates."""
         nbytes = self._load(group, storage, replaced) if _moves_own(group) else 0
         try:
-            nbytes += self.apart.load_for_phase(group)
+            nbytes += self.apart.load_for_phase(group) if group.apart else 0  # none: no call
             for stream in group.streams:
                 stream.start()
             return nbytes
@@ -343,7 +343,7 @@ class Placement:
         """`group` leaves for another group's phase: its streams stop, what it swaps is evicted,
         what it keeps stays; returns the bytes written back (see `_evict`)."""
         written = sum(stream.stop() for stream in group.streams)
-        written += self.apart.evict(group, Where.SWAPPED)
+        written += self.apart.evict(group, Where.SWAPPED) if group.apart else 0  # none: no call
         if _moves_own(group) and group.state is ResidencyState.RESIDENT:
             written += group.evict()
             if not group.plan.reuses_buffers:

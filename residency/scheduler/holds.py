@@ -42,9 +42,11 @@ Fields (every one guarded by the scheduler lock; `Holds` is their one mutator):
 * ``_queue``: tickets of threads waiting for a group, oldest first.  Invariant: a thread waits on
   at most one ticket and holds nothing while it waits.
 
-Calls go down from here: when a thread's turn comes, the holds ask the placement to make its group
-current (`Placement.switch_to`); they read ``placement.current``, ask the registry whether a phase's
-group is still registered, and call nothing above them.
+Calls go down from here, and the holds never move bytes: when a thread's turn comes they hand
+back a `Turn`; the gate (`residency.scheduler.scheduler.PhaseGate`) has the placement make its
+group current, then asks the holds to `grant` it (or to `refuse` it, after a failed switch).  They
+read ``placement.current``, ask the registry whether a phase's group is still registered, and
+call nothing above them.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from residency.core.locks import CHECKING, check_held
 from residency.placement.placement import Placement
 from residency.group.registry import Registry
 
-__all__ = ["Holds", "REOPEN", "ThreadHolds", "Ticket"]
+__all__ = ["Holds", "REOPEN", "ThreadHolds", "Ticket", "Turn", "note_failed_return"]
 
 #: What a closed scheduler's refusals advise by default (`Holds.close` takes another).
 REOPEN = "Create a new Scheduler and add the modules again to keep offloading"
@@ -102,6 +104,26 @@ class Ticket:
         self.thread = thread
 
 
+class Turn:
+    """A thread's turn to hold `group`, granted by the holds once the device layer has made the
+    group current (`Holds.grant`); what follows the grant is `then`: open ``(phase, needs)`` as
+    the thread's innermost frame, or None.  `previous`: the group the thread held before, taken
+    back if the switch fails; `error`: raised once a turn that takes a group back is granted.
+
+        turn = holds.join(phase)          # a Turn when a switch must come first
+        placement.switch_to(turn.group)   # the device layer
+        holds.grant(turn)                 # the hold, then the frame
+    """
+
+    __slots__ = ("entry", "error", "group", "previous", "then", "ticket")
+
+    def __init__(self, entry: ThreadHolds, group: Residency, ticket: Ticket | None, *,
+                 then: tuple | None = None, previous: Residency | None = None,
+                 error: BaseException | None = None) -> None:
+        self.entry, self.group, self.ticket = entry, group, ticket
+        self.then, self.previous, self.error = then, previous, error
+
+
 class Holds:
     """The table of who may run (see the notes above); the facade calls it with the lock held.
 
@@ -118,8 +140,7 @@ class Holds:
         wait_timeout: float | None,
     ) -> None:
         self._lock = lock
-        #: Makes a group current when a thread's turn comes; its ``current`` is the group a
-        #: hold may join.
+        #: Read for its ``current`` group, the one a hold may join; never asked to move bytes.
         self._placement = placement
         #: Asked whether a phase's group is still registered (a phase may outlive its group).
         self._registry = registry
@@ -136,8 +157,6 @@ class Holds:
         self.closed = False  # guarded by the lock
         #: What a refusal after `close` advises (an adapter names its own verb).
         self.reopen = REOPEN  # guarded by the lock
-
-    # -- queries (the lock held) ---------------------------------------------------------------
 
     def _local_entry(self) -> ThreadHolds:
         """The calling thread's entry, made on its first phase.  The thread-local slot is only a
@@ -159,8 +178,7 @@ class Holds:
         return not self._queue
 
     def involves(self, group: Residency) -> bool:
-        """Whether any thread holds `group`, waits for it, or has a phase of it open (suspended
-        phases included)."""
+        """Whether a thread holds `group`, waits for it or has a phase of it open (or suspended)."""
         return any(ticket.group is group for ticket in self._queue) or any(
             entry.held is group
             or any(phase.group is group or needs is group for phase, needs in entry.frames)
@@ -171,8 +189,6 @@ class Holds:
         names = ", ".join(repr(t.name) for t in self.holders()) or "no thread"
         return f"group {current.name if current else None!r} is held by {names}"
 
-    # -- frames ------------------------------------------------------------------------------
-
     def push(self, entry: ThreadHolds, phase, needs: Residency | None) -> Residency:
         """Open `phase` as `entry`'s innermost frame; returns its group."""
         if CHECKING:
@@ -182,18 +198,14 @@ class Holds:
         self._threads[entry.thread] = entry
         return phase.group
 
-    def join(self, phase) -> Residency:
-        """Open `phase`; returns its group.
-
-        At once when that needs no swap and no wait: re-entry of the group the thread holds, or
-        a thread holding nothing joining the current group while nobody is queued.  This is
-        every phase of a denoising loop after the first: a dict lookup and a list append under
-        the lock, no tensor work.  Else the group must still be registered (the phase may be
-        older than a ``remove``), the thread takes the hold the group needs (waiting for the
-        turn, and having the placement swap it in), then the frame is pushed.  A phase of a
-        resident-policy group needs what the thread's innermost phase needs.  If the swap fails,
-        the thread takes its previous group back and nothing is opened.
-        """
+    def join(self, phase) -> Residency | Turn:
+        """Open `phase` and return its group, at once when that needs no switch and no wait:
+        re-entry of the held group, or joining the current one while nobody is queued (every
+        step of a denoising loop after the first: a lookup and an append, no tensor work).
+        Else the group must still be registered (a phase may outlive its group); the thread
+        gives up its hold and waits for its turn at what the phase needs (a resident-policy
+        group's phase: what the thread's innermost phase needs), and gets the `Turn` back for
+        the caller to have made current and `grant`ed (`refuse`d: nothing is opened)."""
         if CHECKING:
             check_held(self._lock)
         entry = getattr(self._local, "entry", None) or self._local_entry()
@@ -211,14 +223,15 @@ class Holds:
         self.collect_abandoned()
         needs = group if group.exclusive else entry.needs()
         if needs is not entry.held:
-            self.move(entry, needs, restore_on_failure=True)
+            turn = self.move(entry, needs, then=(phase, needs), restore_on_failure=True)
+            if turn is not None:
+                return turn
         return self.push(entry, phase, needs)
 
-    def leave(self, phase) -> None:
+    def leave(self, phase) -> Turn | None:
         """Close `phase` (see `pop`), then give up the hold when no phase of the thread needs
-        one, or move it to the group the new innermost frame needs.  Raises `PhaseError` like
-        `pop`.
-        """
+        one, or move it to what the new innermost frame needs (a `Turn`, when that group must
+        be made current first).  Raises `PhaseError` like `pop`."""
         if CHECKING:
             check_held(self._lock)
         entry = getattr(self._local, "entry", None) or self._local_entry()
@@ -238,17 +251,14 @@ class Holds:
         if needs is None:
             self.give_up(entry)
             return None
-        self.move(entry, needs, restore_on_failure=False)
+        turn = self.move(entry, needs, restore_on_failure=False)
         self.forget_if_idle(entry)
-        return None
+        return turn
 
     def pop(self, entry: ThreadHolds, phase) -> Residency | None:
         """Close `phase`, the innermost frame, and every LEAVING frame it uncovers; returns what
-        the new innermost frame needs.
-
-        Raises `PhaseError` when `phase` is not open on this thread, or when phases inside it are
-        still open (then it is marked LEAVING: see [Note: misnested exits]).
-        """
+        the new innermost frame needs.  Raises `PhaseError` when `phase` is not open on this
+        thread, or phases inside it are (it is marked LEAVING: [Note: misnested exits])."""
         if CHECKING:
             check_held(self._lock)
         frames = entry.frames
@@ -262,10 +272,9 @@ class Holds:
         return frames[-1][1] if frames else None
 
     def collect_abandoned(self) -> None:
-        """Close every phase whose ``with`` statement has ended without a completed exit (an
-        interrupt at the first line of ``Phase.__exit__``): nothing refers to it but its frame
-        (see [Note: interrupts] in the facade).  A thread left with no frame gives up
-        its hold; the calling thread's own hold is the facade's to move."""
+        """Close every phase whose ``with`` ended without a completed exit (an interrupt at the
+        first line of ``Phase.__exit__``: [Note: interrupts] in the facade).  A thread left with
+        no frame gives up its hold; the calling thread's own hold is the gate's to move."""
         if CHECKING:
             check_held(self._lock)
         for entry in list(self._threads.values()):
@@ -274,15 +283,14 @@ class Holds:
             if _drop_abandoned(entry) and not entry.frames and entry.held is not None:
                 self._drop_hold(entry)
 
-    def settle(self, phase) -> None:
-        """After an entry or exit of `phase` on this thread stopped half-way (see [Note:
-        interrupts] in the facade): close `phase` if it is open, drop the thread's
-        tickets, count the holders again, and give the thread the hold its innermost open
-        phase needs."""
+    def settle(self, phase) -> Turn | None:
+        """After an entry or exit of `phase` stopped half-way ([Note: interrupts] in the facade):
+        close `phase` if open, drop the thread's tickets, count the holders again, and give the
+        thread the hold its innermost open phase needs (a `Turn`, when it must be made current)."""
         if CHECKING:
             check_held(self._lock)
         if self.closed:
-            return
+            return None
         entry = getattr(self._local, "entry", None) or self._local_entry()
         frames = entry.frames
         if frames and frames[-1][0] is phase:
@@ -301,9 +309,11 @@ class Holds:
             self._threads.pop(entry.thread, None)
         self._holder_count = sum(e.held is not None for e in self._threads.values())
         self._wakeup.notify_all()
+        turn = None
         if entry.needs() is not entry.held:
-            self.move(entry, entry.needs(), restore_on_failure=False)
+            turn = self.move(entry, entry.needs(), restore_on_failure=False)
         self.forget_if_idle(entry)
+        return turn
 
     def forget_if_idle(self, entry: ThreadHolds) -> None:
         """Drop `entry` from the table once it has no frame and no hold."""
@@ -311,8 +321,6 @@ class Holds:
             check_held(self._lock)
         if not entry.frames and entry.held is None:
             self._threads.pop(entry.thread, None)
-
-    # -- holding -----------------------------------------------------------------------------
 
     def take(self, entry: ThreadHolds, group: Residency) -> None:
         """Record that `entry`'s thread holds `group` (the placement's current group)."""
@@ -341,8 +349,6 @@ class Holds:
         if self._queue and not self._holder_count:
             self._wakeup.notify_all()
 
-    # -- waiting -----------------------------------------------------------------------------
-
     def enqueue(self, ticket: Ticket) -> None:
         if CHECKING:
             check_held(self._lock)
@@ -354,30 +360,58 @@ class Holds:
         self._queue.remove(ticket)
         self._wakeup.notify_all()
 
-    def move(
-        self,
-        entry: ThreadHolds,
-        needs: Residency | None,
-        *,
-        restore_on_failure: bool,
-    ) -> None:
+    def move(self, entry: ThreadHolds, needs: Residency | None, *, then: tuple | None = None,
+             restore_on_failure: bool) -> Turn | None:
         """Give up `entry`'s hold and take `needs`: at once when it is current and nobody waits,
-        else after waiting for the turn and having the placement make it current.
-
-        If that fails and `restore_on_failure`, the thread takes its previous group back (the
-        first error is the one raised; a failure to restore is noted on it).
-        """
+        else return the thread's `Turn` (waited for; `then`: what its grant does next).  If the
+        wait fails and `restore_on_failure`, the turn returned gives the thread its previous
+        group back and raises the error once granted."""
+        if CHECKING:
+            check_held(self._lock)
         previous = entry.held
         if previous is not None:
             self.give_up(entry)
         if needs is None:
-            return
+            return None
+        if needs is self._placement.current and not self._queue:  # at once: nobody waits
+            self.take(entry, needs)
+            return None
+        back = previous if restore_on_failure else None
         try:
-            self._acquire(entry, needs)
+            return Turn(entry, needs, self._wait_for_turn(entry, needs), then=then, previous=back)
         except BaseException as error:
-            if restore_on_failure and previous is not None:
-                self._restore(entry, previous, error)
-            raise
+            turn = None if back is None else self._turn_back(entry, back, error)
+            if turn is None:
+                raise
+            return turn
+
+    def grant(self, turn: Turn) -> Residency | None:
+        """The turn's group is current: take the hold, leave the queue, open the frame `then`
+        names (returning its group) - or raise `error`, for a turn that gave a group back."""
+        if CHECKING:
+            check_held(self._lock)
+        entry = turn.entry
+        self.take(entry, turn.group)
+        if turn.ticket is not None:
+            self.dequeue(turn.ticket)
+        if turn.error is not None:
+            raise turn.error
+        if turn.then is None:
+            self.forget_if_idle(entry)
+            return None
+        phase, needs = turn.then
+        return self.push(entry, phase, needs)
+
+    def refuse(self, turn: Turn, error: BaseException) -> Turn | None:
+        """The turn's group could not be made current (`error`): leave the queue; return the
+        turn that gives the thread its previous group back (raising `error` once granted)."""
+        if CHECKING:
+            check_held(self._lock)
+        if turn.ticket is not None and turn.ticket in self._queue:
+            self.dequeue(turn.ticket)
+        if turn.previous is None or turn.error is not None:
+            return None
+        return self._turn_back(turn.entry, turn.previous, error)
 
     def close(self, reopen: str = "") -> None:
         """Grant no more holds; waiters wake up to `SchedulerClosedError`, advised to `reopen`
@@ -388,55 +422,45 @@ class Holds:
         self.closed = True
         self._wakeup.notify_all()
 
-    def _acquire(self, entry: ThreadHolds, group: Residency) -> None:
-        if group is self._placement.current and not self._queue:  # at once: nobody waits
-            self.take(entry, group)
-            return
+    def _turn_back(self, entry: ThreadHolds, previous: Residency,
+                   error: BaseException) -> Turn | None:
+        """The turn that gives the thread `previous` back after `error`; None (the failure
+        noted on `error`) when it cannot be waited for."""
+        try:
+            return Turn(entry, previous, self._wait_for_turn(entry, previous), error=error)
+        except BaseException as restore_error:  # the first error is the one to report
+            note_failed_return(error, previous, restore_error)
+            return None
+
+    def _wait_for_turn(self, entry: ThreadHolds, group: Residency) -> Ticket:
+        """Queue `entry`'s thread for `group` and sleep until its ticket may join the current
+        group or have it swapped out (first come, first served); the ticket stays queued until
+        the turn is granted or refused, and leaves the queue if the wait fails."""
         ticket = Ticket(group, entry.thread)
+        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
         try:  # no `finally`: its first line would be a place an interrupt skips it
             self.enqueue(ticket)
-            self._wait_for_turn(ticket)
-            if self._placement.current is not group:
-                self._placement.switch_to(group)
-            self.take(entry, group)
-            self.dequeue(ticket)
+            while not _may_proceed(self._queue, ticket, self._placement.current,
+                                   self._holder_count > 0):
+                self._check_waiting(ticket, deadline)
+                self._wakeup.wait(_DEAD_HOLDER_POLL)
+            return ticket
         except BaseException:
             if ticket in self._queue:
                 self.dequeue(ticket)
             raise
 
-    def _restore(self, entry, previous, error: BaseException) -> None:
-        try:
-            self._acquire(entry, previous)
-        except BaseException as restore_error:  # the first error is the one to report
-            _add_note(error, f"residency: group {previous.name!r} could not be made resident "
-                             f"again ({restore_error!r}); the enclosing phase runs without it")
-
-    def _wait_for_turn(self, ticket: Ticket) -> None:
-        """Sleep until `ticket` may join the current group or swap it out (first come, first
-        served)."""
-        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
-        while not self._may_proceed(ticket, self._placement.current):
-            if self.closed:
-                raise _closed_while_waiting(self.reopen)
-            self.collect_abandoned()
-            self._release_dead_holders(ticket.group, self._placement.current)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise DeadlockError(
-                    f"waited {self.wait_timeout} s for group {ticket.group.name!r}: "
-                    f"{self.describe_holders(self._placement.current)}. Leave phases promptly, or "
-                    "raise wait_timeout")
-            self._wakeup.wait(_DEAD_HOLDER_POLL)
-
-    def _may_proceed(self, ticket: Ticket, current: Residency | None) -> bool:
-        for earlier in self._queue:
-            if earlier is ticket:
-                break
-            if earlier.group is not ticket.group:
-                return False
-        if current is ticket.group:
-            return True
-        return not self.has_holders() and self._queue[0] is ticket
+    def _check_waiting(self, ticket: Ticket, deadline: float | None) -> None:
+        """Raise for a wait that must end: the scheduler closed, every holder dead, too long."""
+        if self.closed:
+            raise _closed_while_waiting(self.reopen)
+        self.collect_abandoned()
+        self._release_dead_holders(ticket.group, self._placement.current)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise DeadlockError(
+                f"waited {self.wait_timeout} s for group {ticket.group.name!r}: "
+                f"{self.describe_holders(self._placement.current)}. Leave phases promptly, or "
+                "raise wait_timeout")
 
     def _release_dead_holders(self, wanted: Residency, current: Residency | None) -> None:
         """When every holder's thread has ended inside a phase, drop their entries and raise."""
@@ -450,6 +474,19 @@ class Holds:
             del self._threads[thread]
         self._holder_count -= len(dead)
         raise _dead_holders(wanted, current, dead)
+
+
+def _may_proceed(queue, ticket: Ticket, current: Residency | None, held: bool) -> bool:
+    """Whether `ticket` may take its turn: nobody queued before it for another group, and its
+    group is current, or (`held`: somebody holds a group) nobody holds and it is first."""
+    for earlier in queue:
+        if earlier is ticket:
+            break
+        if earlier.group is not ticket.group:
+            return False
+    if current is ticket.group:
+        return True
+    return not held and queue[0] is ticket
 
 
 def _closed_while_waiting(reopen: str) -> SchedulerClosedError:
@@ -494,7 +531,12 @@ def _drop_abandoned(entry: ThreadHolds) -> bool:
     return True
 
 
-def _add_note(error: BaseException, note: str) -> None:
+def note_failed_return(error: BaseException, previous: Residency,
+                       failure: BaseException) -> None:
+    """Say on `error` that the thread's `previous` group could not be made resident again
+    (`failure`): the enclosing phase runs without it."""
+    note = (f"residency: group {previous.name!r} could not be made resident again "
+            f"({failure!r}); the enclosing phase runs without it")
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(note)
     else:

@@ -65,7 +65,7 @@ from residency.group.residency import Residency
 from residency.pipelines.discovery import scheduler_from_pipeline
 from residency.core.enums import PhaseStatus, Policy
 from residency.core.errors import ConfigError, PhaseError
-from residency.scheduler.holds import Holds
+from residency.scheduler.holds import Holds, Turn, note_failed_return
 from residency.options.host_options import HostOptions
 from residency.placement.layers import as_model_blocks, auto_blocks, streamed_modules
 from residency.core.locks import locked, new_lock
@@ -117,25 +117,25 @@ class Phase:
         try:  # the lock on one line: see [Note: a context on one line] in residency.core.locks
             with gate.lock: return gate.enter(self)  # noqa: E701
         except BaseException:  # undone, whatever it reached (see [Note: interrupts])
-            locked(gate.lock, gate.holds.settle, self)
+            locked(gate.lock, gate.settle, self)
             raise
 
     def __exit__(self, *exc_info) -> None:
         gate = self._gate
         try:
             if self.status is _ACTIVE:
-                with gate.lock: return gate.holds.leave(self)  # noqa: E701
+                with gate.lock: return gate.leave(self)  # noqa: E701
             self._exit_inactive()
         except PhaseError:  # refused: nothing changed
             raise
         except BaseException:  # completed (see [Note: interrupts])
-            locked(gate.lock, gate.holds.settle, self)
+            locked(gate.lock, gate.settle, self)
             raise
 
     def _exit_inactive(self) -> None:
         status = self.status
         if status is PhaseStatus.LEAVING:
-            locked(self._gate.lock, self._gate.holds.leave, self)
+            locked(self._gate.lock, self._gate.leave, self)
         elif status is PhaseStatus.EXITED_LATE:  # see [Note: misnested exits]
             self.status = PhaseStatus.EXITED
         else:
@@ -143,9 +143,11 @@ class Phase:
 
 
 class PhaseGate:
-    """Where every phase of one scheduler enters and leaves: its lock, its holds (who may run),
-    and its auto plan, which learns of each entry first.  Made once per scheduler; it refers to
-    the owners only, never back to the facade.
+    """Where every phase of one scheduler enters and leaves, in three steps that go down: the
+    holds say whose turn it is (they wait; they never move bytes), the placement makes the
+    turn's group current, then the holds grant the hold.  Also the auto plan, which learns of
+    each entry first.  Made once per scheduler; it refers to the owners only, never back to the
+    facade.
 
         with gate.lock: return gate.enter(phase)     # Phase.__enter__
     """
@@ -168,7 +170,45 @@ class PhaseGate:
                                not holds.has_holders())
         for stream in phase.group.streams:
             stream.rewrap()
-        return holds.join(phase)
+        joined = holds.join(phase)
+        return self._take(joined) if type(joined) is Turn else joined
+
+    def leave(self, phase: Phase) -> None:
+        """Close `phase` (the lock held); the thread's hold moves to what its outer phase needs
+        (`Holds.leave`), made current first when it must be."""
+        turn = self.holds.leave(phase)
+        if turn is not None:
+            self._take(turn)
+
+    def settle(self, phase: Phase) -> None:
+        """Undo or complete an entry or exit of `phase` that stopped half-way (`Holds.settle`;
+        [Note: interrupts]), the group the thread needs made current again when it must be."""
+        turn = self.holds.settle(phase)
+        if turn is not None:
+            self._take(turn)
+
+    def _take(self, turn: Turn) -> Residency | None:
+        """Carry out `turn`: the placement makes its group current, then the holds grant it.  A
+        switch that fails is refused and raised, the thread given back the group it held when
+        the turn says so."""
+        try:
+            if self.placement.current is not turn.group:
+                self.placement.switch_to(turn.group)
+        except BaseException as error:
+            back = self.holds.refuse(turn, error)
+            if back is not None:
+                self._give_back(back, error)
+            raise
+        return self.holds.grant(turn)
+
+    def _give_back(self, turn: Turn, error: BaseException) -> None:
+        """Carry out a turn that gives the thread its previous group back after `error` (its
+        grant raises `error`); a failure to do so is noted on `error`."""
+        try:
+            self._take(turn)
+        except BaseException as failure:
+            if failure is not error:
+                note_failed_return(error, turn.group, failure)
 
 
 class Scheduler:
