@@ -930,6 +930,26 @@ def test_no_owner_names_the_facade_or_a_phase(module):
 
 
 @pytest.mark.fast
+def test_the_holds_never_move_bytes_they_only_read_what_is_current():
+    """Who may run and what is on the device are two code paths: the holds wait and grant turns;
+    the gate (`PhaseGate`) asks the placement to switch.  The holds only read
+    ``placement.current``."""
+    uses = {
+        node.attr
+        for node in ast.walk(_tree("residency.scheduler.holds"))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "_placement"
+    }
+    assert uses == {"current"}, f"the holds use the placement's {sorted(uses)}"
+    gate = next(n for n in _tree(FACADE).body if isinstance(n, ast.ClassDef)
+                and n.name == "PhaseGate")
+    asked = {node.func.attr for node in ast.walk(gate) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute)
+             and ast.unparse(node.func.value) == "self.placement"}
+    assert asked == {"switch_to"}
+
+
+@pytest.mark.fast
 def test_the_facade_calls_only_the_public_methods_of_its_owners():
     """The facade asks each owner through its own verbs; an owner's private helpers are its own."""
     private = [

@@ -162,6 +162,7 @@ def _change(world: World) -> None:
         world.run("b")
 
 
+@pytest.mark.beside
 def test_phase_change_with_an_edit():
     """Evict "a" holding an edit (found by digests), load "b", run, leave."""
     assert sweep(_edited_then_in("a"), _change, World.check) > 100
@@ -294,6 +295,7 @@ def test_leaving_while_another_thread_waits(layered, stride):
                  every_line=lines(kind)) >= 20
 
 
+@pytest.mark.beside
 def test_entering_while_another_thread_holds():
     """The first thread asks for "a" while a second holds "b" and leaves once the first waits."""
     def build():
@@ -332,6 +334,7 @@ def _release_when_queued(world: World) -> None:
 
 
 @pytest.mark.parametrize("then", ["enter", "cancel"])
+@pytest.mark.beside
 def test_prefetch(then, stride):
     """Prefetch "b" inside a phase of edited "a"; then enter "b", or cancel by offloading all."""
     def build():
@@ -353,6 +356,7 @@ def test_prefetch(then, stride):
     assert sweep(build, prefetch, World.check, stride=stride("prefetch")) > 50
 
 
+@pytest.mark.beside
 def test_refresh(stride):
     """Refresh "a" (resident, edited, a tensor re-typed)."""
     def build():
