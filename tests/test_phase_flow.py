@@ -99,7 +99,7 @@ def test_a_streamed_block_calls_only_downward():
 def test_the_tracer_counts_a_callback_as_a_call_up():
     """The check above could fail: a call from a file into one it does not import is up."""
     flow = trace(lambda: None)
-    holds = ("residency.scheduler.holds", "Holds._acquire")
+    holds = ("residency.scheduler.holds", "Holds.move")
     callback = ((holds, ("residency.scheduler.scheduler", "Scheduler.y")),)
     down = ((holds, ("residency.placement.placement", "Placement.x")),)
     closure = import_closure()

@@ -3,8 +3,9 @@
 [Note: holds, nesting and threads]
 A thread *holds* the group of its innermost open phase.  A group can only be evicted when nobody
 holds it.  Entering a phase of another group first gives up the thread's own hold (a nested phase
-suspends the outer one), then waits until the current group has no holders, then swaps.  Leaving the
-nested phase gives up its hold and takes the outer group back, swapping again if needed.  Because a
+suspends the outer one), then waits for its turn: until the current group has no holders; the gate
+then has the placement swap.  Leaving the nested phase gives up its hold and takes the outer group
+back, swapping again if needed.  Because a
 waiting thread never holds anything, threads cannot deadlock on each other through the scheduler.
 Waiters are served first come, first served; a thread asking for the group already on the device
 joins it at once unless someone queued earlier for another group.
