@@ -24,10 +24,9 @@ plan says of its own part and of each block: kept, swapped or streamed (`residen
   (the device budget less the headroom).
 * Seconds per call: the groups' compute (measured at phase boundaries), plus every byte moved at
   the measured copy bandwidth.  A streamed block's copy is issued while the block before it
-  computes, but no overlap is credited: on the simulated accelerator (2026-12-02,
-  benchmarks/results/budget-sim-with-overlap-credit.json) plans chosen for the copy time compute
-  would hide ran slower than plans moving fewer bytes - a block's wait, its digests and the
-  ring's extra copy cost more than the model saw.  So the predicted time grows with the bytes,
+  computes, but no overlap is credited: on the simulated accelerator, plans chosen for the copy
+  time compute would hide ran slower than plans moving fewer bytes - a block's wait, its digests
+  and the ring's extra copy cost more than the model saw (benchmarks/README.md, "Auto plans").  So the predicted time grows with the bytes,
   and crediting overlap waits for a per-block measure of it.
 * The objective: with `overlap` (an accelerator), least seconds, then fewest bytes; without (the
   CPU, where a copy is the time), fewest bytes, then least seconds.

@@ -51,20 +51,18 @@ calls a buffer costs, and the thread count decides (`_windows_per_call`):
 
 * one intra-op thread, a CPU: one pair per window.  The second sum reads the window from the
   core's L2, and no call opens a parallel region, so the count of calls costs only its Python
-  overhead.  Digesting 466 MiB: 0.81x a plain copy, against 1.11x with all windows in one pair
-  (quiet); loaded with two CPU-bound processes, 0.64x against 0.90x.
+  overhead; one pair over all windows would read every window twice from memory instead.
 * more threads: all windows in one pair, two calls per buffer whatever its size (four sums at
   most per digest: rows and columns of the whole windows, of a last, shorter one).  Every call of
   more than 32,768 words (ATen's grain size) opens a parallel region, and when other processes
   share the cores a region can wait a whole scheduler slice for a descheduled thread.  One pair
-  per window is 932 regions for 466 MiB: a check that meets such waits costs 33-75x the copy at
-  2 threads (seen in some runs, not in all; medians 1.06-1.35x), while the one pair never passed
-  1.7x.  The price: 1.07-1.11x the copy against 1.01x quiet, 1.2-1.4x against 1.1-1.35x loaded
-  when no wait comes - a bounded worst case bought with a tenth more reading.
+  per window opens two regions per MiB, and a check that meets such waits costs tens of times
+  the copy, while one pair per buffer stays within about twice it: a bounded worst case, bought
+  with about a tenth more reading when no wait comes.
 * an accelerator: all windows in one pair (two kernels; HBM at TB/s).
 
-Both give the same digests.  (2-vCPU VM, torch 2.13.0+cpu, 2026-12-05; the same-run benchmark is
-benchmarks/test_change_detection.py, figures in benchmarks/README.md, "Change detection".)  The
+Both give the same digests.  (The same-run benchmark is benchmarks/test_change_detection.py; its
+figures, with machine and date, are in benchmarks/README.md, "Change detection".)  The
 digests take ``(rows + columns) * 8`` bytes per window: 0.9% of the buffer with the CPU layout,
 0.3% with the accelerator layout.  (Keeping a copy to ``torch.equal`` against would cost 100% of
 the memory and, on a CPU, more time than the copy itself.)
