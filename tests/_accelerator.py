@@ -145,8 +145,7 @@ def _start_accelerator_child(session) -> None:
     config.stash[_DELEGATED] = {item.nodeid for item in delegated}
     if not delegated or config.option.collectonly:
         return
-    chosen = {id(item) for item in delegated}
-    session.items[:] = [item for item in session.items if id(item) not in chosen] + delegated
+    _move_to_the_end(session, delegated)
     config.stash[_CHILD] = ChildRun(config, [item.nodeid for item in delegated])
 
 
@@ -160,11 +159,17 @@ def _start_beside(session) -> None:
               if "beside" in item.keywords and "gpu" not in item.keywords]
     if not beside or len(beside) == len(session.items):
         return
-    chosen = {id(item) for item in beside}
-    session.items[:] = [item for item in session.items if id(item) not in chosen] + beside
+    _move_to_the_end(session, beside)
     config.stash[_BESIDE] = ChildRun(config, [item.nodeid for item in beside],
                                      accelerator="none", what="long CPU tests",
                                      after=config.stash.get(_CHILD, None))
+
+
+def _move_to_the_end(session, delegated: list) -> None:
+    """Run `delegated` last, in their order: the parent reaches them once their child has had
+    the rest of the run to finish them."""
+    chosen = {id(item) for item in delegated}
+    session.items[:] = [item for item in session.items if id(item) not in chosen] + delegated
 
 
 def _children(config) -> list[ChildRun]:
