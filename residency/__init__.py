@@ -44,9 +44,12 @@ from residency.group.records import (
     BlockRecord,
     TransitionLog,
     TransitionRecord,
+    TurnChoice,
+    WaitStats,
     chrome_trace,
     summarize,
 )
+from residency.options.order import TurnOrder
 from residency.scheduler.scheduler import Phase, Scheduler
 from residency.pipelines.split import SplitModel
 from residency.device.transport import AcceleratorTransport, Completion, CpuTransport, Transport
@@ -72,6 +75,7 @@ __all__ = [
     "ResidencyState",
     # configuration and pipelines
     "OffloadConfig",
+    "TurnOrder",
     "resolve_config",
     "SupportsComponentDiscovery",
     "SplitModel",
@@ -84,6 +88,8 @@ __all__ = [
     "ModelBlocks",
     # records
     "summarize",
+    "TurnChoice",
+    "WaitStats",
     "chrome_trace",
     # errors
     "ResidencyError",

@@ -247,7 +247,7 @@ def test_to_dict_from_dict_and_json_round_trip(data):
          r"field 'mode' is None; accepted modes are 'module', 'layer', 'auto'\.$"),
         ({"mode": "module", "compnents": ["dit"]},
          r"unknown field 'compnents'; accepted fields are 'mode', 'components', "
-         r"'layer_options', 'module_options', 'auto_options', 'pin_memory'\. Did you mean "
+         r"'layer_options', 'module_options', 'auto_options', 'pin_memory', 'order'\. Did you mean "
          r"'components'\?"),
         ({"mode": "module", "components": ["dit"], "module_option": {}},
          r"unknown field 'module_option'; accepted fields are .*\. Did you mean "

@@ -17,6 +17,9 @@ The documented extensions (docs/surface.md) are the only expected differences, e
   device budget.  An auto config means what it means with "mode": "module" (components absent:
   `LEGACY_COMPONENTS`), with its `AutoOptions`; "auto_options" with another mode is refused (see
   `with_auto`).
+* "order" (`EXTENSION_FIELDS`): how threads waiting for groups take turns, in every mode; a
+  config with it means what the config without it means, with that `TurnOrder` (a malformed one
+  refused: see `with_order`).
 * JSON text: ``resolve_config`` also takes the ``--diffusion-offload-config`` string itself.
 """
 
@@ -32,6 +35,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from residency.options.budget import AutoOptions
+from residency.options.order import TurnOrder, as_turn_order
 from residency.options.vllm_omni import (
     EXTENSION_FIELDS,
     EXTENSION_MODES,
@@ -62,6 +66,8 @@ class Meaning:
     transfers: tuple
     #: Mode "auto" only (an extension): the plan's options.
     auto_options: AutoOptions | None = None
+    #: The order of turns (an extension; None: the scheduler's default).
+    order: TurnOrder | None = None
 
 
 def _options(table: Mapping) -> tuple:
@@ -83,7 +89,7 @@ def ours(value, enable_cpu_offload=False):
                for c in config.components}
     transfers = {c: config.weight_transfer_for(c) for c in config.components}
     return Meaning(config.mode, frozenset(config.components), _options(options), config.pin_memory,
-                   _options(transfers), config.auto_options)
+                   _options(transfers), config.auto_options, config.order)
 
 
 def theirs(value, enable_cpu_offload=False):
@@ -154,6 +160,10 @@ def _rewrite(value, rename: dict, drop: str):
 def expected(value, enable_cpu_offload=False):
     """vLLM-Omni's verdict, extended by "auto", "module_options" and "vae" (see the module
     docstring)."""
+    if isinstance(value, Mapping) and "order" in value:
+        assert theirs(value, enable_cpu_offload) == REJECT  # vLLM-Omni does refuse the field
+        rest = {key: item for key, item in value.items() if key != "order"}
+        return with_order(expected(rest, enable_cpu_offload), value["order"])
     if isinstance(value, Mapping) and (_is_auto(value) or "auto_options" in value):
         return with_auto(value, enable_cpu_offload)
     if isinstance(value, Mapping) and "module_options" in value:
@@ -189,6 +199,21 @@ def expected_with_vae(value, enable_cpu_offload=False):
     return attrs.evolve(rest, components=rest.components | {"vae"},
                         layer_options=_options({**dict(rest.layer_options), "vae": vae_options}),
                         transfers=_options({**dict(rest.transfers), "vae": vae_transfer}))
+
+
+# -- the "order" extension -----------------------------------------------------------------------
+
+
+def with_order(meaning, order):
+    """The meaning of a config accepted without "order", once it is added (or REJECT): any mode
+    takes it; null means the default; a malformed order is refused."""
+    if meaning in (REJECT, OFF):
+        return meaning
+    try:
+        parsed = None if order is None else as_turn_order(order)
+    except ConfigError:
+        return REJECT
+    return attrs.evolve(meaning, order=parsed)
 
 
 # -- the "module_options" extension --------------------------------------------------------------
@@ -306,10 +331,15 @@ _auto_options = st.one_of(
     _junk,
 )
 _pin_memory = st.one_of(st.none(), st.booleans(), _junk)
+_orders = st.one_of(st.sampled_from([
+    "group", "arrival", "fifo", 3, ["group"], None, {"by": "group"}, {"by": "arrival"},
+    {"by": "group", "max_wait": 0.1}, {"by": "group", "max_wait": 0}, {"max_wait": 1},
+    {"by": "group", "max_wait": -1}, {"by": "group", "max_wait": float("nan")},
+    {"by": "group", "max_wait": True}, {"by": "arrival", "wait": 1}]), _junk)
 configs = st.fixed_dictionaries({}, optional={
     "mode": _modes, "components": _components, "layer_options": _layer_options,
     "module_options": _module_options, "auto_options": _auto_options, "pin_memory": _pin_memory,
-    "resident_layers": st.integers(0, 1),
+    "resident_layers": st.integers(0, 1), "order": _orders,
 })
 values = st.one_of(configs, st.none(), st.integers(), st.lists(_names, max_size=2))
 
@@ -346,6 +376,9 @@ KNOWN = [
     {"mode": "module", "components": ["dit"], "auto_options": {"device_budget": "1GiB"}},
     {"mode": "auto", "components": ["dit"], "auto_options": {"device_budget": 2.0}},
     {"mode": "auto", "components": [], "auto_options": {}},
+    {"mode": "layer", "components": ["dit"], "order": {"by": "group", "max_wait": 0.25}},
+    {"mode": "module", "components": ["dit"], "order": "lifo"},
+    {"mode": "module", "components": [], "order": "arrival"},
 ]
 
 
@@ -444,7 +477,12 @@ def test_the_known_differences_are_settled():
     assert gathered.auto_options == AutoOptions()
     assert verdicts[18:22] == [REJECT] * 4  # layer options; auto options elsewhere; bad; empty
     assert [theirs(value) for value in KNOWN[16:18]] == [REJECT, REJECT]  # the extension
-    assert (EXTENSION_FIELDS, EXTENSION_MODES) == (("module_options", "auto_options"), ("auto",))
+    ordered, refused, empty = verdicts[22:25]
+    assert ordered.order == TurnOrder(by="group", max_wait=0.25) and ordered.mode == "layer"
+    assert (refused, empty) == (REJECT, REJECT)  # a bad order; empty components, order or not
+    assert [theirs(value) for value in KNOWN[22:24]] == [REJECT, REJECT]  # the extension
+    assert (EXTENSION_FIELDS, EXTENSION_MODES) == (
+        ("module_options", "auto_options", "order"), ("auto",))
 
 
 @pytest.mark.fast

@@ -65,8 +65,8 @@ class World:
     A twin is a copy of a model's state run through a module never registered
     (``torch.func.functional_call``): cheap to make for every injection point."""
 
-    def __init__(self, names=("a", "b"), *, wait_timeout=10.0, device="cpu"):
-        self.scheduler = Scheduler(device, wait_timeout=wait_timeout)
+    def __init__(self, names=("a", "b"), *, wait_timeout=10.0, device="cpu", order=None):
+        self.scheduler = Scheduler(device, wait_timeout=wait_timeout, order=order)
         self.models = {name: _fresh(name).to(device) for name in names}
         self.twins = {name: {key: t.detach().clone() for key, t in m.state_dict().items()}
                       for name, m in self.models.items()}
@@ -323,11 +323,44 @@ def test_entering_while_another_thread_holds():
     assert sweep(build, enter, check) > 20
 
 
-def _release_when_queued(world: World) -> None:
+def _release_when_queued(world: World, count: int = 1) -> None:
     deadline = time.monotonic() + 2
-    while not world.scheduler._holds._queue and time.monotonic() < deadline:
+    while len(world.scheduler._holds._queue) < count and time.monotonic() < deadline:
         time.sleep(0.0005)
     world.release.set()
+
+
+@pytest.mark.beside
+def test_entering_under_group_order_while_other_threads_wait():
+    """Group order: the first thread asks for "a" while a second holds "b" and a third already
+    waits for "a"; the holder leaves once both wait, and "a" (the most waiting work) goes next."""
+    def build():
+        world = World(order={"by": "group", "max_wait": 5.0}).add("a", "b")
+        with world.scheduler.resident("a"):
+            world.edit("a")
+        world.release = threading.Event()
+        world.other = Other(world, "b", hold=world.release)
+        deadline = time.monotonic() + 10
+        while world.scheduler.current != "b" or not world.scheduler._holds.has_holders():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        world.third = Other(world, "a")
+        _queued(world)
+        threading.Thread(target=_release_when_queued, args=(world, 2), daemon=True).start()
+        return world
+
+    def enter(world):
+        with world.scheduler.resident("a"):
+            world.run("a")
+
+    def check(world):
+        world.release.set()
+        world.other.done()
+        world.third.done()
+        assert {r.order for r in world.scheduler.transitions} <= {None, "group"}
+        world.check()
+
+    assert sweep(build, enter, check) > 20
 
 
 # -- a fixed stride ---------------------------------------------------------------------------------

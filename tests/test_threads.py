@@ -36,6 +36,14 @@ def watchdog():
     faulthandler.cancel_dump_traceback_later()
 
 
+@pytest.fixture(params=["group", "arrival"])
+def scheduler(request):
+    """A CPU scheduler under each order of turns: the guarantees here hold under both."""
+    s = Scheduler("cpu", order=request.param)
+    yield s
+    s.close()
+
+
 @pytest.fixture
 def frequent_switches(switch_interval):
     """Hand the GIL between threads every 10 us (or more often, in the 1 us run) instead of 5 ms:
@@ -288,8 +296,9 @@ def hold_in_a_thread(scheduler: Scheduler, group: str, thread_name: str):
     return thread, release
 
 
-def test_wait_timeout_turns_a_long_wait_into_deadlock_error():
-    scheduler = Scheduler("cpu", wait_timeout=0.2)
+@pytest.mark.parametrize("order", ["group", "arrival"])
+def test_wait_timeout_turns_a_long_wait_into_deadlock_error(order):
+    scheduler = Scheduler("cpu", wait_timeout=0.2, order=order)
     groups = Groups(scheduler, count=2)
     thread, release = hold_in_a_thread(scheduler, "g0", "slow-holder")
 
@@ -320,8 +329,9 @@ def test_wait_timeout_turns_a_long_wait_into_deadlock_error():
     scheduler.close()
 
 
-def test_a_timed_out_nested_phase_gives_the_outer_group_back():
-    scheduler = Scheduler("cpu", wait_timeout=0.2)
+@pytest.mark.parametrize("order", ["group", "arrival"])
+def test_a_timed_out_nested_phase_gives_the_outer_group_back(order):
+    scheduler = Scheduler("cpu", wait_timeout=0.2, order=order)
     groups = Groups(scheduler, count=2)
     thread, release = hold_in_a_thread(scheduler, "g0", "co-holder")
     problems: list[str] = []

@@ -268,7 +268,7 @@ def enable_offload(
     pin_memory = None if parsed.pin_memory else False
     scheduler = build_scheduler(
         found, lambda: Scheduler(device, pin_memory=pin_memory, process_group=process_group,
-                                 auto=parsed.auto_options, host=host)
+                                 auto=parsed.auto_options, host=host, order=parsed.order)
     )
     leftovers = _leftovers(owner, found, roles)
     if leftovers is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import threading
 import json
+import math
 import statistics
 import time
 from collections.abc import Iterable, Iterator
@@ -24,9 +25,23 @@ __all__ = [
     "BlockRecord",
     "TransitionLog",
     "TransitionRecord",
+    "TurnChoice",
+    "WaitLog",
+    "WaitStats",
     "chrome_trace",
     "summarize",
 ]
+
+
+@attrs.frozen(kw_only=True)
+class TurnChoice:
+    """Why a waiting thread's group was made current: the `order` of turns ("group",
+    "arrival"), the `reason` ("first come", "most waiting work", "waited past max_wait") and how
+    many threads were `waiting` then, it included (`residency.scheduler.turns`)."""
+
+    order: str
+    reason: str
+    waiting: int
 
 
 @attrs.frozen(kw_only=True)
@@ -51,6 +66,13 @@ class TransitionRecord:
     load_seconds: float
     #: Name of the thread that made the change.
     thread: str
+    #: The order of turns that chose this change ("group", "arrival"); None when no thread's
+    #: turn did (``offload_all``, a re-plan, a group placed at ``add``).
+    order: str | None = None
+    #: Why the order chose it: "first come", "most waiting work", "waited past max_wait".
+    reason: str | None = None
+    #: Threads waiting for a turn when it was chosen (the one served included).
+    waiting: int = 0
 
     @property
     def seconds(self) -> float:
@@ -178,6 +200,80 @@ class BlockLog(_KeptLog):
 
     def __repr__(self) -> str:
         return f"<BlockLog {len(self)} kept, {self.copies} block copies, {self.nbytes} bytes>"
+
+
+@attrs.frozen(kw_only=True)
+class WaitStats:
+    """One group's phase entries and how long they waited for their turn (`Scheduler.waits`).
+
+        stats = scheduler.waits["high"]
+        stats.entries, stats.waits, stats.p99    # 50 entries, 7 waited, the slowest 1% in seconds
+
+    `waits` counts entries that waited behind another group's holders or turn; the seconds are
+    over the newest ``record_limit`` of those waits (0.0 when none waited).
+    """
+
+    #: Phases of the group entered (re-entries of a held group included).
+    entries: int
+    #: Entries that had to wait for their turn.
+    waits: int
+    #: Median wait, in seconds.
+    p50: float
+    #: 99th percentile wait, in seconds (nearest rank).
+    p99: float
+    #: Longest wait kept, in seconds.
+    max: float
+
+
+class WaitLog:
+    """Per group, phase entries counted and the newest `limit` waits for a turn, in seconds.
+
+    Written by the holds (under the scheduler's lock) and read by anyone: its own small lock
+    makes a reader's `summary` a snapshot.
+    """
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self._lock = threading.Lock()
+        self._limit = limit
+        self._entries: dict[str, int] = {}  # guarded by self._lock
+        self._waits: dict[str, collections.deque] = {}  # guarded by self._lock
+        self._counts: dict[str, int] = {}  # waits ever made, per group; guarded by self._lock
+
+    def entered(self, name: str) -> None:
+        """A phase of group `name` was entered."""
+        with self._lock: self._entries[name] = self._entries.get(name, 0) + 1  # noqa: E701
+
+    def waited(self, name: str, seconds: float) -> None:
+        """An entry of group `name` waited `seconds` for its turn."""
+        locked(self._lock, self._add_wait, name, seconds)
+
+    def _add_wait(self, name: str, seconds: float) -> None:
+        kept = self._waits.get(name)
+        if kept is None:
+            kept = self._waits[name] = collections.deque(maxlen=self._limit)
+        kept.append(seconds)
+        self._counts[name] = self._counts.get(name, 0) + 1
+
+    def summary(self) -> dict[str, WaitStats]:
+        """Each group's `WaitStats`, groups in the order they were first entered."""
+        return locked(self._lock, self._summary)
+
+    def _summary(self) -> dict[str, WaitStats]:
+        stats = {}
+        for name, entries in self._entries.items():
+            kept = sorted(self._waits.get(name, ()))
+            stats[name] = WaitStats(
+                entries=entries, waits=self._counts.get(name, 0),
+                p50=_rank(kept, 0.5), p99=_rank(kept, 0.99), max=kept[-1] if kept else 0.0)
+        return stats
+
+
+def _rank(ordered: list[float], fraction: float) -> float:
+    """The nearest-rank percentile of sorted `ordered` (0.0 when empty)."""
+    if not ordered:
+        return 0.0
+    index = math.ceil(len(ordered) * fraction) - 1
+    return ordered[min(max(index, 0), len(ordered) - 1)]
 
 
 def summarize(records: Iterable[TransitionRecord]) -> dict:

@@ -9,7 +9,7 @@ The same schema arrives as a dict, a JSON string (``--diffusion-offload-config``
 ``enable_cpu_offload=True`` switch; `resolve_config` turns any of them into one `OffloadConfig` (or
 None: offloading off).  It accepts exactly what vLLM-Omni 0.30's ``parse_diffusion_offload_config``
 accepts, with the same meaning, plus the extensions listed in docs/surface.md ("vae",
-``module_options``, mode "auto" with ``auto_options``); ``tests/test_config_parity.py`` checks that
+``module_options``, mode "auto" with ``auto_options``, ``order``); ``tests/test_config_parity.py`` checks that
 against vLLM-Omni's own parser.
 Every refusal is a `ConfigError` naming the field, the value given and what is accepted.
 """
@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 
 from residency.options.budget import AutoOptions
+from residency.options.order import TurnOrder, as_turn_order
 from residency.core.errors import ConfigError
 
 __all__ = [
@@ -58,11 +59,12 @@ LEGACY_COMPONENTS = ("dit", "text_encoder")
 #: copies its own weights ("rank-local", the default) or ranks all-gather shards ("allgather").
 WEIGHT_TRANSFERS = ("rank-local", "allgather")
 #: Config fields accepted here that vLLM-Omni 0.30 refuses (documented extensions).
-EXTENSION_FIELDS = ("module_options", "auto_options")
+EXTENSION_FIELDS = ("module_options", "auto_options", "order")
 #: The only component whose layer options may keep blocks resident.
 _RESIDENT_LAYERS_COMPONENT = "dit"
 
-_FIELDS = ("mode", "components", "layer_options", "module_options", "auto_options", "pin_memory")
+_FIELDS = ("mode", "components", "layer_options", "module_options", "auto_options", "pin_memory",
+           "order")
 #: The modes whose per-component options are `module_options` (auto swaps whole components too).
 _MODULE_OPTION_MODES = ("module", "auto")
 _LAYER_FIELDS = ("weight_transfer", "resident_layers")
@@ -141,6 +143,16 @@ def _to_auto_options(options: object) -> AutoOptions | None:
         return AutoOptions.from_dict(options)
     except ConfigError as error:
         raise ConfigError(f"offload config field 'auto_options': {error}") from None
+
+
+def _to_order(order: object) -> TurnOrder | None:
+    """``order`` as a `TurnOrder`; None (JSON null) stays None: the scheduler's default."""
+    if order is None:
+        return None
+    try:
+        return as_turn_order(order)
+    except ConfigError as error:
+        raise ConfigError(f"offload config field 'order': {error}") from None
 
 
 def _check_bool(field: str, value: object) -> None:
@@ -377,6 +389,9 @@ class OffloadConfig:
     pin_memory: bool = attrs.field(
         default=True, converter=_to_pin_memory, validator=_check_pin_memory
     )
+    #: How threads waiting for groups take turns ("group", "arrival" or ``{"by": ...,
+    #: "max_wait": ...}``; None: the scheduler's default), in every mode (an extension).
+    order: TurnOrder | None = attrs.field(default=None, converter=_to_order)
 
     def __attrs_post_init__(self) -> None:
         for field, options in (("layer_options", self.layer_options),
@@ -485,6 +500,8 @@ class OffloadConfig:
         if self.auto_options is not None:
             data["auto_options"] = self.auto_options.to_dict()
         data["pin_memory"] = self.pin_memory
+        if self.order is not None:
+            data["order"] = self.order.to_dict()
         return data
 
     def to_json(self) -> str:

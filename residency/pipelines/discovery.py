@@ -774,5 +774,5 @@ def scheduler_from_pipeline(
         return build_scheduler(found, lambda: NoOffload(device))
     pin_memory = None if parsed.pin_memory else False
     return build_scheduler(
-        found, lambda: make_scheduler(device, pin_memory=pin_memory, auto=parsed.auto_options)
-    )
+        found, lambda: make_scheduler(device, pin_memory=pin_memory, auto=parsed.auto_options,
+                                      order=parsed.order))

@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Iterable
 
+import attrs
 import torch
 from torch.profiler import record_function
 
@@ -54,7 +55,7 @@ from residency.core.locks import CHECKING, check_held, in_context
 from residency.host.memory import DeviceStorage
 from residency.placement.layers import take_plan
 from residency.group.plan import Plan, Where
-from residency.group.records import BlockLog, TransitionLog, TransitionRecord
+from residency.group.records import BlockLog, TransitionLog, TransitionRecord, TurnChoice
 from residency.placement.slots import SlotPlacement
 from residency.device.transport import Transport, free_device_memory
 
@@ -166,8 +167,9 @@ class Placement:
 
     # -- phase changes ---------------------------------------------------------------------------
 
-    def switch_to(self, group: Residency | None) -> None:
-        """Evict the current exclusive group and load `group` (None: leave the device empty).
+    def switch_to(self, group: Residency | None, chosen: TurnChoice | None = None) -> None:
+        """Evict the current exclusive group and load `group` (None: leave the device empty);
+        `chosen`: why the order of turns chose it, for the record.
 
         A group whose modules changed (`Residency.pending_change`) is re-packed before its load,
         and the evicted group at once when its eviction left re-typed tensors on the host
@@ -176,12 +178,12 @@ class Placement:
         if CHECKING:
             check_held(self._lock)
         try:
-            self._switch(group)
+            self._switch(group, chosen)
         except BaseException:  # see [Note: interrupts] in residency.scheduler.scheduler
             self.settle()
             raise
 
-    def _switch(self, group: Residency | None) -> None:
+    def _switch(self, group: Residency | None, chosen: TurnChoice | None) -> None:
         previous, start, written = self.current, time.perf_counter(), 0
         if previous is not None:
             written = in_context(record_function(f"residency::evict {previous.name}"),
@@ -196,7 +198,7 @@ class Placement:
             nbytes = in_context(record_function(f"residency::load {group.name}"),
                                 self._load_parts, group, storage, replaced)
             self.current = group
-        self._record(previous, group, nbytes, written, start, evicted)
+        self._record(previous, group, nbytes, written, start, evicted, chosen=chosen)
 
     def _adopt_before_load(self, group: Residency) -> list[int]:
         """Re-pack `group` if its modules changed (a prefetch of it is abandoned first);
@@ -390,27 +392,15 @@ class Placement:
         return _room_beside(self._free_storage(group), group, self.device_nbytes, limit,
                             self.device)
 
-    def _record(
-        self,
-        previous: Residency | None,
-        group: Residency | None,
-        nbytes: int,
-        written: int,
-        start: float,
-        evicted: float,
-    ) -> None:
-        self._transitions.append(
-            TransitionRecord(
-                from_group=previous.name if previous is not None else None,
-                to_group=group.name if group is not None else None,
-                nbytes=nbytes,
-                written_back=written,
-                start=start,
-                evict_seconds=evicted - start,
-                load_seconds=time.perf_counter() - evicted,
-                thread=threading.current_thread().name,
-            )
-        )
+    def _record(self, previous: Residency | None, group: Residency | None, nbytes: int,
+                written: int, start: float, evicted: float, *,
+                chosen: TurnChoice | None = None) -> None:
+        chose = {} if chosen is None else attrs.asdict(chosen)
+        self._transitions.append(TransitionRecord(
+            from_group=getattr(previous, "name", None), to_group=getattr(group, "name", None),
+            nbytes=nbytes, written_back=written, start=start, evict_seconds=evicted - start,
+            load_seconds=time.perf_counter() - evicted, thread=threading.current_thread().name,
+            **chose))
 
 
 def _moves_own(group: Residency) -> bool:

@@ -7,8 +7,9 @@ suspends the outer one), then waits for its turn: until the current group has no
 then has the placement swap.  Leaving the nested phase gives up its hold and takes the outer group
 back, swapping again if needed.  Because a
 waiting thread never holds anything, threads cannot deadlock on each other through the scheduler.
-Waiters are served first come, first served; a thread asking for the group already on the device
-joins it at once unless someone queued earlier for another group.
+In which order waiters are served is the order of turns' answer (`residency.scheduler.turns`:
+by group, or first come); a thread asking for the group already on the device while nobody waits
+joins it at once.
 
 What can still hang is a hold that is never released: a thread that ended inside a phase (a phase
 must be left on the thread that entered it).  Waiters notice such holds and raise `DeadlockError`;
@@ -41,7 +42,8 @@ Fields (every one guarded by the scheduler lock; `Holds` is their one mutator):
   the user to do instead (set before ``closed``, by the same `close`).
 
 * ``_queue``: tickets of threads waiting for a group, oldest first.  Invariant: a thread waits on
-  at most one ticket and holds nothing while it waits.
+  at most one ticket and holds nothing while it waits.  The order of turns (``_turns``) reads it
+  to decide and learns when threads leave and ask for groups; ``waits`` counts entries and waits.
 
 Calls go down from here, and the holds never move bytes: when a thread's turn comes they hand
 back a `Turn`; the gate (`residency.scheduler.scheduler.PhaseGate`) has the placement make its
@@ -65,6 +67,8 @@ from residency.core.errors import DeadlockError, PhaseError, SchedulerClosedErro
 from residency.core.locks import CHECKING, check_held
 from residency.placement.placement import Placement
 from residency.group.registry import Registry
+from residency.group.records import TurnChoice, WaitLog
+from residency.scheduler.turns import ArrivalTurns, GroupTurns
 
 __all__ = ["Holds", "REOPEN", "ThreadHolds", "Ticket", "Turn", "note_failed_return"]
 
@@ -75,6 +79,7 @@ REOPEN = "Create a new Scheduler and add the modules again to keep offloading"
 _DEAD_HOLDER_POLL = 0.05
 _log = logging.getLogger("residency")
 _current_thread = threading.current_thread
+_monotonic = time.monotonic
 _ACTIVE = PhaseStatus.ACTIVE
 
 
@@ -96,13 +101,14 @@ class ThreadHolds:
 
 
 class Ticket:
-    """A thread's place in the queue for `group`."""
+    """A thread's place in the queue for `group`, taken at `since` (monotonic seconds); its
+    `choice` is set by the order of turns when its turn means a switch."""
 
-    __slots__ = ("group", "thread")
+    __slots__ = ("choice", "group", "since", "thread")
 
-    def __init__(self, group: Residency, thread: threading.Thread) -> None:
-        self.group = group
-        self.thread = thread
+    def __init__(self, group: Residency, thread: threading.Thread, since: float) -> None:
+        self.group, self.thread, self.since = group, thread, since
+        self.choice: TurnChoice | None = None
 
 
 class Turn:
@@ -116,30 +122,26 @@ class Turn:
         holds.grant(turn)                 # the hold, then the frame
     """
 
-    __slots__ = ("entry", "error", "group", "previous", "then", "ticket")
+    __slots__ = ("choice", "entry", "error", "group", "previous", "then", "ticket")
 
     def __init__(self, entry: ThreadHolds, group: Residency, ticket: Ticket | None, *,
                  then: tuple | None = None, previous: Residency | None = None,
                  error: BaseException | None = None) -> None:
         self.entry, self.group, self.ticket = entry, group, ticket
         self.then, self.previous, self.error = then, previous, error
+        #: Why the order of turns chose this turn, for the record (None: no ticket's choice).
+        self.choice: TurnChoice | None = None if ticket is None else ticket.choice
 
 
 class Holds:
-    """The table of who may run (see the notes above); the facade calls it with the lock held.
+    """The table of who may run (see the notes above); the gate calls it with the lock held.
 
-        entry = holds.entry(thread)
-        holds.push(entry, phase, needs=group)    # a frame, after the hold was granted
+        joined = holds.join(phase)    # its group, or a Turn: made current, then `grant`ed
     """
 
-    def __init__(
-        self,
-        lock: threading.RLock,
-        placement: Placement,
-        registry: Registry,
-        *,
-        wait_timeout: float | None,
-    ) -> None:
+    def __init__(self, lock: threading.RLock, placement: Placement, registry: Registry, *,
+                 wait_timeout: float | None, turns: ArrivalTurns | GroupTurns,
+                 waits: WaitLog) -> None:
         self._lock = lock
         #: Read for its ``current`` group, the one a hold may join; never asked to move bytes.
         self._placement = placement
@@ -148,6 +150,8 @@ class Holds:
         #: Waiters sleep here; the same lock.
         self._wakeup = threading.Condition(lock)
         self.wait_timeout = wait_timeout
+        #: The order of turns (told who left, who asked); `Scheduler.waits` (its own lock).
+        self._turns, self.waits = turns, waits
         self._threads: dict[threading.Thread, ThreadHolds] = {}  # guarded by the lock
         #: Per thread, a shortcut to its entry (read by that thread only).
         self._local = threading.local()
@@ -200,17 +204,17 @@ class Holds:
         return phase.group
 
     def join(self, phase) -> Residency | Turn:
-        """Open `phase` and return its group, at once when that needs no switch and no wait:
-        re-entry of the held group, or joining the current one while nobody is queued (every
-        step of a denoising loop after the first: a lookup and an append, no tensor work).
-        Else the group must still be registered (a phase may outlive its group); the thread
-        gives up its hold and waits for its turn at what the phase needs (a resident-policy
-        group's phase: what the thread's innermost phase needs), and gets the `Turn` back for
-        the caller to have made current and `grant`ed (`refuse`d: nothing is opened)."""
+        """Open `phase` and return its group at once on re-entry of the held group or joining
+        the current one while nobody is queued (a denoising step: no tensor work).  Else (the
+        group still registered) the thread waits for its turn at what the phase needs and gets
+        the `Turn` back, to be made current and `grant`ed (`refuse`d: nothing is opened)."""
         if CHECKING:
             check_held(self._lock)
         entry = getattr(self._local, "entry", None) or self._local_entry()
         group, held = phase.group, entry.held
+        self.waits.entered(group.name)
+        if held is None and self._turns.learns and group.exclusive:
+            self._turns.asked(entry.thread, group, _monotonic())
         if held is group or (held is None and not self._queue and group.exclusive
                              and group is self._placement.current):  # (a held group is exclusive)
             if held is None:
@@ -230,9 +234,8 @@ class Holds:
         return self.push(entry, phase, needs)
 
     def leave(self, phase) -> Turn | None:
-        """Close `phase` (see `pop`), then give up the hold when no phase of the thread needs
-        one, or move it to what the new innermost frame needs (a `Turn`, when that group must
-        be made current first).  Raises `PhaseError` like `pop`."""
+        """Close `phase` (`pop`: it may raise `PhaseError`), then give up the hold, or move it to
+        what the new innermost frame needs (a `Turn`, when that group must be made current)."""
         if CHECKING:
             check_held(self._lock)
         entry = getattr(self._local, "entry", None) or self._local_entry()
@@ -257,9 +260,8 @@ class Holds:
         return turn
 
     def pop(self, entry: ThreadHolds, phase) -> Residency | None:
-        """Close `phase`, the innermost frame, and every LEAVING frame it uncovers; returns what
-        the new innermost frame needs.  Raises `PhaseError` when `phase` is not open on this
-        thread, or phases inside it are (it is marked LEAVING: [Note: misnested exits])."""
+        """Close `phase`, the innermost frame, and the LEAVING frames it uncovers; return what the
+        next frame needs.  `PhaseError` if it is not innermost ([Note: misnested exits])."""
         if CHECKING:
             check_held(self._lock)
         frames = entry.frames
@@ -273,9 +275,8 @@ class Holds:
         return frames[-1][1] if frames else None
 
     def collect_abandoned(self) -> None:
-        """Close every phase whose ``with`` ended without a completed exit (an interrupt at the
-        first line of ``Phase.__exit__``: [Note: interrupts] in the facade).  A thread left with
-        no frame gives up its hold; the calling thread's own hold is the gate's to move."""
+        """Close every phase whose ``with`` ended without a completed exit ([Note: interrupts] in
+        the facade); a thread left with no frame gives up its hold (not the caller's own)."""
         if CHECKING:
             check_held(self._lock)
         for entry in list(self._threads.values()):
@@ -285,9 +286,8 @@ class Holds:
                 self._drop_hold(entry)
 
     def settle(self, phase) -> Turn | None:
-        """After an entry or exit of `phase` stopped half-way ([Note: interrupts] in the facade):
-        close `phase` if open, drop the thread's tickets, count the holders again, and give the
-        thread the hold its innermost open phase needs (a `Turn`, when it must be made current)."""
+        """After an entry or exit of `phase` stopped half-way ([Note: interrupts], facade): close
+        it, drop the thread's tickets, recount holders; a `Turn` to what its next frame needs."""
         if CHECKING:
             check_held(self._lock)
         if self.closed:
@@ -333,8 +333,7 @@ class Holds:
         self._threads[entry.thread] = entry
 
     def give_up(self, entry: ThreadHolds) -> None:
-        """`entry`'s thread holds nothing any more; wake waiters if nobody does.  An entry left
-        with no frame is dropped from the table."""
+        """`entry`'s thread holds nothing any more (no frame left: dropped); wake waiters."""
         if CHECKING:
             check_held(self._lock)
         if entry.held is not None:
@@ -343,6 +342,8 @@ class Holds:
             self._threads.pop(entry.thread, None)
 
     def _drop_hold(self, entry: ThreadHolds) -> None:
+        if self._turns.learns:
+            self._turns.left(entry.thread, entry.held, _monotonic())
         self._holder_count -= 1
         entry.held = None
         if not entry.frames:
@@ -364,9 +365,8 @@ class Holds:
     def move(self, entry: ThreadHolds, needs: Residency | None, *, then: tuple | None = None,
              restore_on_failure: bool) -> Turn | None:
         """Give up `entry`'s hold and take `needs`: at once when it is current and nobody waits,
-        else return the thread's `Turn` (waited for; `then`: what its grant does next).  If the
-        wait fails and `restore_on_failure`, the turn returned gives the thread its previous
-        group back and raises the error once granted."""
+        else return the thread's `Turn` (waited for; `then`: what its grant does next).  A wait
+        that fails returns, if `restore_on_failure`, the turn back to the previous group."""
         if CHECKING:
             check_held(self._lock)
         previous = entry.held
@@ -374,6 +374,8 @@ class Holds:
             self.give_up(entry)
         if needs is None:
             return None
+        if previous is not None and self._turns.learns:
+            self._turns.asked(entry.thread, needs, _monotonic())
         if needs is self._placement.current and not self._queue:  # at once: nobody waits
             self.take(entry, needs)
             return None
@@ -434,22 +436,28 @@ class Holds:
             return None
 
     def _wait_for_turn(self, entry: ThreadHolds, group: Residency) -> Ticket:
-        """Queue `entry`'s thread for `group` and sleep until its ticket may join the current
-        group or have it swapped out (first come, first served); the ticket stays queued until
-        the turn is granted or refused, and leaves the queue if the wait fails."""
-        ticket = Ticket(group, entry.thread)
-        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
+        """Queue `entry`'s thread for `group` and sleep until the order of turns lets it go; the
+        ticket stays queued until granted or refused, and leaves the queue if the wait fails."""
+        ticket = Ticket(group, entry.thread, _monotonic())
+        deadline = None if self.wait_timeout is None else ticket.since + self.wait_timeout
         try:  # no `finally`: its first line would be a place an interrupt skips it
             self.enqueue(ticket)
-            while not _may_proceed(self._queue, ticket, self._placement.current,
-                                   self._holder_count > 0):
+            if self._may_go(ticket):
+                return ticket
+            while not self._may_go(ticket):
                 self._check_waiting(ticket, deadline)
-                self._wakeup.wait(_DEAD_HOLDER_POLL)
+                self._wakeup.wait(min(_DEAD_HOLDER_POLL, self._turns.look_again(
+                    self._queue, self._placement.current, _monotonic())))
+            self.waits.waited(group.name, _monotonic() - ticket.since)
             return ticket
         except BaseException:
             if ticket in self._queue:
                 self.dequeue(ticket)
             raise
+
+    def _may_go(self, ticket: Ticket) -> bool:
+        return self._turns.may_proceed(self._queue, ticket, self._placement.current,
+                                       self._holder_count > 0, _monotonic())
 
     def _check_waiting(self, ticket: Ticket, deadline: float | None) -> None:
         """Raise for a wait that must end: the scheduler closed, every holder dead, too long."""
@@ -475,19 +483,6 @@ class Holds:
             del self._threads[thread]
         self._holder_count -= len(dead)
         raise _dead_holders(wanted, current, dead)
-
-
-def _may_proceed(queue, ticket: Ticket, current: Residency | None, held: bool) -> bool:
-    """Whether `ticket` may take its turn: nobody queued before it for another group, and its
-    group is current, or (`held`: somebody holds a group) nobody holds and it is first."""
-    for earlier in queue:
-        if earlier is ticket:
-            break
-        if earlier.group is not ticket.group:
-            return False
-    if current is ticket.group:
-        return True
-    return not held and queue[0] is ticket
 
 
 def _closed_while_waiting(reopen: str) -> SchedulerClosedError:

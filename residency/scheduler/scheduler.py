@@ -73,7 +73,9 @@ from residency.group.no_offload import NoOffload
 from residency.multirank.node import node_view
 from residency.host.packing import Packer
 from residency.placement.placement import Placement
-from residency.group.records import BlockLog, TransitionLog
+from residency.group.records import BlockLog, TransitionLog, WaitLog, WaitStats
+from residency.options.order import TurnOrder, as_turn_order
+from residency.scheduler.turns import turns_for
 from residency.group.registry import Registry
 from residency.modules.tensors import DEFAULT_CHUNK_NBYTES
 from residency.device.transport import Transport, transport_for
@@ -193,7 +195,7 @@ class PhaseGate:
         the turn says so."""
         try:
             if self.placement.current is not turn.group:
-                self.placement.switch_to(turn.group)
+                self.placement.switch_to(turn.group, turn.choice)
         except BaseException as error:
             back = self.holds.refuse(turn, error)
             if back is not None:
@@ -231,20 +233,20 @@ class Scheduler:
     same order on every rank.  Writes to a shared master are agreed (`residency.multirank.agreement`); ranks
     that changed it differently raise `CollectiveError` and keep their device copies.  With
     ``host`` (`HostOptions`): a warm-restart cache, a memory limit, reads behind the first phase.
+    ``order`` (`TurnOrder`): how threads waiting for groups take turns (by group by default).
     """
 
     def __init__(
-        self,
-        device: torch.device | str | None = None,
-        *,
-        pin_memory: bool | None = None, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
-        device_memory_limit: int | None = None,
+        self, device: torch.device | str | None = None, *, pin_memory: bool | None = None,
+        chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, device_memory_limit: int | None = None,
         wait_timeout: float | None = None, record_limit: int = 10_000,
         transport: Transport | None = None, process_group: object = None,
         auto: AutoOptions | Mapping | bool | None = None, host: HostOptions | Mapping | None = None,
+        order: TurnOrder | Mapping | str | None = None,
     ) -> None:
         auto_options, host = check_options(chunk_nbytes, device_memory_limit, wait_timeout,
             record_limit, pin_memory, auto=auto, host=host, process_group=process_group)
+        self.order = as_turn_order(order, process_group=process_group)  #: waiters' turns
         #: Where resident groups live.
         self.device = parse_device(device)
         self._transport = transport if transport is not None else transport_for(self.device)
@@ -261,7 +263,8 @@ class Scheduler:
         self._placement = Placement(self._lock, self._transport, device=self.device, buffers=buffers,
                                     adoption=adoption, transitions=self.transitions,
                                     block_log=self.block_records)
-        self._holds = Holds(self._lock, self._placement, self._registry, wait_timeout=wait_timeout)
+        self._holds = Holds(self._lock, self._placement, self._registry, wait_timeout=wait_timeout,
+                            turns=turns_for(self.order), waits=WaitLog(record_limit))
         self._admission = Admission(self._lock, registry=self._registry, packer=self._packer,
                                     placement=self._placement, holds=self._holds,
                                     transport=self._transport, block_records=self.block_records,
@@ -285,20 +288,19 @@ class Scheduler:
         return self._holds.wait_timeout
 
     @property
+    def waits(self) -> dict[str, WaitStats]:
+        """Per group: phase entries, how many waited for their turn, and p50/p99/max seconds."""
+        return self._holds.waits.summary()
+
+    @property
     def chunk_nbytes(self) -> int:
         """Host masters are built in chunks of at most this many bytes."""
         return self._packer.chunk_nbytes
 
     @classmethod
-    def from_pipeline(
-        cls,
-        pipeline: object,
-        config: object = None,
-        *,
-        enable_cpu_offload: bool = False,
-        device: torch.device | str | None = None,
-        process_group: object = None,
-    ) -> Scheduler | NoOffload:
+    def from_pipeline(cls, pipeline: object, config: object = None, *,
+                      enable_cpu_offload: bool = False, device: torch.device | str | None = None,
+                      process_group: object = None) -> Scheduler | NoOffload:
         """Build a scheduler from a pipeline's declared components (see `residency.pipelines.discovery`).
 
             scheduler = Scheduler.from_pipeline(pipe, {"mode": "module", "components": ["dit"]})
@@ -539,10 +541,9 @@ class Scheduler:
             with scheduler.resident("dit"):    # only re-points: the bytes are already there
                 ...
 
-        Both groups' bytes then sit on the device at once, so this is done only when
-        ``device_memory_limit`` (or, on CUDA without a limit, the free device memory) allows
-        both.  Returns whether a copy was started (False: already resident, already prefetching,
-        or no room).  The prefetched group's tensors keep reading the host master until its
+        Done only when ``device_memory_limit`` (or, on CUDA without a limit, the free device
+        memory) allows both groups' bytes at once.  Returns whether a copy was started (False:
+        already resident or prefetching, or no room); the group reads its host master until its
         phase begins.
         """
         check_open(self._holds)
