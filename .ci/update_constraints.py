@@ -24,7 +24,7 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTRAS = "test,diffusers,peers,plot,quant"
+EXTRAS = "test,diffusers,peers,plot,quant,serve"
 #: The header lines of constraints.txt (comments) kept above the pins.
 HEADER_LINES = 3
 #: The CPU torch build's local version tag, dropped from the pin (the README pins torch==X).

@@ -254,10 +254,12 @@ def test_a_size_the_model_cannot_take_says_diffusers_own_call_failed(capsys, sav
 # -- the README: a front door ----------------------------------------------------------------------
 
 #: What a newcomer finds on the README, in this order (issue 45): what it is, the two commands, what
-#: the main job prints, the quick start, diffusers in one call, the command line, then links.
+#: the main job prints, the quick start, diffusers in one call, the command line, serving many
+#: requests (issue 46), then links.
 README_SECTIONS = ["## Two commands on a fresh machine", "## What the main job prints",
                    "## Which mode?", "## Quick start", "## Diffusers in one call",
-                   "## Configs and the command line", "## Further"]
+                   "## Configs and the command line", "## Many requests, one pipeline",
+                   "## Further"]
 
 
 @pytest.mark.fast

@@ -70,7 +70,7 @@ def test_installed_packages_match_the_pinned_set():
         pytest.fail(
             f"the environment is not the pinned set in {CONSTRAINTS}:\n  " + "\n  ".join(drifted)
             + "\nInstall with "
-            "`pip install -e \".[test,diffusers,peers,plot,quant]\" -c constraints.txt`, "
+            "`pip install -e \".[test,diffusers,peers,plot,quant,serve]\" -c constraints.txt`, "
             "or move the set forward with .ci/update-constraints"
         )
 

@@ -220,3 +220,87 @@ def test_the_order_reaches_the_scheduler_through_enable_offload_and_from_pipelin
         synthetic, '{"mode": "layer", "components": ["dit"], "order": "arrival"}', device="cpu")
     assert scheduler.order == TurnOrder(by="arrival")
     scheduler.close()
+
+
+# -- a real server on loopback -----------------------------------------------------------------------
+
+
+def _serve_module():
+    """examples/serve.py as a module (it is a script, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "serve.py"
+    spec = importlib.util.spec_from_file_location("residency_serve_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_server_answers_concurrent_requests_with_the_bits_of_the_pipeline_alone():
+    """uvicorn on 127.0.0.1, port 0; at most 20 requests within a 30 s hard limit; then it stops."""
+    import hashlib
+
+    import uvicorn
+
+    from residency.app.synthetic import SyntheticWan22
+
+    serve = _serve_module()
+    service = serve.SyntheticService(TurnOrder(by="group"), size="tiny")
+    server = uvicorn.Server(uvicorn.Config(serve.make_app(service), host="127.0.0.1", port=0,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    try:
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server never started"
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        closed = serve.load(url, requests=12, clients=4, time_limit=deadline - time.monotonic(),
+                            steps=4)
+        opened = serve.load(url, requests=6, rate=20.0, time_limit=deadline - time.monotonic(),
+                            steps=4)
+        answer = serve._post(url, {"prompt": "request 1", "seed": 1, "steps": 4}, 10.0)
+        stats = serve._get(url, "/stats")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert not thread.is_alive(), "the server did not stop"
+    service.close()
+    for figures in (closed, opened):
+        assert figures["failed"] == 0 and figures["same_request_same_bits"], figures
+    assert closed["requests"] == 12 and opened["requests"] == 6
+    assert closed["changes_per_request"] is not None and closed["p99_s"] >= closed["p50_s"] > 0
+    alone = SyntheticWan22.build("tiny")(  # the same pipeline, never offloaded
+        "request 1", steps=4, seed=1)
+    expected = hashlib.sha256(alone.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    assert answer["sha256"] == expected
+    waits = stats["waits"]
+    assert stats["order"]["by"] == "group" and stats["phase_changes"] > 0
+    assert waits["transformer"]["entries"] + waits["transformer_2"]["entries"] == 19 * 4
+
+
+def test_the_server_refuses_a_bad_order_before_loading_anything(capsys):
+    serve = _serve_module()
+    with pytest.raises(SystemExit) as exited:
+        serve.main(["--order", "fifo", "--port", "0"])
+    assert exited.value.code == 2
+    assert "--order: order='fifo'; accepted forms are" in capsys.readouterr().err
+
+
+def test_the_serving_benchmark_measures_a_point_and_judges_its_goals():
+    """benchmarks/serving.py on a few requests (its figures are in benchmarks/results/)."""
+    from benchmarks import serving
+
+    inputs = serving._inputs()[:4]
+    points = [serving.serve(torch.device("cpu"), order, clients, inputs)
+              for clients in (1, 8) for order in serving.ORDERS]
+    for point in points:
+        assert point["requests"] == 4 and len(point["outputs"]) == 4
+        assert point["p99_s"] >= point["p50_s"] > 0 and point["changes_per_request"] > 0
+        point["bit_identical"] = True
+    judged = serving.goals(points, r=1.0)
+    assert set(judged) >= {"changes_goal_met", "throughput_goal_met", "p99_goal_met",
+                           "alone_goal_met"}
