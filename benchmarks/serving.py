@@ -5,8 +5,8 @@ requests (issue 46).
     python -m benchmarks.serving --device sim --out benchmarks/results/    # SIMULATED, ~5 min
 
 A request runs the phases of a Wan2.2-shaped pipeline: the text encoder once, then `STEPS`
-high-noise and `STEPS` low-noise expert steps (`GROUPS`: Linear layers, `PASSES` passes), each in its own
-``with scheduler.resident(...)``, its stream synchronised at the step's end (as a sampler reading
+high-noise and `STEPS` low-noise expert steps (`GROUPS`: Linear layers, `PASSES` passes), each in
+its own ``with scheduler.resident(...)``, its stream synchronised at the step's end (as a sampler reading
 its progress does), `HOST_WORK` seconds of host work between steps.  `concurrency` clients each
 run requests back to back (a closed loop) until `REQUESTS` are done.  Per point: phase changes and
 bytes per request, throughput, p50/p99 latency, every output compared bit for bit with the first
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import threading
 import time
@@ -136,9 +137,14 @@ def serve(device: torch.device, order: str, concurrency: int, inputs) -> dict:
         "order": order, "concurrency": concurrency, "requests": len(inputs),
         "phase_changes": changes, "changes_per_request": changes / len(inputs),
         "bytes_per_request": moved / len(inputs), "throughput_rps": len(inputs) / wall,
-        "p50_s": statistics.median(ordered), "p99_s": ordered[max(0, -(-99 * len(ordered) // 100) - 1)],
+        "p50_s": statistics.median(ordered), "p99_s": _p99(ordered),
         "wall_s": wall, "outputs": outputs,
     }
+
+
+def _p99(ordered: list[float]) -> float:
+    """The nearest-rank 99th percentile of sorted `ordered`."""
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def measure_r(device: torch.device) -> dict:

@@ -222,7 +222,7 @@ def test_the_order_reaches_the_scheduler_through_enable_offload_and_from_pipelin
     scheduler.close()
 
 
-# -- a real server on loopback -----------------------------------------------------------------------
+# -- a real server on loopback --------------------------------------------------------------------
 
 
 def _serve_module():
@@ -304,3 +304,36 @@ def test_the_serving_benchmark_measures_a_point_and_judges_its_goals():
     judged = serving.goals(points, r=1.0)
     assert set(judged) >= {"changes_goal_met", "throughput_goal_met", "p99_goal_met",
                            "alone_goal_met"}
+
+
+def test_a_saved_diffusers_pipeline_serves_concurrent_requests_bit_identically(saved_wan22):
+    """`--pipeline`: each request calls its own pipeline object (``from_pipe``, its own noise
+    scheduler) over the one offloaded set of components; 4 requests at once on their own threads
+    give the bits of the same calls on the pipeline loaded without offloading."""
+    from diffusers import DiffusionPipeline
+
+    serve = _serve_module()
+    extra = {"negative_prompt": "blue sky", "height": 16, "width": 16, "num_frames": 5,
+             "guidance_scale": 3.0, "max_sequence_length": 8}
+    service = serve.DiffusersService(saved_wan22, TurnOrder(by="group"), call_kwargs=extra)
+    plain = DiffusionPipeline.from_pretrained(saved_wan22, local_files_only=True)
+    plain.set_progress_bar_config(disable=True)
+    asked = [("a cat on the moon", 0), ("a red dog", 1), ("a cat on the moon", 2), ("blue", 3)]
+    got: dict[int, torch.Tensor] = {}
+
+    def request(index: int) -> None:
+        prompt, seed = asked[index]
+        got[index] = service.generate(prompt, seed, 4)
+
+    threads = [threading.Thread(target=request, args=(i,), daemon=True) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(BOUND)
+    assert sorted(got) == [0, 1, 2, 3], "a request never finished"
+    for index, (prompt, seed) in enumerate(asked):
+        expected = plain(prompt, num_inference_steps=4, output_type="pt",
+                         generator=torch.Generator().manual_seed(seed), **extra).frames
+        assert torch.equal(got[index], expected), (prompt, seed)
+    assert service.scheduler.transitions.count > 0
+    service.close()

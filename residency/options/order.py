@@ -1,8 +1,8 @@
 """`TurnOrder`: in which order threads waiting for groups get their turns, checked by itself.
 
-    scheduler = Scheduler("cuda", order="group")                           # the default
+    scheduler = Scheduler("cuda", order="group")              # the default
     scheduler = Scheduler("cuda", order={"by": "group", "max_wait": 0.25})
-    scheduler = Scheduler("cuda", order="arrival")                         # first come, first served
+    scheduler = Scheduler("cuda", order="arrival")            # first come, first served
 
 Many requests on one pipeline run the same phases (encoder, experts, VAE) on their own threads.
 First come, first served makes every request pay every phase change; served by group, the
