@@ -392,16 +392,18 @@ def test_bad_config_messages_name_field_value_and_accepted(data, message):
 #: Bad auto options, each with the `AutoOptions` message it must surface with.
 BAD_AUTO_OPTIONS = [
     ({"device_budget": 2.0},
-     r"device_budget=2\.0; a fraction of the free device memory is in \(0, 1\]: give e\.g\. "
-     r"0\.9, or bytes \(an int or a size such as '38GiB'\)"),
-    ({"device_budget": 0}, r"device_budget=0; give more than 0 bytes"),
-    ({"device_budget": "0GiB"}, r"device_budget='0GiB'; give more than 0 bytes"),
-    ({"device_budget": "12 parsecs"},
-     r"device_budget='12 parsecs'; give a whole number of bytes \(>= 0\) or a size such as "
-     r"'38GiB', '500MB' \(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB\)"),
-    ({"device_budget": True}, r"device_budget=True; give a whole number of bytes"),
-    ({"headroom": -1}, r"headroom=-1; give a whole number of bytes \(>= 0\) or a size"),
-    ({"headroom": "lots"}, r"headroom='lots'; give a whole number of bytes"),
+     r"device_budget=2\.0; give bytes \(a whole number >= 1, or a size such as '38GiB', "
+     r"'1\.5GiB', '500MB', '2048' \(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; a decimal needs "
+     r"KB or more and must come to whole bytes\)\) or a fraction of the free device memory: a "
+     r"float in \(0, 1\] such as 0\.9, or a percentage such as '90%'; text is never a bare "
+     r"fraction \(write 0\.5 or '50%', not '0\.5'\)"),
+    ({"device_budget": 0}, r"device_budget=0; give bytes \(a whole number >= 1"),
+    ({"device_budget": "0GiB"}, r"device_budget='0GiB'; give bytes \(a whole number >= 1"),
+    ({"device_budget": "12 parsecs"}, r"device_budget='12 parsecs'; give bytes"),
+    ({"device_budget": True}, r"device_budget=True; give bytes"),
+    ({"headroom": -1}, r"headroom=-1; give bytes: a whole number >= 0, or a size such as "
+                       r"'38GiB'"),
+    ({"headroom": "lots"}, r"headroom='lots'; give bytes: a whole number >= 0"),
     ({"phase_order": []},
      r"phase_order=\[\]; give the group names one call enters, in order \(e\.g\. "
      r"\['text_encoder', 'transformer', 'vae'\]\), or leave it out to observe the first call"),

@@ -35,9 +35,10 @@ def test_paths_and_sizes_are_normalised(tmp_path):
         ({"memory_limt": 1}, "host has unknown keys ['memory_limt']; the keys are "
                              "cache_directory, memory_limit, spill_directory, background_reads. "
                              "Did you mean 'memory_limit'?"),
-        ({"memory_limit": "lots"}, "memory_limit='lots'; give a whole number of bytes (>= 0) or "
-                                   "a size such as '38GiB'"),
-        ({"memory_limit": -1}, "memory_limit=-1; give a whole number of bytes"),
+        ({"memory_limit": "lots"}, "memory_limit='lots'; give bytes: a whole number >= 0, or a "
+                                   "size such as '38GiB'"),
+        ({"memory_limit": -1}, "memory_limit=-1; give bytes: a whole number >= 0"),
+        ({"memory_limit": "3.7B"}, "memory_limit='3.7B'; give bytes: a whole number >= 0"),
         ({"cache_directory": 3}, "cache_directory=3; give a directory path (a str or "
                                  "os.PathLike), or None"),
         ({"spill_directory": ""}, "spill_directory=''; give a directory path"),

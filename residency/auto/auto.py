@@ -49,7 +49,8 @@ from residency.placement.placement import Placement
 from residency.group.plan import Plan, Where
 from residency.auto.planner import Cost, Workload, choose, predict
 from residency.group.records import BlockLog, TransitionLog
-from residency.device.transport import CpuTransport, Transport, free_device_memory
+from residency.device.transport import (CpuTransport, Transport, device_total_memory,
+                                       free_device_memory)
 
 __all__ = ["AutoPlan", "AutoPlanner"]
 
@@ -112,7 +113,8 @@ class AutoPlanner:
         self._placement = placement
         self._overlap = not isinstance(transport, CpuTransport)
         self._transitions, self._block_log = transitions, block_log
-        self.budget, self.headroom = options.resolve(free_device_memory(placement.device))
+        self.budget, self.headroom = options.resolve(free_device_memory(placement.device),
+                                                     device_total_memory(placement.device))
         self.plan: AutoPlan | None = None
         #: The sizes each group was planned for, by name (`_sizes`; written with ``plan``).
         self._planned_sizes: dict[str, _Sizes] = {}
@@ -182,8 +184,10 @@ class AutoPlanner:
         """Take a new device budget (as `AutoOptions.device_budget` accepts) and re-plan; a
         budget nothing fits is refused with nothing changed."""
         options = attrs.evolve(self.options, device_budget=device_budget)
-        budget, headroom = options.resolve(free_device_memory(self._placement.device,
-                                                              held=self._placement.device_nbytes))
+        device = self._placement.device
+        budget, headroom = options.resolve(
+            free_device_memory(device, held=self._placement.device_nbytes),
+            device_total_memory(device))
         before = (self.options, self.budget, self.headroom)
         self.options, self.budget, self.headroom = options, budget, headroom
         try:

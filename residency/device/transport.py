@@ -10,7 +10,8 @@ stream themselves.  Two implementations exist:
   ROCm, XPU and other accelerators.
 
 `free_device_memory` says how many bytes a device has free (the host's available memory for the
-CPU): what an auto plan's budget is a fraction of, and what placement's prefetch fits within.
+CPU): what an auto plan's budget is a fraction of, and what placement's prefetch fits within;
+`device_total_memory` all it has (a budget above it is warned about).
 
 [Note: completions instead of synchronisation]
 A load returns a `Completion`.  ``completion.wait()`` makes the *compute stream* wait for the copy
@@ -233,6 +234,23 @@ def free_device_memory(device: torch.device, held: int = 0) -> int | None:
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
     return free + held
+
+
+def device_total_memory(device: torch.device) -> int | None:
+    """All the memory `device` has, in bytes: the accelerator's total by the device-generic API,
+    or the host's (``os.sysconf``) on the CPU; None where the backend cannot tell.
+
+        device_total_memory(torch.device("cuda", 0))     # 85899345920 on an 80 GB H100
+    """
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:
+        return torch.accelerator.get_memory_info(device.index)[1]
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
 
 
 def _host_available() -> int | None:

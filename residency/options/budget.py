@@ -6,23 +6,33 @@
 
 An auto scheduler (`residency.auto.planner`) chooses, for each group and part, whether it stays on
 the device, is swapped whole or is streamed, so that the weights it holds never exceed
-``budget - headroom``.  The budget is given as bytes (an int), as text (``"38GiB"``, ``"500 MB"``)
-or as a fraction in (0, 1] of the device memory free when the scheduler resolves it (its
-construction, and each `Scheduler.set_device_budget`).  Headroom is what the plan leaves free for
-activations and the allocator: bytes or text; by default a twentieth of the budget
-(`DEFAULT_HEADROOM_FRACTION`).  A phase order may be declared (the group names of one call, in
+``budget - headroom``.  [Note: budgets parse one way]: the budget is bytes or a fraction of the
+device memory free when the scheduler resolves it (its construction, and each
+`Scheduler.set_device_budget`).  Headroom is what the plan leaves free for activations and the
+allocator: bytes (0 too); by default a twentieth of the budget (`DEFAULT_HEADROOM_FRACTION`).  A phase order may be declared (the group names of one call, in
 order); else the first call observes it, planned as if every group took turns in registration
 order.  Every refusal is a `ConfigError` that names the field, the value and what is accepted.
 
-`parse_nbytes` reads a size given as text; `format_nbytes` writes a byte count back as text
-(what the auto plan's, the blocks' and the timeline's descriptions print).
+[Note: budgets parse one way]
+Bytes are an int (>= 1 for a budget, >= 0 for a headroom or a limit), or text: digits with an
+optional unit (``"2048"``, ``"500MB"``, ``"38GiB"``), or a decimal with a unit of KB or more that
+comes to a whole number of bytes (``"1.5GiB"``; ``"3.7B"`` and ``"1.0001KB"`` do not).  A fraction
+is a float in (0, 1] or text ``"N%"`` with N in (0, 100].  Text is never a bare fraction: ``"0.5"``
+could be half the memory or half a byte, so it is refused, as are ``"1.5"`` and ``"2.0"``.  Every
+refusal names both forms.  A budget in bytes above the device's total memory (where it reports
+one) is taken, with one warning naming both figures at each resolution.
+
+`parse_nbytes` reads a byte count; `format_nbytes` writes one back as text (what the auto plan's,
+the blocks' and the timeline's descriptions print).
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 
 import attrs
 
@@ -46,7 +56,13 @@ DEFAULT_DRIFT = 0.25
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*([a-zA-Z]*)\s*$")
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+_BYTES_FORMS = ("a size such as '38GiB', '1.5GiB', '500MB', '2048' (units B, KB, MB, GB, TB, KiB, "
+                "MiB, GiB, TiB; a decimal needs KB or more and must come to whole bytes)")
+_FRACTION_FORMS = ("a fraction of the free device memory: a float in (0, 1] such as 0.9, or a "
+                   "percentage such as '90%'")
+_log = logging.getLogger("residency")
 _FIELDS = ("device_budget", "headroom", "phase_order", "drift")
 
 
@@ -70,21 +86,39 @@ def check_option_keys(label: str, options: object, fields: Sequence[str], *, giv
 
 
 def parse_nbytes(field: str, value: object) -> int:
-    """Bytes from a whole number or a text such as ``"38GiB"`` or ``"500 MB"``.
+    """Bytes from a whole number >= 0 or a size text ([Note: budgets parse one way]).
 
-        parse_nbytes("headroom", "2GiB")    # 2147483648
+        parse_nbytes("headroom", "1.5GiB")    # 1610612736
+        parse_nbytes("headroom", "3.7B")      # ConfigError: not a whole number of bytes
     """
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value >= 0:
-            return value
-    elif isinstance(value, str):
-        match = _SIZE.match(value)
-        if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    raise ConfigError(
-        f"{field}={value!r}; give a whole number of bytes (>= 0) or a size such as '38GiB', "
-        "'500MB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-    )
+    nbytes = _nbytes(value)
+    if nbytes is None:
+        raise ConfigError(f"{field}={value!r}; give bytes: a whole number >= 0, or {_BYTES_FORMS}")
+    return nbytes
+
+
+def _nbytes(value: object) -> int | None:
+    """The bytes `value` names, or None when it names none (negative, fractional, not a size)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    if match is None or match.group(3).lower() not in _UNITS:
+        return None
+    whole, decimals, unit = match.group(1), match.group(2), _UNITS[match.group(3).lower()]
+    if decimals is None:
+        return int(whole) * unit
+    exact = Fraction(f"{whole}.{decimals}") * unit
+    return int(exact) if unit >= _UNITS["kb"] and exact.denominator == 1 else None
+
+
+def _share(budget: object) -> float | None:
+    """The fraction of the free memory a budget names (a float, or "N%" text), else None."""
+    if isinstance(budget, float):
+        return budget
+    match = _PERCENT.match(budget) if isinstance(budget, str) else None
+    return None if match is None else float(match.group(1)) / 100
 
 
 def format_nbytes(nbytes: float, digits: int = 1) -> str:
@@ -112,15 +146,14 @@ def counted(count: int, noun: str, plural: str = "") -> str:
 def _check_budget(_instance, _attribute, value: object) -> None:
     if value is None:
         return
-    if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise ConfigError(
-                f"device_budget={value!r}; a fraction of the free device memory is in (0, 1]: "
-                "give e.g. 0.9, or bytes (an int or a size such as '38GiB')"
-            )
+    share = _share(value)
+    if share is not None and 0.0 < share <= 1.0:
         return
-    if parse_nbytes("device_budget", value) == 0:
-        raise ConfigError(f"device_budget={value!r}; give more than 0 bytes")
+    if share is None and (_nbytes(value) or 0) >= 1:
+        return
+    raise ConfigError(
+        f"device_budget={value!r}; give bytes (a whole number >= 1, or {_BYTES_FORMS}) or "
+        f"{_FRACTION_FORMS}; text is never a bare fraction (write 0.5 or '50%', not '0.5')")
 
 
 def _check_headroom(_instance, _attribute, value: object) -> None:
@@ -158,7 +191,8 @@ class AutoOptions:
         AutoOptions.from_dict({"device_budget": "24GiB", "headroom": "2GiB"})
     """
 
-    #: Bytes, a size text, or a fraction in (0, 1] of the free device memory; None: all of it.
+    #: Bytes (an int or a size text), or a fraction of the free device memory (a float in (0, 1]
+    #: or "N%"); None: all of it.  [Note: budgets parse one way]
     device_budget: int | str | float | None = attrs.field(
         default=None, validator=_check_budget, eq=lambda value: (type(value), value))
     #: Bytes (or a size text) kept free for activations; None: `DEFAULT_HEADROOM_FRACTION` of
@@ -186,12 +220,13 @@ class AutoOptions:
             given["phase_order"] = list(given["phase_order"])
         return given
 
-    def resolve(self, free: int | None) -> tuple[int, int]:
+    def resolve(self, free: int | None, total: int | None = None) -> tuple[int, int]:
         """(budget, headroom) in bytes; `free` is the device memory free now (None: unknown,
-        refused for a fractional or absent budget)."""
+        refused for a fractional or absent budget); `total` the device's whole memory (None:
+        unknown), which a budget in bytes above it is warned about."""
         budget = self.device_budget
-        if budget is None or isinstance(budget, float):
-            fraction = 1.0 if budget is None else budget
+        fraction = 1.0 if budget is None else _share(budget)
+        if fraction is not None:
             if free is None:
                 raise ConfigError(
                     f"device_budget={budget!r} is a share of the free device memory, and this "
@@ -200,6 +235,11 @@ class AutoOptions:
             budget = int(free * fraction)
         else:
             budget = parse_nbytes("device_budget", budget)
+            if total is not None and budget > total:
+                _log.warning("device_budget=%r (%s) is more than the device's total memory (%s): "
+                             "the plan may place more than fits; give a smaller budget, or a "
+                             "fraction such as 0.9", self.device_budget, format_nbytes(budget),
+                             format_nbytes(total))
         if self.headroom is None:
             return budget, int(budget * DEFAULT_HEADROOM_FRACTION)
         headroom = parse_nbytes("headroom", self.headroom)
