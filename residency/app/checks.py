@@ -27,6 +27,7 @@ from residency.app.synthetic import SIZES, weight_nbytes
 from residency.app.timeline import usable_cores
 from residency.options.budget import format_nbytes
 from residency.core.errors import WeightFileError
+from residency.device.host_memory import host_memory
 from residency.device.transport import default_device
 
 __all__ = ["PLOT_SUFFIXES", "available_host_memory", "check_arguments", "host_nbytes_needed"]
@@ -121,16 +122,9 @@ def _check_plot(parser: argparse.ArgumentParser, path: Path) -> None:
 
 
 def available_host_memory() -> int | None:
-    """The bytes this host can still give a process without swapping (``MemAvailable`` of
-    /proc/meminfo), or None where the kernel does not say."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    """The bytes this host can still give the process without swapping or passing its memory
+    cgroup's limit (`residency.device.host_memory`), or None where the kernel does not say."""
+    return host_memory().available
 
 
 def host_nbytes_needed(size: str, nproc: int, device: torch.device) -> int:

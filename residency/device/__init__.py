@@ -1,5 +1,6 @@
 """How bytes reach the device and what changed there: the transports (`transport`: CPU memcpy, an
-accelerator's copy stream and events), page-locking a host mapping (`page_lock`), and digests
-of device bytes that say what changed since they were loaded (`digests`).
+accelerator's copy stream and events), page-locking a host mapping (`page_lock`), digests of
+device bytes that say what changed since they were loaded (`digests`), and how much host memory
+the process may still take, its cgroup's limit included (`host_memory`).
 
 No imports here: importing one module of the folder imports only what it needs."""

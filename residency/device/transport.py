@@ -10,7 +10,8 @@ stream themselves.  Two implementations exist:
   ROCm, XPU and other accelerators.
 
 `free_device_memory` says how many bytes a device has free (the host's available memory for the
-CPU): what an auto plan's budget is a fraction of, and what placement's prefetch fits within;
+CPU, its cgroup's room when smaller: `residency.device.host_memory`): what an auto plan's budget
+is a fraction of, and what placement's prefetch fits within;
 `device_total_memory` all it has (a budget above it is warned about).
 
 [Note: completions instead of synchronisation]
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from residency.core.locks import in_context
+from residency.device.host_memory import host_memory
 from residency.device.page_lock import RegisteredMapping
 
 __all__ = ["AcceleratorTransport", "Completion", "CpuTransport", "Transport", "transport_for"]
@@ -254,13 +256,10 @@ def device_total_memory(device: torch.device) -> int | None:
 
 
 def _host_available() -> int | None:
-    """The host's available memory (MemAvailable of /proc/meminfo, else the free pages)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    """What the process can still take of host memory: MemAvailable, or its cgroup's room when
+    smaller (`residency.device.host_memory`), else the free pages."""
+    available = host_memory().available
+    if available is not None:
+        return available
     pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else None
     return None if pages is None else pages * os.sysconf("SC_PAGE_SIZE")

@@ -47,6 +47,7 @@ from residency.host.file_reads import (
 )
 from residency.core.locks import in_context
 from residency.modules.tensors import Inventory, data_ptrs, make_views, repoint
+from residency.device.host_memory import host_memory
 from residency.device.transport import Transport
 
 __all__ = [
@@ -372,8 +373,17 @@ def allocate_chunk(transport: Transport, nbytes: int, pin: bool) -> tuple[torch.
     """A host chunk; falls back to pageable memory with one warning when pinning fails.
 
     Always a normal tensor, even when registration runs under ``torch.inference_mode()``: the
-    master is written again (write-back) long after that mode has ended.
+    master is written again (write-back) long after that mode has ended.  A chunk that would pass
+    the process's memory cgroup limit is refused with `MemoryError` before it is allocated
+    ([Note: the limit that kills] in `residency.device.host_memory`).
     """
+    memory = host_memory()
+    room = memory.cgroup_room
+    if room is not None and nbytes > room:
+        raise MemoryError(
+            f"a chunk of {nbytes / 2**20:.1f} MiB would pass this process's memory cgroup limit "
+            f"(room for {memory.describe()}); raise the container's memory limit, or let the "
+            "masters be file-backed (host={'memory_limit': ...})")
     if not pin:
         return transport.allocate_host(nbytes, pin=False), False
     try:
