@@ -241,8 +241,8 @@ def _holds_problems(holds, current) -> list[str]:
     if holds._threads:
         problems.append(f"open frames or holds: {[(t.name, e.frames, e.held) for t, e in holds._threads.items()]}")
     held = sum(entry.held is not None for entry in holds._threads.values())
-    if holds.holder_count != held:
-        problems.append(f"holder count {holds.holder_count}, holders {held}")
+    if holds._holder_count != held:
+        problems.append(f"holder count {holds._holder_count}, holders {held}")
     return problems
 
 

@@ -946,7 +946,7 @@ def test_the_holds_never_move_bytes_they_only_read_what_is_current():
     asked = {node.func.attr for node in ast.walk(gate) if isinstance(node, ast.Call)
              and isinstance(node.func, ast.Attribute)
              and ast.unparse(node.func.value) == "self.placement"}
-    assert asked == {"switch_to", "prefetch"}
+    assert asked == {"switch_to"}
 
 
 @pytest.mark.fast
@@ -1239,7 +1239,7 @@ def test_each_changing_field_says_where_it_is_declared_that_the_lock_guards_it(o
 @pytest.mark.fast
 def test_the_field_analysis_finds_the_state_it_must():
     """The reader itself: the fields the docstrings name as guarded are found changing."""
-    assert {"_threads", "_queue", "holder_count"} <= owner_shape("holds").fields_changed_after_init()
+    assert {"_threads", "_queue", "_holder_count"} <= owner_shape("holds").fields_changed_after_init()
     assert {"_groups", "_aliases", "_claims", "is_open"} <= (
         owner_shape("registry").fields_changed_after_init()
     )
@@ -1266,7 +1266,7 @@ def test_each_public_mutator_begins_by_checking_the_lock(owner):
 
 @pytest.mark.fast
 def test_the_mutator_analysis_sees_the_known_mutators():
-    assert {"push", "take", "give_up", "dequeue", "leave", "join", "pop"} <= (
+    assert {"push", "take", "give_up", "enqueue", "dequeue", "leave", "join", "pop"} <= (
         owner_shape("holds").public_mutators()
     )
     assert {"claim", "release_claim", "enroll", "unregister", "alias", "close"} <= (

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import pytest
 import torch
@@ -273,89 +272,4 @@ def test_re_entry_is_counted_and_waits_for_nothing():
             pass
     assert scheduler.waits["a"] == WaitStats(entries=5, waits=0, p50=0.0, p99=0.0, max=0.0)
     assert len(scheduler.transitions) == 1
-    scheduler.close()
-
-
-# -- prefetch follows the group the order serves next -------------------------------------------
-
-
-def _three_groups(order):
-    from conftest import CountingTransport, make_block
-
-    transport = CountingTransport()
-    scheduler = Scheduler("cpu", order=order, transport=transport, device_memory_limit=2**20)
-    for seed, name in enumerate("abc", start=1):
-        scheduler.add(name, make_block(seed=seed))
-    return scheduler, transport
-
-
-def _hold(scheduler, name):
-    inside, release = threading.Event(), threading.Event()
-
-    def hold():
-        with scheduler.resident(name):
-            inside.set()
-            release.wait(BOUND)
-
-    thread = threading.Thread(target=hold, daemon=True)
-    thread.start()
-    assert inside.wait(BOUND)
-    return thread, release
-
-
-def _enter_when_asked(scheduler, name, queued, go=None):
-    def enter():
-        with scheduler.resident(name):
-            if go is not None:
-                go.wait(BOUND)
-
-    thread = threading.Thread(target=enter, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + BOUND
-    while scheduler.waits.get(name, WaitStats(entries=0, waits=0, p50=0, p99=0, max=0)).entries \
-            < queued:
-        assert time.monotonic() < deadline, f"{name} was never asked for"
-        time.sleep(0.001)
-    return thread
-
-
-@pytest.mark.parametrize("order, expected", [("group", "c"), ("arrival", "b")])
-def test_a_waiting_thread_has_the_group_served_next_copied_beside_the_held_one(order, expected):
-    """While "a" is held, one thread asks for "b", then two for "c": the copy started is of the
-    group the order serves next (group order: "c", the most waiting work; arrival: "b", first),
-    and its switch only re-points."""
-    from residency import ResidencyState
-
-    scheduler, transport = _three_groups(order)
-    holder, release = _hold(scheduler, "a")
-    go = threading.Event()
-    waiters = [_enter_when_asked(scheduler, "b", 1, go), _enter_when_asked(scheduler, "c", 1, go),
-               _enter_when_asked(scheduler, "c", 2, go)]
-    assert scheduler[expected].state is ResidencyState.LOADING  # its copy under way
-    loads = transport.loads
-    release.set()
-    deadline = time.monotonic() + BOUND
-    while scheduler.current != expected:  # its waiters now hold it, until `go`
-        assert time.monotonic() < deadline, scheduler.current
-        time.sleep(0.001)
-    assert transport.loads == loads  # the switch only re-pointed: the bytes were there
-    go.set()
-    for thread in (holder, *waiters):
-        thread.join(BOUND)
-        assert not thread.is_alive()
-    assert [r.to_group for r in scheduler.transitions][:2] == ["a", expected]
-    scheduler.close()
-
-
-def test_no_prefetch_when_the_thread_itself_is_the_only_holder():
-    """A nested phase of another group: the thread gives up its own hold at once, so there is
-    nothing to overlap - the switch loads it (and a fault in that load is the phase's)."""
-    from residency import ResidencyState
-
-    scheduler, transport = _three_groups("group")
-    with scheduler.resident("a"):
-        assert scheduler.waits["a"].entries == 1
-        with scheduler.resident("b"):
-            assert scheduler["c"].state is ResidencyState.OFFLOADED
-    assert [r.to_group for r in scheduler.transitions] == ["a", "b", "a"]
     scheduler.close()

@@ -155,8 +155,8 @@ class Holds:
         self._threads: dict[threading.Thread, ThreadHolds] = {}  # guarded by the lock
         #: Per thread, a shortcut to its entry (read by that thread only).
         self._local = threading.local()
-        #: How many entries hold a group (kept with ``held``, read on every exit and by the gate).
-        self.holder_count = 0  # guarded by the lock
+        #: How many entries hold a group (kept with ``held``, read on every exit).
+        self._holder_count = 0  # guarded by the lock
         self._queue: collections.deque[Ticket] = collections.deque()  # guarded by the lock
         #: Set by `close`: no more holds are granted, and waiters raise.
         self.closed = False  # guarded by the lock
@@ -177,15 +177,7 @@ class Holds:
         return iter(list(self._threads.values()))
 
     def has_holders(self) -> bool:
-        return self.holder_count > 0
-
-    def next_group(self, asking: Residency) -> Residency | None:
-        """The group the order of turns serves once other threads' holds are gone, a thread
-        about to ask for `asking` counted (the gate prefetches it); None: no other holds."""
-        entry = getattr(self._local, "entry", None)
-        if self.holder_count <= (entry is not None and entry.held is not None):
-            return None
-        return self._turns.next_group(self._queue, self._placement.current, asking, _monotonic())
+        return self._holder_count > 0
 
     def queue_is_empty(self) -> bool:
         return not self._queue
@@ -226,7 +218,7 @@ class Holds:
         if held is group or (held is None and not self._queue and group.exclusive
                              and group is self._placement.current):  # (a held group is exclusive)
             if held is None:
-                self.holder_count += 1
+                self._holder_count += 1
                 entry.held = group
                 self._threads[entry.thread] = entry
             entry.frames.append((phase, group))
@@ -316,7 +308,7 @@ class Holds:
             self._threads[entry.thread] = entry
         else:
             self._threads.pop(entry.thread, None)
-        self.holder_count = sum(e.held is not None for e in self._threads.values())
+        self._holder_count = sum(e.held is not None for e in self._threads.values())
         self._wakeup.notify_all()
         turn = None
         if entry.needs() is not entry.held:
@@ -336,7 +328,7 @@ class Holds:
         if CHECKING:
             check_held(self._lock)
         if entry.held is None:
-            self.holder_count += 1
+            self._holder_count += 1
         entry.held = group
         self._threads[entry.thread] = entry
 
@@ -352,12 +344,17 @@ class Holds:
     def _drop_hold(self, entry: ThreadHolds) -> None:
         if self._turns.learns:
             self._turns.left(entry.thread, entry.held, _monotonic())
-        self.holder_count -= 1
+        self._holder_count -= 1
         entry.held = None
         if not entry.frames:
             del self._threads[entry.thread]
-        if self._queue and not self.holder_count:
+        if self._queue and not self._holder_count:
             self._wakeup.notify_all()
+
+    def enqueue(self, ticket: Ticket) -> None:
+        if CHECKING:
+            check_held(self._lock)
+        self._queue.append(ticket)
 
     def dequeue(self, ticket: Ticket) -> None:
         if CHECKING:
@@ -409,7 +406,8 @@ class Holds:
         return self.push(entry, phase, needs)
 
     def refuse(self, turn: Turn, error: BaseException) -> Turn | None:
-        """The turn's group could not be made current (`error`): leave the queue; the turn back."""
+        """The turn's group could not be made current (`error`): leave the queue; return the
+        turn that gives the thread its previous group back (raising `error` once granted)."""
         if CHECKING:
             check_held(self._lock)
         if turn.ticket is not None and turn.ticket in self._queue:
@@ -419,7 +417,8 @@ class Holds:
         return self._turn_back(turn.entry, turn.previous, error)
 
     def close(self, reopen: str = "") -> None:
-        """Grant no more holds; waiters wake to `SchedulerClosedError`, advised to `reopen`."""
+        """Grant no more holds; waiters wake up to `SchedulerClosedError`, advised to `reopen`
+        (default `REOPEN`)."""
         if CHECKING:
             check_held(self._lock)
         self.reopen = reopen or REOPEN
@@ -428,7 +427,8 @@ class Holds:
 
     def _turn_back(self, entry: ThreadHolds, previous: Residency,
                    error: BaseException) -> Turn | None:
-        """The turn giving `previous` back after `error` (None, noted on `error`: not to be had)."""
+        """The turn that gives the thread `previous` back after `error`; None (the failure
+        noted on `error`) when it cannot be waited for."""
         try:
             return Turn(entry, previous, self._wait_for_turn(entry, previous), error=error)
         except BaseException as restore_error:  # the first error is the one to report
@@ -441,7 +441,7 @@ class Holds:
         ticket = Ticket(group, entry.thread, _monotonic())
         deadline = None if self.wait_timeout is None else ticket.since + self.wait_timeout
         try:  # no `finally`: its first line would be a place an interrupt skips it
-            self._queue.append(ticket)
+            self.enqueue(ticket)
             if self._may_go(ticket):
                 return ticket
             while not self._may_go(ticket):
@@ -457,7 +457,7 @@ class Holds:
 
     def _may_go(self, ticket: Ticket) -> bool:
         return self._turns.may_proceed(self._queue, ticket, self._placement.current,
-                                       self.holder_count > 0, _monotonic())
+                                       self._holder_count > 0, _monotonic())
 
     def _check_waiting(self, ticket: Ticket, deadline: float | None) -> None:
         """Raise for a wait that must end: the scheduler closed, every holder dead, too long."""
@@ -481,7 +481,7 @@ class Holds:
             return
         for thread in dead:
             del self._threads[thread]
-        self.holder_count -= len(dead)
+        self._holder_count -= len(dead)
         raise _dead_holders(wanted, current, dead)
 
 

@@ -172,18 +172,8 @@ class PhaseGate:
                                not holds.has_holders())
         for stream in phase.group.streams:
             stream.rewrap()
-        if holds.holder_count and phase.group is not self.placement.current:
-            self._prefetch_next(phase.group)
         joined = holds.join(phase)
         return self._take(joined) if type(joined) is Turn else joined
-
-    def _prefetch_next(self, asking: Residency) -> None:
-        """Another group is held, so this thread will wait: have the placement copy the group
-        the order of turns serves next beside it now, when there is room (`Placement.prefetch`
-        decides), so that its switch only re-points."""
-        following = self.holds.next_group(asking)
-        if following is not None and following.exclusive:
-            self.placement.prefetch(following)
 
     def leave(self, phase: Phase) -> None:
         """Close `phase` (the lock held); the thread's hold moves to what its outer phase needs

@@ -78,10 +78,6 @@ class ArrivalTurns:
         """Seconds until an answer may change with nobody leaving or asking: never."""
         return float("inf")
 
-    def next_group(self, queue, current, asking, now: float):
-        """The first group queued that is not `current`, else `asking` (a thread about to ask)."""
-        return next((t.group for t in queue if t.group is not current), asking)
-
     def left(self, thread, group, now: float) -> None:
         pass
 
@@ -134,17 +130,6 @@ class GroupTurns:
             return False
         ticket.choice = TurnChoice(order="group", reason=reason, waiting=len(queue))
         return True
-
-    def next_group(self, queue, current, asking, now: float):
-        """The group served once `current`'s holders are gone: an aged waiter's, else the one
-        with the most waiting threads, `asking` (a thread about to ask) counted."""
-        if queue and now - queue[0].since >= self.max_wait and queue[0].group is not current:
-            return queue[0].group
-        counts: dict = {}
-        for group in [t.group for t in queue] + [asking]:
-            if group is not current:
-                counts[group] = counts.get(group, 0) + 1
-        return max(counts, key=counts.__getitem__) if counts else None
 
     def look_again(self, queue, current, now: float) -> float:
         """Seconds until an answer may change with nobody leaving or asking: the current group's
