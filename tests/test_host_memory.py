@@ -72,6 +72,14 @@ def test_a_v1_limit_seen_from_another_namespace_is_read_at_the_mount_root(tmp_pa
 
 
 @pytest.mark.fast
+def test_the_room_names_its_source(tmp_path):
+    assert HostMemory(meminfo_available=10).room() == (10, "MemAvailable")
+    tight = HostMemory(meminfo_available=10, cgroup="/sys/fs/cgroup/job", limit=8, usage=2)
+    assert tight.room() == (6, "the memory cgroup /sys/fs/cgroup/job")
+    assert HostMemory(meminfo_available=None).room() == (None, "")
+
+
+@pytest.mark.fast
 def test_no_limit_leaves_memavailable_and_nothing_readable_leaves_none(tmp_path):
     root = _tree(tmp_path / "a", {
         "/proc/meminfo": MEMINFO,
@@ -139,6 +147,7 @@ def test_a_master_past_the_cgroup_limit_is_refused_instead_of_killing_the_proces
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result.get("weights") is True, result
     message = result["refused"]
-    assert "cannot add group 'dit'" in message
-    assert "would pass this process's memory cgroup limit" in message
-    assert f"cgroup {group} limit 1.2 GiB" in message
+    assert f"cannot add group 'dit': its host master needs 768.0 MiB and the memory cgroup " \
+           f"{group} leaves" in message
+    assert f"cgroup {group} limit 1.2 GiB" in message and "nothing was allocated" in message
+    assert "host={'memory_limit': ..., 'spill_directory': ...}" in message

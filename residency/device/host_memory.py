@@ -53,6 +53,14 @@ class HostMemory:
         figures = [f for f in (self.meminfo_available, self.cgroup_room) if f is not None]
         return min(figures) if figures else None
 
+    def room(self) -> tuple[int | None, str]:
+        """(bytes the process can still take, what says so: "the memory cgroup <path>" or
+        "MemAvailable"), the smaller figure; (None, "") when neither is known."""
+        cgroup, available = self.cgroup_room, self.meminfo_available
+        if cgroup is not None and (available is None or cgroup <= available):
+            return cgroup, f"the memory cgroup {self.cgroup}"
+        return (available, "MemAvailable") if available is not None else (None, "")
+
     def describe(self) -> str:
         """The figures, as a refusal names them."""
         parts = []

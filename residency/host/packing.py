@@ -80,9 +80,11 @@ from residency.host.read_behind import ReadBehind
 from residency.multirank.node import NodeView
 from residency.multirank.shared_memory import share_segment
 from residency.modules.tensors import Inventory, alignment_for, take_inventory
+from residency.device.host_memory import host_memory
 from residency.device.transport import Transport
+from residency.options.budget import format_nbytes
 
-__all__ = ["Packer"]
+__all__ = ["Packer", "check_host_room"]
 
 _log = logging.getLogger("residency")
 
@@ -164,6 +166,7 @@ class Packer:
                 files = find_file_sources(inventory.source_regions,
                                           inventory.layout.region_nbytes)
             if any(files):  # see [Note: reading behind the first phase]
+                check_host_room(name, inventory.layout.nbytes)
                 return self._reads.master_for(name, inventory, files, self._transport,
                                               pin=self.pin_memory)
         master = self._pack_private(name, inventory, files)
@@ -176,6 +179,7 @@ class Packer:
     def _pack_private(self, name: str, inventory: Inventory, files) -> HostMaster:
         """A master of this process's own memory, pinned when it can be; `files`: the regions'
         file sources when found already (else `HostMaster.pack` finds them)."""
+        check_host_room(name, inventory.layout.nbytes)
         try:
             master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory, files=files)
         except MemoryError as error:
@@ -301,3 +305,19 @@ def _return_freed_memory() -> None:
     except OSError:  # not glibc: nothing to trim
         return
     libc.malloc_trim(0)
+
+
+def check_host_room(name: str, nbytes: int) -> None:
+    """Refuse, before anything is allocated, a host master of `nbytes` for group `name` that
+    the process cannot take: more than MemAvailable or its memory cgroup's room ([Note: the limit
+    that kills] in `residency.device.host_memory`), naming need, room and source."""
+    memory = host_memory()
+    room, source = memory.room()
+    if room is None or nbytes <= room:
+        return
+    raise HostMemoryError(
+        f"cannot add group {name!r}: its host master needs {format_nbytes(nbytes)} and "
+        f"{source} leaves {format_nbytes(room)} ({memory.describe()}); nothing was allocated "
+        "and the weights keep their values. Keep masters beyond a limit file-backed with the "
+        "host tier (host={'memory_limit': ..., 'spill_directory': ...}), raise the limit, or "
+        "free host memory")
