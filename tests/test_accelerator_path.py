@@ -331,3 +331,36 @@ def test_prefetch_where_the_backend_has_no_memory_info_takes_out_of_memory_as_no
     with scheduler.resident("b"):
         assert torch.equal(b(x), plain_b(x))
     scheduler.close()
+
+
+@pytest.mark.gpu
+def test_module_mode_says_what_it_costs_where_everything_would_fit(caplog):
+    """Issue 48: one line, where the device's free memory would hold every group (the figures
+    and {"mode": "auto"}); none where it would not (the allocator's capacity cut below them)."""
+    device = _device()
+    if not is_simulated(device):
+        pytest.skip("needs the simulated device's capacity control")
+    import simdevice
+
+    from residency.app.synthetic import SyntheticWan22
+
+    config = {"mode": "module", "components": ["dit", "text_encoder"]}
+    hint = "module mode moves every exclusive group's bytes at every call"
+    with caplog.at_level(logging.WARNING, logger="residency"):
+        scheduler = Scheduler.from_pipeline(SyntheticWan22.build("tiny"), config, device=device)
+    said = [r.getMessage() for r in caplog.records if hint in r.getMessage()]
+    assert len(said) == 1 and '{"mode": "auto"} would keep them on the device' in said[0], said
+    weights = sum(scheduler[name].nbytes for name in scheduler)
+    scheduler.close()
+    caplog.clear()
+    torch.accelerator.synchronize()
+    torch.accelerator.empty_cache()
+    reserved = torch.accelerator.memory_reserved(device)
+    with simdevice.controls(capacity=reserved + weights // 2):
+        free, _ = torch.accelerator.get_memory_info(device.index)
+        assert free < weights  # the device now says it would not hold them all
+        with caplog.at_level(logging.WARNING, logger="residency"):
+            scheduler = Scheduler.from_pipeline(SyntheticWan22.build("tiny"), config,
+                                                device=device)
+        scheduler.close()
+    assert not [r for r in caplog.records if hint in r.getMessage()]

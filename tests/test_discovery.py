@@ -713,3 +713,19 @@ def test_an_interrupted_register_groups_leaves_no_group_it_added(call, name):
         expected = reference.generate(prompt, NoOffload())
         assert torch.equal(pipe.generate(prompt, scheduler), expected)
     scheduler.close()
+
+
+@pytest.mark.fast
+def test_module_mode_says_nothing_of_its_cost_on_the_cpu(caplog):
+    """The cost line is for an accelerator that would hold every group (issue 48); the CPU
+    moves its bytes within one memory."""
+    import logging
+
+    from residency.app.synthetic import SyntheticWan22
+
+    with caplog.at_level(logging.WARNING, logger="residency"):
+        scheduler = Scheduler.from_pipeline(
+            SyntheticWan22.build("tiny"), {"mode": "module", "components": ["dit"]}, device="cpu")
+    scheduler.close()
+    assert not [r for r in caplog.records if "module mode moves" in r.getMessage()]
+

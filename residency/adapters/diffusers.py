@@ -167,6 +167,7 @@ from residency.pipelines.discovery import (
     build_scheduler,
     check_transfers_have_ranks,
     group_components,
+    note_module_mode_cost,
 )
 from residency.core.errors import (
     ConfigError,
@@ -270,6 +271,7 @@ def enable_offload(
         found, lambda: Scheduler(device, pin_memory=pin_memory, process_group=process_group,
                                  auto=parsed.auto_options, host=host, order=parsed.order)
     )
+    note_module_mode_cost(scheduler, parsed.mode)
     leftovers = _leftovers(owner, found, roles)
     if leftovers is not None:
         _log.warning("%s", leftovers)

@@ -49,6 +49,8 @@ from residency.group.no_offload import NoOffload
 from residency.group.registry import check_modules_unowned, check_tensors_disjoint
 from residency.pipelines.split import split_parts
 from residency.modules.tensors import unique_submodules
+from residency.device.transport import free_device_memory
+from residency.options.budget import format_nbytes
 
 __all__ = [
     "ENCODER_GROUP",
@@ -61,6 +63,7 @@ __all__ = [
     "check_transfers_have_ranks",
     "declares_components",
     "group_components",
+    "note_module_mode_cost",
     "resolve_path",
     "scheduler_from_pipeline",
     "stage_note",
@@ -773,6 +776,32 @@ def scheduler_from_pipeline(
     if parsed is None:
         return build_scheduler(found, lambda: NoOffload(device))
     pin_memory = None if parsed.pin_memory else False
-    return build_scheduler(
+    scheduler = build_scheduler(
         found, lambda: make_scheduler(device, pin_memory=pin_memory, auto=parsed.auto_options,
                                       order=parsed.order))
+    note_module_mode_cost(scheduler, parsed.mode)
+    return scheduler
+
+
+def note_module_mode_cost(scheduler, mode: str) -> bool:
+    """Say, in one log line, what module mode costs where it is not needed: on an accelerator
+    whose free memory (the scheduler's own storage counted as free) would hold every group, it
+    still moves every exclusive group's bytes at every call, while ``{"mode": "auto"}`` would
+    keep them all and move nothing after the first call.  Returns whether it said so.
+
+        note_module_mode_cost(scheduler, config.mode)   # after the groups are registered
+    """
+    device = getattr(scheduler, "device", None)
+    if mode != "module" or device is None or device.type == "cpu":
+        return False
+    free = free_device_memory(device, held=scheduler.device_nbytes)
+    groups = [scheduler[name] for name in scheduler]
+    moved = sum(group.nbytes for group in groups if group.exclusive)
+    if free is None or sum(group.nbytes for group in groups) > free:
+        return False
+    _log.warning(
+        "module mode moves every exclusive group's bytes at every call (%s here, %d groups), "
+        "yet this %s has %s free, enough to hold all of them: {\"mode\": \"auto\"} would keep "
+        "them on the device and move nothing after the first call",
+        format_nbytes(moved), sum(g.exclusive for g in groups), device, format_nbytes(free))
+    return True
