@@ -364,3 +364,47 @@ def test_module_mode_says_what_it_costs_where_everything_would_fit(caplog):
                                                 device=device)
         scheduler.close()
     assert not [r for r in caplog.records if hint in r.getMessage()]
+
+
+@pytest.mark.gpu
+def test_a_load_that_finds_the_cache_full_of_freed_blocks_empties_it_and_loads():
+    """Issue 48: memory the caching allocator keeps for freed tensors (a co-tenant's, here many
+    small ones) is no obstacle to a load (the simulated allocator, like CUDA's, frees its cache
+    before it fails; the storage then empties it once more and retries: tests/test_faults.py
+    sees that retry); with too little even then, `DeviceMemoryError` and nothing changed."""
+    from residency import DeviceMemoryError
+
+    device = _device()
+    if not is_simulated(device):
+        pytest.skip("needs the simulated device's capacity control")
+    import simdevice
+
+    scheduler, a, b = _two_big_groups(device, depth=2)
+    plain_b = twin(b).to(device)
+    x = torch.randn(4, 1024, device=device)
+    with scheduler.resident("a"):
+        pass
+    scheduler.offload_all()  # the shared buffer freed: b's load must allocate
+    torch.accelerator.synchronize()
+    torch.accelerator.empty_cache()
+    crumbs = [torch.empty(64 * 1024, dtype=torch.uint8, device=device)
+              for _ in range(2 * scheduler["b"].nbytes // (64 * 1024) + 8)]
+    del crumbs  # freed, but kept by the allocator's cache in blocks too small for b
+    reserved = torch.accelerator.memory_reserved(device)
+    with simdevice.controls(capacity=reserved):
+        with scheduler.resident("b"):
+            assert torch.equal(b(x), plain_b(x))
+    assert torch.accelerator.memory_reserved(device) < reserved + scheduler["b"].nbytes
+    with scheduler.resident("a"):
+        pass
+    scheduler.offload_all()
+    torch.accelerator.synchronize()
+    torch.accelerator.empty_cache()
+    with simdevice.controls(capacity=torch.accelerator.memory_reserved(device)):
+        with pytest.raises(DeviceMemoryError, match="group 'b' needs"):
+            with scheduler.resident("b"):
+                pytest.fail("the body of a phase that could not load ran")
+    assert scheduler["b"].state is ResidencyState.OFFLOADED
+    with scheduler.resident("b"):
+        assert torch.equal(b(x), plain_b(x))
+    scheduler.close()

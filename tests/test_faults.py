@@ -162,7 +162,7 @@ def test_out_of_memory_on_onload_names_the_group_and_bytes_and_leaves_it_offload
     scheduler, modules, plain, inputs = small_and_big
     assert_runs_correctly(scheduler, "a", modules["a"], plain["a"], inputs["a"])
     scheduler.offload_all()  # frees device storage: the next load allocates
-    transport.oom_next = 1
+    transport.oom_next = 2  # the allocation and its one retry
     body_ran = False
     with pytest.raises(DeviceMemoryError, match=r"group 'b' needs (\d+) bytes") as caught:
         with scheduler.resident("b"):
@@ -181,11 +181,22 @@ def test_out_of_memory_on_onload_names_the_group_and_bytes_and_leaves_it_offload
 
 
 @pytest.mark.fast
+def test_one_failed_device_allocation_is_retried_once(small_and_big, transport):
+    """The allocation is tried again (after the accelerator's cache is emptied: on the CPU there
+    is none); the phase runs as if nothing failed."""
+    scheduler, modules, plain, inputs = small_and_big
+    scheduler.offload_all()
+    transport.oom_next = 1
+    assert_runs_correctly(scheduler, "b", modules["b"], plain["b"], inputs["b"])
+    assert transport.oom_next == 0 and scheduler.current == "b"
+
+
+@pytest.mark.fast
 def test_out_of_memory_in_a_nested_phase_brings_the_outer_group_back(small_and_big, transport):
     scheduler, modules, plain, inputs = small_and_big
     with scheduler.resident("a"):
         kept = modules["a"][0].weight.detach()  # an alias: the next load must allocate afresh
-        transport.oom_next = 1
+        transport.oom_next = 2  # the allocation and its one retry
         with pytest.raises(DeviceMemoryError, match="group 'b' needs"):
             with scheduler.resident("b"):
                 pytest.fail("the body of a phase that could not load ran")

@@ -255,17 +255,27 @@ class DeviceStorage:
     def prepare(self, nbytes: int) -> bool:
         """Make sure a buffer of at least `nbytes` exists that nothing outside aliases.
 
-        Returns True when a fresh buffer was allocated.  Allocation errors propagate unchanged.
+        Returns True when a fresh buffer was allocated.  An allocation that fails is tried once
+        more after the accelerator's caching allocator gave back the memory it keeps and no
+        tensor holds (another tenant's or our own freed blocks); its second failure propagates
+        unchanged, with no buffer held.
         """
         if self.buffer is not None and (self.buffer.numel() >= nbytes) and not self.is_aliased():
             return False
         if self.buffer is not None and self.is_aliased():
             _log.info("device storage is aliased outside the scheduler; allocating a fresh buffer")
         self.release()
-        # The buffer outlives the caller's mode; see [Note: a context on one line] in locks.py.
-        self.buffer = in_context(torch.inference_mode(False), self._transport.allocate_device,
-                                 max(nbytes, self.size_hint))
+        self.buffer = self._allocate(max(nbytes, self.size_hint))
         return True
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        # The buffer outlives the caller's mode; see [Note: a context on one line] in locks.py.
+        try:
+            return in_context(torch.inference_mode(False), self._transport.allocate_device, nbytes)
+        except (MemoryError, RuntimeError):
+            if self._transport.device.type != "cpu":
+                torch.accelerator.empty_cache()
+            return in_context(torch.inference_mode(False), self._transport.allocate_device, nbytes)
 
     def views_for(self, key: object, inventory: Inventory) -> list[torch.Tensor]:
         """Views of the buffer laid out for `inventory` (cached per key while the buffer lives).
