@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 #: What the servers import before they fork: torch and what loading our modules makes torch load.
@@ -125,18 +126,29 @@ class _Server:
         )
         #: The command running now (its process group), or None.
         self._running: int | None = None
+        #: What was read from the server's stdout and not yet taken as a line.
+        self._pending = b""
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.process.stdout, selectors.EVENT_READ)
         self._read(timeout=300)  # {"ready": true}
 
     def _read(self, timeout: float) -> dict:
-        if not self._selector.select(timeout):
-            raise TimeoutError
-        line = self.process.stdout.readline()
-        if not line:
-            self.process.wait()
-            self._log.seek(0)
-            raise RuntimeError(f"the fork server died:\n{self._log.read()[-3000:]}")
+        """The server's next line.  Read from the pipe's descriptor into a buffer of our own: a
+        buffered ``readline`` can take two lines at once (a quick command's pid and its exit
+        status), and the selector would then wait for the second, already read, until the
+        timeout."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._selector.select(left):
+                raise TimeoutError
+            chunk = os.read(self.process.stdout.fileno(), 65536)
+            if not chunk:
+                self.process.wait()
+                self._log.seek(0)
+                raise RuntimeError(f"the fork server died:\n{self._log.read()[-3000:]}")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
         return json.loads(line)
 
     def run(self, argv: list[str], env: dict[str, str],

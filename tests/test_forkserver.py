@@ -74,3 +74,40 @@ def _alive(pid: int) -> bool:
             return stat.read().rpartition(")")[2].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_command_that_ends_before_its_pid_is_read_is_not_waited_for(tmp_path):
+    """The server's two lines (the child's pid, then its exit status) can both be in the pipe when
+    the first is read: the second must come from what was already read, not from a wait on the
+    pipe (which timed out after 60 s: a flake of the full run)."""
+    import fcntl
+    import json
+    import termios
+
+    from _forkserver import _Server
+
+    (tmp_path / "quick.py").write_text("pass\n")
+    server = _Server(("json",), dict(os.environ), str(tmp_path))
+    try:
+        request = {"argv": [str(tmp_path / "quick.py")], "env": dict(os.environ),
+                   "stdout": str(tmp_path / "out"), "stderr": str(tmp_path / "err")}
+        server.process.stdin.write(json.dumps(request) + "\n")
+        server.process.stdin.flush()
+        both = len('{"pid": 1}\n{"returncode": 0}\n')  # the shortest both lines can be
+        deadline = time.monotonic() + 60
+        while _unread(server.process.stdout.fileno(), fcntl, termios) < both:
+            assert time.monotonic() < deadline, "the server never reported the quick command"
+            time.sleep(0.01)
+        assert "pid" in server._read(timeout=5)
+        assert server._read(timeout=5) == {"returncode": 0}
+    finally:
+        server.close()
+
+
+def _unread(fd: int, fcntl, termios) -> int:
+    """The bytes waiting in pipe `fd`."""
+    import array
+
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count)
+    return count[0]
