@@ -42,6 +42,7 @@ from residency.adapters.vllm_omni import OmniOffloadMixin
 from residency.group.records import (
     BlockLog,
     BlockRecord,
+    CallRecord,
     TransitionLog,
     TransitionRecord,
     TurnChoice,
@@ -87,6 +88,7 @@ __all__ = [
     "model_blocks",
     "ModelBlocks",
     # records
+    "CallRecord",
     "summarize",
     "TurnChoice",
     "WaitStats",

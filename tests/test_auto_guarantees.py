@@ -208,7 +208,7 @@ def test_torchao_int8_blocks_under_an_auto_plan_are_bit_identical_and_move_the_i
                 with scheduler.resident("other"):
                     other(torch.ones(8))
         assert dit.plan.kept or dit.plan.streamed, dit.plan.describe()
-        measured, predicted = scheduler.plan.measured[-1][0], scheduler.plan.predicted.nbytes
+        measured, predicted = scheduler.plan.measured[-1].nbytes, scheduler.plan.predicted.nbytes
         assert measured == predicted
         assert dit.nbytes < 0.6 * sum(p.numel() * 2 for p in reference.parameters())  # int8 bytes
     finally:

@@ -255,11 +255,12 @@ def test_a_pipeline_without_check_inputs_is_refused_all_the_same_and_counts_noth
 
 def test_the_boundaries_count_several_calls_and_outputs_stay_bit_identical():
     plain, pipe = tiny_wan22(), tiny_wan22()
-    enable_offload(pipe, device="cpu")
+    scheduler = enable_offload(pipe, device="cpu")
     calls = pipeline_calls(pipe)
     ends: list[CallEnd] = []
     calls.on_end(ends.append)
     during = []
+    moved = scheduler.transitions.nbytes
 
     def look(p, step, timestep, kwargs):
         during.append((calls.started, calls.ended, calls.in_call))
@@ -273,6 +274,9 @@ def test_the_boundaries_count_several_calls_and_outputs_stay_bit_identical():
     assert ends == [CallEnd(n, Ending.RETURNED) for n in (1, 2, 3)]
     assert len(during) == 3 * 4  # every step of every call saw it running
     assert repr(calls) == "<PipelineCalls of WanPipeline: 3 started, 3 ended>"
+    # each pipe(...) is one call of the scheduler: its bytes sum to the transitions'
+    assert [(c.number, c.ending) for c in scheduler.calls] == [(n, "returned") for n in (1, 2, 3)]
+    assert scheduler.calls.nbytes == scheduler.transitions.nbytes - moved > 0
     disable_offload(pipe)
     assert ends == [CallEnd(n, Ending.RETURNED) for n in (1, 2, 3)]  # nothing more to tell
 
@@ -347,7 +351,7 @@ def test_a_call_that_raises_ends_there_and_the_next_disable_works(how):
 
 def test_a_raised_call_is_found_by_the_next_start_or_by_disable():
     plain, pipe = tiny_wan22(), tiny_wan22()
-    enable_offload(pipe, device="cpu")
+    scheduler = enable_offload(pipe, device="cpu")
     calls = pipeline_calls(pipe)
     ends: list[CallEnd] = []
     calls.on_end(ends.append)
@@ -362,19 +366,21 @@ def test_a_raised_call_is_found_by_the_next_start_or_by_disable():
             p(**wan22_call(2), **raise_in_callback(Raising("third")))
     disable_offload(pipe)  # not refused: that call is over; and its end is told first
     assert ends[-1] == CallEnd(3, Ending.FOUND) and calls.ended == 3
+    assert [c.ending for c in scheduler.calls] == ["found", "returned", "found"]
     assert torch.equal(output(pipe, "wan22", 3), output(plain, "wan22", 3))
 
 
 @pytest.mark.fast
 def test_inputs_refused_by_check_inputs_end_the_call_there():
     pipe = tiny_wan22()
-    enable_offload(pipe, device="cpu")
+    scheduler = enable_offload(pipe, device="cpu")
     calls = pipeline_calls(pipe)
     ends: list[CallEnd] = []
     calls.on_end(ends.append)
     with pytest.raises(ValueError, match="divisible by 16"):
         pipe(**{**wan22_call(0), "height": 17})
     assert ends == [CallEnd(1, Ending.RAISED)] and (calls.started, calls.ended) == (1, 1)
+    assert [(c.number, c.ending, c.nbytes) for c in scheduler.calls] == [(1, "raised", 0)]
     disable_offload(pipe)
 
 

@@ -177,6 +177,7 @@ from residency.core.errors import (
 )
 from residency.options.host_options import HostOptions, as_host_options
 from residency.modules.instance_wrappers import InstanceWrapper, chain
+from residency.group.calls import Call
 from residency.scheduler.scheduler import Phase, Scheduler
 
 __all__ = [
@@ -278,9 +279,30 @@ def enable_offload(
     offload = _Offload(scheduler=scheduler, pipeline=weakref.ref(pipe), placements=placements,
                        calls=PipelineCalls(pipe), gathered=gathered)
     _wrap_groups(offload, found)
+    _mark_calls(offload.calls, scheduler)
     set_boundaries(offload.calls, pipe)  # after the entries: see [Note: adapter state], "Undoing"
     _place_execution_device(scheduler, found)
     return scheduler
+
+
+def _mark_calls(calls: PipelineCalls, scheduler: object) -> None:
+    """Mark each counted pipeline call on `scheduler` (`Scheduler.call`): one ``pipe(...)`` is
+    one call of ``scheduler.calls`` and of an auto plan's ``measured``; a call found ended
+    afterwards ends "found" (its seconds run to then: the plan learns nothing from it)."""
+    if not isinstance(scheduler, Scheduler):
+        return
+    marks: dict[int, Call] = {}  # the pipeline's open call (one at a time), by its number
+
+    def started(number: int) -> None:
+        marks[number] = scheduler.call().begin()
+
+    def ended(end: CallEnd) -> None:
+        mark = marks.pop(end.number, None)
+        if mark is not None:
+            mark.end(end.how.value)
+
+    calls.on_end(ended)
+    calls.on_start(started)
 
 
 def from_pretrained(

@@ -2,13 +2,15 @@
 changing a class.
 
     calls = pipeline_calls(pipe)                 # residency.adapters.diffusers, while offloaded
-    calls.on_end(lambda end: print(end.number, end.how.value))
+    calls.on_end(lambda end: print(end.number, end.how.value))   # on_start(print): the number
     pipe(prompt)                                 # prints "1 returned"
     calls.started, calls.ended, calls.in_call    # (1, 1, False)
 
 `enable_offload` makes the pipeline's `PipelineCalls` and sets its two `CallBoundary` wrappers on
-the pipeline instance; `disable_offload` takes them off.  `check_not_in_call` is the refusal both
-run first: neither acts while a call of that pipeline is on any thread's stack.
+the pipeline instance, and marks each call on the scheduler (`Scheduler.call`: a call's bytes and
+seconds in ``scheduler.calls``, what an auto plan learns from); `disable_offload` takes them off.
+`check_not_in_call` is the refusal both run first: neither acts while a call of that pipeline
+is on any thread's stack.
 
 [Note: pipeline calls]
 A call is one ``pipe(...)``: from its start until it returns or raises.  Its ``__call__`` cannot
@@ -146,7 +148,7 @@ class PipelineCalls:
     `in_call` still holds.
     """
 
-    __slots__ = ("_pipeline", "_codes", "_lock", "_count", "_listeners")
+    __slots__ = ("_pipeline", "_codes", "_lock", "_count", "_listeners", "_starters")
 
     def __init__(self, pipe: object) -> None:
         #: The pipeline, weakly: the record that holds this must not keep it alive.
@@ -160,6 +162,8 @@ class PipelineCalls:
         self._count = _Count()
         #: Told of each end, in order; replaced whole, under `_lock`.
         self._listeners: tuple[Callable[[CallEnd], object], ...] = ()
+        #: Told of each start (its number), in order; replaced whole, under `_lock`.
+        self._starters: tuple[Callable[[int], object], ...] = ()
 
     @property
     def started(self) -> int:
@@ -182,6 +186,12 @@ class PipelineCalls:
         with self._lock:
             self._listeners = (*self._listeners, listener)
 
+    def on_start(self, listener: Callable[[int], object]) -> None:
+        """Tell `listener` of each call's start from now on: ``listener(number)``, after the
+        call before, if it was not seen ending, was told ended (`Ending.FOUND`)."""
+        with self._lock:
+            self._starters = (*self._starters, listener)
+
     def refresh(self) -> bool:
         """End a counted call that no longer runs (`Ending.FOUND`); whether a call runs now."""
         seen = self._count
@@ -200,9 +210,10 @@ class PipelineCalls:
         with self._lock:
             count = self._count
             self._count = _Count(started=count.started + 1, ended=count.started)
-            listeners = self._listeners
+            listeners, starters = self._listeners, self._starters
         if count.started > count.ended:
             _tell(listeners, CallEnd(count.started, Ending.FOUND))
+        _tell(starters, count.started + 1)
         return True
 
     def finish(self, how: Ending, caller: FrameType) -> None:
@@ -227,9 +238,9 @@ class PipelineCalls:
         return f"<PipelineCalls of {owner}: {count.started} started, {count.ended} ended>"
 
 
-def _tell(listeners: tuple[Callable[[CallEnd], object], ...], end: CallEnd) -> None:
+def _tell(listeners: tuple[Callable, ...], what: CallEnd | int) -> None:
     for listener in listeners:
-        listener(end)
+        listener(what)
 
 
 def _call_codes(pipeline_class: type) -> frozenset:

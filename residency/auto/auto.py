@@ -11,23 +11,28 @@ computes from the device budget (`residency.options.budget`), the groups' parts,
 and the measured compute and copy times; placement carries it out (`Placement.replan`).  This
 object measures and decides when to plan again: when a group is added, when the budget changes
 (`Scheduler.set_device_budget`), after the first call (the phase order it observed: the first
-call runs on a plan made as if each group were entered once per call, within the budget), when a
-call's groups or parts changed size (a re-packed group), and when two calls in a row moved bytes
-off the prediction by more than ``drift``.
+call runs on a plan made as if each group were entered once per call, within the budget), after
+the second (its steady times), when a call's groups or parts changed size (a re-packed group),
+and when two calls in a row moved bytes off the prediction by more than ``drift``.
 
-[Note: what a call is]
-The scheduler sees phases, not pipeline calls.  A call begins when the first group of the phase
-order (declared by ``phase_order``, else the first exclusive group ever entered) becomes current
-after another group was: Wan2.2's encoder, two experts and VAE make a call of three switches.
-Each group's entries (switches to it) and passes (its phase entries: one per forward of its
-model) are counted per call; the bytes a call moved are the records' running totals
-(`TransitionLog.nbytes` + `BlockLog.nbytes`) between two beginnings, read after any re-plan at
-the boundary (its loads belong to no call).  The copy bandwidth a plan assumes is the timed
-loads' running totals (`TransitionLog.timed_nbytes` / ``timed_seconds``).
-
+[Note: the time model]
+Calls are marked or found as [Note: what a call is] in `residency.group.calls` says; each
+ends with its `CallRecord`, and `plan.measured` is that log: every call since the first, across
+re-plans.  While a call runs the planner counts each group's entries (switches to it) and passes
+(its phase entries, or its first streamed block's forwards where more), and each phase's seconds
+and the bytes moved in it (a switch's load belongs to the group switched to).  A call that ran
+alone and whole teaches the model, per group: entries, passes, and compute - its phases'
+seconds less their bytes at the measured copy bandwidth (`TransitionLog.timed_nbytes` /
+``timed_seconds``); and per call the host seconds outside every exclusive group's phase, less
+any re-plan made inside it.  A plan predicts its bytes at that bandwidth on top, so the
+seconds it predicts are the span the records measure.  The first call's compute includes its
+one-off costs (reads, wrappers, allocations): the plan made after it takes the observed order,
+entries and passes; the plan after the second call is chosen again from steady times and, when
+the choice is the same, only renews the prediction (a re-plan evicts the current group).
 Fields (guarded by the scheduler lock; this object is their one mutator): ``options``, the
 resolved ``budget`` and ``headroom``, the per-call counters (``_entries``, ``_passes``,
-``_compute``), what the last complete call did (``_observed``), and ``plan`` (the `AutoPlan` in
+``_phases``, ``_one_off``), what the last call that taught the model did (``_observed``,
+``_host``), the unmarked call it began (``_unmarked``), and ``plan`` (the `AutoPlan` in
 force, with its measured calls) with the sizes each group was planned for (``_planned_sizes``,
 stored on the same line; a call's beginning compares them with the groups' to see a re-pack).
 Invariant: every registered group carries the plan in ``plan.plans`` (the planner's choice for
@@ -48,7 +53,8 @@ from residency.core.locks import locked
 from residency.placement.placement import Placement
 from residency.group.plan import Plan, Where
 from residency.auto.planner import Cost, Workload, choose, predict
-from residency.group.records import BlockLog, TransitionLog
+from residency.group.records import CallLog, CallRecord
+from residency.group.calls import Calls
 from residency.device.transport import (CpuTransport, Transport, device_total_memory,
                                        free_device_memory)
 
@@ -81,8 +87,10 @@ class AutoPlan:
     workloads: tuple[Workload, ...]
     #: Why this plan was made ("group 'vae' added", "first call observed", ...).
     reason: str
-    #: (bytes moved, seconds) of each complete call made under this plan, oldest first.
-    measured: tuple[tuple[int, float], ...] = ()
+    #: Every call since the first, across re-plans (the scheduler's `CallLog`: the newest
+    #: ``record_limit`` records and running totals; [Note: what a call is] in
+    #: `residency.group.calls`).
+    measured: CallLog = attrs.field(eq=False, repr=False)
 
     def describe(self) -> str:
         """Per group what is kept, swapped and streamed (and their bytes), then the predicted
@@ -93,9 +101,15 @@ class AutoPlan:
             lines.append("  " + _describe_group(w, self.plans[w.name]))
         lines.append(f"  predicted per call: {_size(self.predicted.nbytes)} moved, "
                      f"{self.predicted.seconds:.3f} s")
-        first = len(self.measured) - min(3, len(self.measured)) + 1  # the last three calls
-        for number, (nbytes, seconds) in enumerate(self.measured[-3:], start=first):
-            lines.append(f"  measured call {number}: {_size(nbytes)} moved, {seconds:.3f} s")
+        calls = self.measured
+        for call in calls[-3:]:  # the last three calls
+            note = "" if call.ending in ("returned", "next call") else f" ({call.ending})"
+            note += ", overlapped" if call.overlapped else ""
+            lines.append(f"  measured call {call.number}: {_size(call.nbytes)} moved, "
+                         f"{call.seconds:.3f} s{note}")
+        if calls.count:
+            lines.append(f"  all {counted(calls.count, 'call')}: {_size(calls.nbytes)} moved, "
+                         f"{calls.seconds:.3f} s")
         return "\n".join(lines)
 
 
@@ -104,7 +118,7 @@ class AutoPlanner:
     called with the scheduler lock held."""
 
     def __init__(self, options: AutoOptions, *, placement: Placement, transport: Transport,
-                 transitions: TransitionLog, block_log: BlockLog, collective: bool = False) -> None:
+                 calls: Calls, collective: bool = False) -> None:
         self.options = options
         #: With a process group every rank must choose the same plan at the same call: the
         #: plan then rests on what every rank sees alike (bytes, entries, passes), never on its
@@ -112,7 +126,7 @@ class AutoPlanner:
         self._collective = collective
         self._placement = placement
         self._overlap = not isinstance(transport, CpuTransport)
-        self._transitions, self._block_log = transitions, block_log
+        self._transitions, self._block_log, self._calls = calls.transitions, calls.block_log, calls
         self.budget, self.headroom = options.resolve(free_device_memory(placement.device),
                                                      device_total_memory(placement.device))
         self.plan: AutoPlan | None = None
@@ -123,25 +137,37 @@ class AutoPlanner:
         self._declared = _declared(options.phase_order or ())
         self._entries: dict[str, int] = {}
         self._passes: dict[str, int] = {}
-        self._compute: dict[str, float] = {}
+        #: Per group this call: (seconds in its phases, bytes moved in them).
+        self._phases: dict[str, tuple[float, int]] = {}
+        #: Seconds of this call spent re-planning (one-off: no plan's cost).
+        self._one_off = 0.0
         self._observed: dict[str, tuple[int, int, float]] | None = None
-        self._learned = False  # whether a plan was made from an observed call
+        #: Seconds per call outside every exclusive group's phases (learned with `_observed`).
+        self._host = 0.0
+        self._learned = 0  # plans made from observed calls: the first, then a steady one
         self._due: str | None = None  # why a plan is due at the next call's beginning
-        self._call_start: tuple[int, float] | None = None
-        self._phase_start: tuple[str, float] | None = None
+        self._unmarked: int | None = None  # the open call of `Calls` this planner began
+        self._phase_start: tuple[str, float, int] | None = None
         self._drifted = 0
 
     # -- planning --------------------------------------------------------------------------------
 
-    def replan(self, groups: Iterable[Residency], reason: str) -> None:
-        """Choose every group's plan for the budget and carry it out (called with no holders).
+    def replan(self, groups: Iterable[Residency], reason: str, keep_same: bool = False) -> None:
+        """Choose every group's plan for the budget and carry it out (called with no holders);
+        with `keep_same`, a choice equal to the plans in force only renews the prediction.
         Raises `DeviceMemoryError` when nothing fits, with nothing changed."""
         groups = list(groups)
         workloads = tuple(self._workload(group) for group in groups)
         bandwidth = _ASSUMED_BANDWIDTH[self._overlap] if self._collective else self._bandwidth()
         plans = choose(workloads, weights_budget=self.budget - self.headroom,
                        bandwidth=bandwidth, overlap=self._overlap and not self._collective)
-        predicted = predict(workloads, plans, bandwidth=bandwidth, overlap=self._overlap)
+        predicted = predict(workloads, plans, bandwidth=bandwidth, overlap=self._overlap,
+                            host_seconds=0.0 if self._collective else self._host)
+        if self.plan is not None and keep_same and dict(self.plan.plans) == plans and \
+                all(g.plan == plans[g.name] for g in groups):  # the same choice: a new prediction
+            self.plan = attrs.evolve(self.plan, predicted=predicted, workloads=workloads)
+            return
+        began = time.perf_counter()
         order = sorted(groups, key=lambda g: _kept_nbytes(plans[g.name], g)
                        - _kept_nbytes(g.plan, g))  # the ones keeping less first
         try:
@@ -153,10 +179,11 @@ class AutoPlanner:
             raise
         self._placement.budget = self.budget - self.headroom
         plan = AutoPlan(budget=self.budget, headroom=self.headroom, plans=plans,
-                        predicted=predicted, workloads=workloads, reason=reason)
+                        predicted=predicted, workloads=workloads, reason=reason,
+                        measured=self._calls.log)
         sizes = {w.name: (w.own, w.blocks) for w in workloads}
         self.plan, self._planned_sizes = plan, sizes  # one line: see [Note: interrupts]
-        self._call_start = None  # the loads above belong to no call
+        self._one_off += time.perf_counter() - began
         self._drifted = 0
 
     def added(self, group: Residency, groups: Iterable[Residency], lock, remove) -> Residency:
@@ -217,45 +244,65 @@ class AutoPlanner:
     def entering(self, group: Residency, current: Residency | None,
                  groups: Iterable[Residency], no_holders: bool) -> None:
         """A phase of `group` begins (`current`: the exclusive group on the device before it).
-        Counts it; at a call's beginning closes the last call and re-plans when due."""
+        Counts it; where nobody marks calls, a beginning of the phase order's first group ends
+        the call before and begins the next ([Note: what a call is] in
+        `residency.group.calls`)."""
         if not group.exclusive:
             return
-        now = time.perf_counter()
         switching = current is not group
         if switching and self._first is None:
             self._first = group.name
-        if switching and group.name == self._first:
-            self._close_call(now, groups, no_holders)
+        if switching and group.name == self._first and not self._calls.marked:
+            ended = None if self._unmarked is None else self._calls.end(self._unmarked,
+                                                                          "next call")
+            if ended is not None:
+                self.call_ended(ended, groups)
+            self._unmarked, found = self._calls.begin(marked=False)
+            if found is not None:
+                self.call_ended(found, groups)
+            self.call_began(groups, no_holders)
         self._passes[group.name] = self._passes.get(group.name, 0) + 1
         if switching:
             self._entries[group.name] = self._entries.get(group.name, 0) + 1
+            now = time.perf_counter()
             self._end_phase(now)
-            self._phase_start = (group.name, now)
+            self._phase_start = (group.name, now, self._calls.moved())
+
+    def call_began(self, groups: Iterable[Residency], no_holders: bool) -> None:
+        """A call began: its counts start at zero; a plan due is made now when no phase is
+        active (else at the next call's beginning)."""
+        self._entries, self._passes, self._phases, self._one_off = {}, {}, {}, 0.0
+        self._phase_start = None
+        if self._due is not None and no_holders:
+            reason, self._due = self._due, None
+            self.replan(groups, reason, keep_same=reason == _STEADY)
+
+    def call_ended(self, call: CallRecord, groups: Iterable[Residency]) -> None:
+        """`call` ended: learn what it did when it ran alone and whole, and say whether a plan
+        is due (made at the next call's beginning)."""
+        self._end_phase(call.start + call.seconds)
+        self._phase_start = None
+        if self.plan is None or not self._entries:
+            return
+        if call.overlapped or call.ending not in ("returned", "next call"):
+            return  # mixed with another call's phases, or its end not seen: nothing learned
+        forwards = self._block_forwards(since=call.start)
+        bandwidth = self._bandwidth()
+        self._observed = {
+            name: (self._entries[name], max(self._passes.get(name, 0), forwards.get(name, 0)),
+                   max(0.0, self._phases.get(name, (0.0, 0))[0]
+                       - self._phases.get(name, (0.0, 0))[1] / bandwidth))
+            for name in self._entries}
+        inside = sum(seconds for seconds, _ in self._phases.values())
+        self._host = max(0.0, call.seconds - inside - self._one_off)
+        self._due = self._due or self._why_due(call.nbytes, list(groups))
 
     def _end_phase(self, now: float) -> None:
         if self._phase_start is not None:
-            name, began = self._phase_start
-            self._compute[name] = self._compute.get(name, 0.0) + now - began
-
-    def _close_call(self, now: float, groups: Iterable[Residency], no_holders: bool) -> None:
-        self._end_phase(now)
-        self._phase_start = None
-        groups = list(groups)
-        moved = self._transitions.nbytes + self._block_log.nbytes
-        if self._call_start is not None and self.plan is not None:
-            nbytes, seconds = moved - self._call_start[0], now - self._call_start[1]
-            self.plan = attrs.evolve(self.plan, measured=(*self.plan.measured, (nbytes, seconds)))
-            forwards = self._block_forwards(since=self._call_start[1])
-            self._observed = {name: (self._entries[name],
-                                     max(self._passes.get(name, 0), forwards.get(name, 0)),
-                                     self._compute.get(name, 0.0)) for name in self._entries}
-            self._due = self._due or self._why_due(nbytes, groups)
-        if self._due is not None and no_holders:  # else at the next call's beginning
-            reason, self._due = self._due, None
-            self.replan(groups, reason)
-            moved = self._transitions.nbytes + self._block_log.nbytes
-        self._entries, self._passes, self._compute = {}, {}, {}
-        self._call_start = (moved, time.perf_counter())
+            name, began, moved = self._phase_start
+            seconds, nbytes = self._phases.get(name, (0.0, 0))
+            self._phases[name] = (seconds + now - began, nbytes + self._calls.moved() - moved)
+            self._phase_start = (name, now, self._calls.moved())
 
     def _block_forwards(self, since: float) -> dict[str, int]:
         """Forwards of each streaming group's first streamed block since `since` (a phase may
@@ -268,9 +315,9 @@ class AutoPlanner:
 
     def _why_due(self, nbytes: int, groups: list[Residency]) -> str | None:
         """Why a plan is due after a call that moved `nbytes`, or None."""
-        if not self._learned:
-            self._learned = True
-            return "first call observed"
+        if self._learned < 2:
+            self._learned += 1
+            return _FIRST if self._learned == 1 else _STEADY
         predicted = self.plan.predicted.nbytes
         off = abs(nbytes - predicted) > self.options.drift * max(predicted, 1)
         self._drifted = self._drifted + 1 if off and not self._collective else 0
@@ -281,6 +328,11 @@ class AutoPlanner:
         if len(groups) != len(planned) or any(planned.get(g.name) != _sizes(g) for g in groups):
             return "the groups or their parts changed (added, removed or re-packed)"
         return None
+
+
+#: Why a plan is made after the first call (its phase order, entries and passes), and after
+#: the second (its compute times, past the first call's one-off costs).
+_FIRST, _STEADY = "first call observed", "a steady call measured"
 
 
 def _declared(order: tuple[str, ...]) -> dict[str, tuple[int, int, float]]:

@@ -22,8 +22,9 @@ plan says of its own part and of each block: kept, swapped or streamed (`residen
   largest streamed block of any group (the slots are shared).  A phase change evicts before it
   loads, so the peak of a call is the largest of these; it must be at most the weights budget
   (the device budget less the headroom).
-* Seconds per call: the groups' compute (measured at phase boundaries), plus every byte moved at
-  the measured copy bandwidth.  A streamed block's copy is issued while the block before it
+* Seconds per call: the host's seconds outside the groups' phases, the groups' compute (both
+  measured: [Note: the time model] in `residency.auto.auto`), plus every byte moved at the
+  measured copy bandwidth.  A streamed block's copy is issued while the block before it
   computes, but no overlap is credited: on the simulated accelerator, plans chosen for the copy
   time compute would hide ran slower than plans moving fewer bytes - a block's wait, its digests
   and the ring's extra copy cost more than the model saw (benchmarks/README.md, "Auto plans").  So the predicted time grows with the bytes,
@@ -81,11 +82,12 @@ class Cost:
 
 
 def predict(groups: Sequence[Workload], plans: Mapping[str, Plan], *, bandwidth: float,
-            overlap: bool) -> Cost:
-    """The cost of `plans` (one per group, by name) for `groups`."""
+            overlap: bool, host_seconds: float = 0.0) -> Cost:
+    """The cost of `plans` (one per group, by name) for `groups`; `host_seconds` per call
+    outside the groups' phases are added to the seconds."""
     slot = max((held for w in groups for name, _, held in w.blocks
                 if plans[w.name].where[name] is Where.STREAMED), default=0)
-    kept, locals_, nbytes, seconds = 0, [0], 0, 0.0
+    kept, locals_, nbytes, seconds = 0, [0], 0, host_seconds
     for w in groups:
         option = _Option.of(w, plans[w.name], bandwidth, overlap)
         kept += option.kept

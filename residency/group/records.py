@@ -23,6 +23,8 @@ from residency.core.locks import locked
 __all__ = [
     "BlockLog",
     "BlockRecord",
+    "CallLog",
+    "CallRecord",
     "TransitionLog",
     "TransitionRecord",
     "TurnChoice",
@@ -200,6 +202,62 @@ class BlockLog(_KeptLog):
 
     def __repr__(self) -> str:
         return f"<BlockLog {len(self)} kept, {self.copies} block copies, {self.nbytes} bytes>"
+
+
+@attrs.frozen(kw_only=True)
+class CallRecord:
+    """One call (a ``pipe(...)``, or what `Scheduler.call` marks): its bytes and its span.
+
+        record = scheduler.calls[-1]
+        record.nbytes, record.seconds, record.ending    # 84934656, 1.93, "returned"
+
+    `nbytes` are the host-to-device bytes the records show from the end of the call before (the
+    first call: its beginning) to this call's end - transitions' and block copies' alike - so the
+    calls' bytes sum to the records'.  `seconds` is the span from its beginning to its end.
+    [Note: what a call is] in `residency.group.calls`.
+    """
+
+    #: Which call: 1 for the first begun, in the order calls began.
+    number: int
+    nbytes: int
+    seconds: float
+    #: "returned", "raised", "found" (seen ended afterwards: its seconds run to then), or
+    #: "next call" (a call without an explicit end: it ends where the next one begins).
+    ending: str
+    #: Whether another call was open at some instant of this one (concurrent requests).
+    overlapped: bool = False
+    #: perf_counter() at its beginning.
+    start: float = 0.0
+
+
+class CallLog(_KeptLog):
+    """The newest `limit` call records plus running totals over every call ended.
+
+        scheduler.calls.count, scheduler.calls.nbytes, scheduler.calls.seconds
+    """
+
+    def __init__(self, limit: int = 10_000) -> None:
+        super().__init__(limit)
+        #: Calls ended since the scheduler was created, their bytes and their seconds.
+        self.count, self.nbytes, self.seconds = 0, 0, 0.0
+
+    def append(self, record: CallRecord) -> None:
+        locked(self._lock, self._append, record)
+
+    def _append(self, record: CallRecord) -> None:
+        self._records.append(record)
+        self.count, self.nbytes, self.seconds = (  # one store: [Note: interrupts] in the facade
+            self.count + 1, self.nbytes + record.nbytes, self.seconds + record.seconds)
+
+    def __iter__(self) -> Iterator[CallRecord]:
+        return iter(self._snapshot())
+
+    def __getitem__(self, index: int | slice) -> CallRecord | list[CallRecord]:
+        """A record by position among the kept ones (``[-1]``: the newest), or a list of them."""
+        return self._snapshot()[index]
+
+    def __repr__(self) -> str:
+        return f"<CallLog {len(self)} kept of {self.count}, {self.nbytes} bytes moved>"
 
 
 @attrs.frozen(kw_only=True)

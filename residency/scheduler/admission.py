@@ -192,6 +192,28 @@ class Admission:
             category=old.category, detect_edits=old.detect_edits, model_blocks=model_blocks,
             sharded=old.sharded), aliases)
 
+    def close(self, reopen: str) -> None:
+        """Every group leaves, then the owners close (`Scheduler.close`; the lock held): refused,
+        changing nothing, while a phase is active; a second close does nothing.  Repeatable: an
+        interrupted step is done again by the next close."""
+        if self._holds.closed:
+            return
+        self.check_no_holders("close the scheduler")
+        for group in self._registry:
+            self.check_not_in_a_phase(group, "close the scheduler with")
+        for group in self._registry:
+            self.remove(group, "close the scheduler with")
+        try:  # repeatable: an interrupted step is done again
+            self._close_owners(reopen)
+        except BaseException:
+            self._close_owners(reopen)
+            raise
+
+    def _close_owners(self, reopen: str) -> None:
+        self._placement.release_shared()
+        self._registry.close()
+        self._holds.close(reopen)  # the one closed flag; waiters wake up to SchedulerClosedError
+
     def remove(self, group: Residency | str, action: str) -> Residency:
         """Evict `group` (or the group named so) and forget it; refused while a phase of it is
         active, or when its eviction is refused (then nothing changed).  Completes an

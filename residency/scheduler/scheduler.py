@@ -73,7 +73,8 @@ from residency.group.no_offload import NoOffload
 from residency.multirank.node import node_view
 from residency.host.packing import Packer
 from residency.placement.placement import Placement
-from residency.group.records import BlockLog, TransitionLog, WaitLog, WaitStats
+from residency.group.records import BlockLog, CallLog, CallRecord, TransitionLog, WaitLog, WaitStats
+from residency.group.calls import Call, Calls
 from residency.options.order import TurnOrder, as_turn_order
 from residency.scheduler.turns import turns_for
 from residency.group.registry import Registry
@@ -154,12 +155,12 @@ class PhaseGate:
         with gate.lock: return gate.enter(phase)     # Phase.__enter__
     """
 
-    __slots__ = ("auto", "holds", "lock", "placement", "registry")
+    __slots__ = ("auto", "calls", "holds", "lock", "placement", "registry")
 
     def __init__(self, lock, holds: Holds, placement: Placement, registry: Registry,
-                 auto: AutoPlanner | None) -> None:
-        self.lock, self.holds, self.placement, self.registry, self.auto = (
-            lock, holds, placement, registry, auto)
+                 auto: AutoPlanner | None, calls: Calls) -> None:
+        self.lock, self.holds, self.placement, self.registry, self.auto, self.calls = (
+            lock, holds, placement, registry, auto, calls)
 
     def enter(self, phase: Phase) -> Residency:
         """Open `phase` (the lock held): the auto plan learns of it, its group's block forwards
@@ -174,6 +175,24 @@ class PhaseGate:
             stream.rewrap()
         joined = holds.join(phase)
         return self._take(joined) if type(joined) is Turn else joined
+
+    def begin_call(self) -> int:
+        """Begin a marked call (the lock held; `Call.begin`); refused on a closed scheduler.  A
+        call its thread left open ends "found" first; the auto plan learns of both."""
+        check_open(self.holds)
+        number, found = self.calls.begin(marked=True)
+        if self.auto is not None:
+            if found is not None:
+                self.auto.call_ended(found, self.registry)
+            self.auto.call_began(self.registry, not self.holds.has_holders())
+        return number
+
+    def end_call(self, number: int, ending: str) -> CallRecord | None:
+        """End call `number` (the lock held; `Call.end`): its record, None when not open."""
+        record = self.calls.end(number, ending)
+        if self.auto is not None and record is not None:
+            self.auto.call_ended(record, self.registry)
+        return record
 
     def leave(self, phase: Phase) -> None:
         """Close `phase` (the lock held); the thread's hold moves to what its outer phase needs
@@ -247,8 +266,7 @@ class Scheduler:
         auto_options, host = check_options(chunk_nbytes, device_memory_limit, wait_timeout,
             record_limit, pin_memory, auto=auto, host=host, process_group=process_group)
         self.order = as_turn_order(order, process_group=process_group)  #: waiters' turns
-        #: Where resident groups live.
-        self.device = parse_device(device)
+        self.device = parse_device(device)  #: where resident groups live
         self._transport = transport if transport is not None else transport_for(self.device)
         pin = self._transport.can_pin() if pin_memory is None else pin_memory
         node = None if process_group is None else node_view(process_group)
@@ -256,6 +274,7 @@ class Scheduler:
                               pin_memory=pin, node=node, host=host)
         #: Records of phase changes and (layer mode) of block moves: the newest `record_limit`.
         self.transitions, self.block_records = TransitionLog(record_limit), BlockLog(record_limit)
+        calls = Calls(self.transitions, self.block_records, record_limit)
         self._lock = new_lock()
         self._registry = Registry(self._lock, owner_label=f"<Scheduler on {self.device}>")
         buffers = DeviceBuffers(self._transport)
@@ -270,11 +289,11 @@ class Scheduler:
                                     transport=self._transport, block_records=self.block_records,
                                     auto=auto_options is not None)
         self._auto = None if auto_options is None else AutoPlanner(
-            auto_options, placement=self._placement, transport=self._transport,
-            transitions=self.transitions, block_log=self.block_records, collective=node is not None)
-        self._gate = PhaseGate(self._lock, self._holds, self._placement, self._registry, self._auto)
-        #: Agreement of the node's ranks on collective loads (``weight_transfer="allgather"``).
-        self._ledger = None if node is None else PhaseLedger(self._packer.node.group)
+            auto_options, placement=self._placement, transport=self._transport, calls=calls,
+            collective=node is not None)
+        self._gate = PhaseGate(self._lock, self._holds, self._placement, self._registry, self._auto,
+                               calls)
+        self._ledger = None if node is None else PhaseLedger(self._packer.node.group)  #: agreement
         _note_pageable(self.pin_memory, self.device, self._transport)
 
     @property
@@ -401,26 +420,7 @@ class Scheduler:
         be evicted (a write-back the ranks disagree on), the error propagates with the groups not
         yet closed still registered: fix the cause and close again.
         """
-        locked(self._lock, self._close, reopen)
-
-    def _close(self, reopen: str) -> None:
-        if self._holds.closed:
-            return
-        self._admission.check_no_holders("close the scheduler")
-        for group in self._registry:
-            self._admission.check_not_in_a_phase(group, "close the scheduler with")
-        for group in self._registry:
-            self._admission.remove(group, "close the scheduler with")
-        try:  # repeatable: an interrupted step is done again
-            self._close_owners(reopen)
-        except BaseException:
-            self._close_owners(reopen)
-            raise
-
-    def _close_owners(self, reopen: str) -> None:
-        self._placement.release_shared()
-        self._registry.close()
-        self._holds.close(reopen)  # the one closed flag; waiters wake up to SchedulerClosedError
+        locked(self._lock, self._admission.close, reopen)
 
     def __enter__(self) -> Scheduler:
         return self
@@ -519,6 +519,21 @@ class Scheduler:
             check_open(self._holds)
             group = self._registry.lookup(name)
         return Phase(self._gate, group)
+
+    def call(self) -> Call:
+        """A call: one use of the whole pipeline (one request), its bytes and span recorded in
+        `calls` when it ends ([Note: what a call is] in `residency.group.calls`).
+
+            with scheduler.call():
+                ...                                # every phase of one request
+            scheduler.calls[-1].nbytes, scheduler.calls[-1].seconds
+        """
+        return Call(self._gate)
+
+    @property
+    def calls(self) -> CallLog:
+        """Every call ended (`CallRecord`: the newest ``record_limit`` and running totals)."""
+        return self._gate.calls.log
 
     def offload_all(self) -> None:
         """Evict the resident exclusive group and free the shared device storage.

@@ -1,0 +1,240 @@
+"""Calls (residency/scheduler/calls.py): each call's bytes and span, counted from the first call
+on - marked by hand, by the diffusers adapter, or found from the phase order - across re-plans,
+under concurrent calls, and what an auto plan learns from them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from residency import PhaseError, Scheduler, SchedulerClosedError
+
+pytestmark = pytest.mark.fast
+
+WIDTH = 32
+#: How long a test thread waits for another before the test fails (never reached when it passes).
+BOUND_S = 30.0
+
+
+def _models() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    return {"encoder": nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)),
+            "dit": nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(4)])}
+
+
+def _scheduler(models, **options) -> Scheduler:
+    scheduler = Scheduler("cpu", **options)
+    for name, model in models.items():
+        scheduler.add(name, model)
+    return scheduler
+
+
+def _run(scheduler, models, x, *, marked=True, outside=None):
+    """One use of the pipeline: the encoder once, the dit twice."""
+    with scheduler.call() if marked else _nothing():
+        with scheduler.resident("encoder"):
+            h = models["encoder"](x)
+        if outside is not None:
+            outside()
+        for _ in range(2):
+            with scheduler.resident("dit"):
+                h = models["dit"](h)
+    return h
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _moved(scheduler) -> int:
+    return scheduler.transitions.nbytes + scheduler.block_records.nbytes
+
+
+def test_each_marked_call_is_counted_when_it_ends_and_the_bytes_sum_to_the_records():
+    models = _models()
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        scheduler = _scheduler(models, auto={"device_budget": 6 * WIDTH * WIDTH * 4,
+                                             "headroom": 0})
+        before = _moved(scheduler)  # the loads of registration: before the first call
+        numbers = []
+        for call in range(3):
+            _run(scheduler, models, x)
+            plan = scheduler.plan
+            numbers.append([record.number for record in plan.measured])
+            assert sum(r.nbytes for r in plan.measured) == _moved(scheduler) - before, call
+            assert plan.measured.count == call + 1 and plan.measured.nbytes == sum(
+                r.nbytes for r in plan.measured)
+            assert all(r.ending == "returned" and not r.overlapped and r.seconds > 0
+                       for r in plan.measured)
+            assert f"measured call {call + 1}: " in plan.describe()
+        scheduler.close()
+    assert numbers == [[1], [1, 2], [1, 2, 3]]
+    assert plan.measured is scheduler.calls  # one log across the re-plans
+    assert plan.reason in ("first call observed", "a steady call measured")
+
+
+def test_a_re_plans_loads_land_in_the_next_call():
+    models = _models()
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        scheduler = _scheduler(models, auto={"device_budget": 6 * WIDTH * WIDTH * 4,
+                                             "headroom": 0})
+        _run(scheduler, models, x)
+        transitions = len(scheduler.transitions)
+        _run(scheduler, models, x)  # begins with the plan "first call observed"
+        second = scheduler.calls[-1]
+        loads = [r.nbytes for r in list(scheduler.transitions)[transitions:]]
+        scheduler.close()
+    assert second.nbytes == sum(loads) + 0  # transitions only: nothing streams at this budget
+    assert scheduler.plan.reason in ("first call observed", "a steady call measured")
+
+
+def test_a_fixed_scheduler_counts_marked_calls_too():
+    models = _models()
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        scheduler = _scheduler(models)
+        before = scheduler.transitions.nbytes
+        for _ in range(2):
+            _run(scheduler, models, x)
+        _run(scheduler, models, x, marked=False)  # not marked: not counted
+        calls = list(scheduler.calls)
+        scheduler.close()
+    assert [c.number for c in calls] == [1, 2]
+    encoder = sum(t.nbytes for t in models["encoder"].state_dict().values())
+    dit = sum(t.nbytes for t in models["dit"].state_dict().values())
+    # call 1 moves the dit (the encoder was placed at add); call 2 both
+    assert [c.nbytes for c in calls] == [dit + (encoder if before == 0 else 0), encoder + dit]
+
+
+def test_unmarked_calls_of_an_auto_scheduler_end_where_the_next_begins():
+    models = _models()
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        scheduler = _scheduler(models, auto={"device_budget": 6 * WIDTH * WIDTH * 4})
+        before = _moved(scheduler)
+        for _ in range(3):
+            _run(scheduler, models, x, marked=False)
+        calls = list(scheduler.calls)
+        moved = _moved(scheduler)
+        with scheduler.resident("encoder"):  # the fourth begins: the third ends
+            pass
+        after = list(scheduler.calls)
+        scheduler.close()
+    assert [(c.number, c.ending) for c in calls] == [(1, "next call"), (2, "next call")]
+    assert len(after) == 3 and sum(c.nbytes for c in after) == moved - before
+
+
+def test_overlapping_calls_are_marked_and_teach_the_plan_nothing():
+    models = _models()
+    x = torch.randn(2, WIDTH)
+    inside, release = threading.Event(), threading.Event()
+    errors = []
+
+    def other():
+        try:
+            with scheduler.call():
+                inside.set()
+                assert release.wait(BOUND_S)
+                with scheduler.resident("dit"):
+                    models["dit"](x)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    with torch.no_grad():
+        scheduler = _scheduler(models, auto={"device_budget": 6 * WIDTH * WIDTH * 4})
+        before, plan = _moved(scheduler), scheduler.plan
+        thread = threading.Thread(target=other, daemon=True)
+        thread.start()
+        assert inside.wait(BOUND_S)
+        with scheduler.call():
+            with scheduler.resident("encoder"):
+                models["encoder"](x)
+            release.set()
+        thread.join(BOUND_S)
+        assert not thread.is_alive() and not errors, errors
+        calls = list(scheduler.calls)
+        moved = _moved(scheduler)
+        after = scheduler.plan
+        scheduler.close()
+    assert sorted(c.number for c in calls) == [1, 2] and all(c.overlapped for c in calls)
+    assert sum(c.nbytes for c in calls) == moved - before
+    assert after is plan  # nothing learned, nothing re-planned
+    assert "overlapped" in after.describe()
+
+
+def test_host_time_outside_the_phases_is_in_the_prediction():
+    """The span a call measures includes the host's time outside phases, so the plan predicts
+    at least that (a lower bound: a sleep lasts at least its length)."""
+    models = _models()
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        scheduler = _scheduler(models, auto={"device_budget": 6 * WIDTH * WIDTH * 4})
+        for _ in range(3):
+            _run(scheduler, models, x, outside=lambda: time.sleep(0.05))
+        plan = scheduler.plan
+        scheduler.close()
+    assert plan.predicted.seconds >= 0.05
+    assert all(c.seconds >= 0.05 for c in plan.measured)
+
+
+def test_a_call_left_open_on_a_thread_is_ended_found_by_its_next_call():
+    models = _models()
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        scheduler = _scheduler(models)
+        left = scheduler.call().begin()  # as if an interrupt lost the handle
+        _run(scheduler, models, x)
+        calls = list(scheduler.calls)
+        with pytest.raises(PhaseError, match=r"call 1 was already ended \(\"found\"\) when a "
+                           r"later call began on its thread: one call per thread at a time"):
+            left.end()
+        scheduler.close()
+    assert [(c.number, c.ending, c.overlapped) for c in calls] == [
+        (1, "found", False), (2, "returned", False)]
+
+
+def test_a_call_is_begun_once_and_ended_once():
+    models = _models()
+    with torch.no_grad():
+        scheduler = _scheduler(models)
+        call = scheduler.call()
+        with pytest.raises(PhaseError, match=r"this call has not begun: begin\(\) a call once "
+                           r"and end\(\) it once"):
+            call.end()
+        call.begin()
+        with pytest.raises(PhaseError, match=r"call 1 has already begun; make a new one with "
+                           r"scheduler.call\(\) for the next request"):
+            call.begin()
+        with pytest.raises(PhaseError, match=r"a call ends 'returned' or 'raised' or 'found', "
+                           r"not 'done'"):
+            call.end("done")
+        assert len(scheduler.calls) == 0
+        record = call.end()
+        with pytest.raises(PhaseError, match=r"this call has already ended"):
+            call.end()
+        assert list(scheduler.calls) == [record]
+        scheduler.close()
+        with pytest.raises(SchedulerClosedError, match=r"this scheduler was closed"):
+            scheduler.call().begin()
+    assert len(scheduler.calls) == 1
+
+
+def test_a_call_that_raises_ends_raised():
+    models = _models()
+    with torch.no_grad():
+        scheduler = _scheduler(models)
+        with pytest.raises(ValueError, match="bad input"):
+            with scheduler.call():
+                raise ValueError("bad input")
+        scheduler.close()
+    assert [c.ending for c in scheduler.calls] == ["raised"]
