@@ -277,7 +277,8 @@ def test_describe_prints_each_group_and_the_predicted_beside_the_measured():
         text = scheduler.plan.describe()
         scheduler.close()
     lines = text.splitlines()
-    assert lines[0].startswith("auto plan (first call observed): budget ")
+    assert lines[0].startswith(("auto plan (first call observed): budget ",
+                                "auto plan (a steady call measured): budget "))
     assert [line.split(":")[0].strip() for line in lines[1:5]] == list(
         ("text_encoder", "high_noise", "low_noise", "vae"))
     assert "2 entries" not in lines[1] and "1 entry, 1 pass per call" in lines[1]
@@ -391,7 +392,6 @@ def test_a_group_is_added_between_phases_and_a_removal_during_one_re_plans_at_th
                 assert scheduler["text_encoder"].is_resident
                 assert scheduler.current == "text_encoder"
             assert scheduler.plan.reason == "group 'extra' added"  # deferred
-            _call(models, x, scheduler)  # it begins with the encoder current: no switch to it
             _call(models, x, scheduler)  # a call's beginning: the deferred plan is made
             assert scheduler.plan.reason == "group 'extra' removed"
             assert "extra" not in scheduler.plan.plans
@@ -424,3 +424,29 @@ def test_byte_counts_print_in_the_largest_binary_unit_they_reach():
         "0 B", "1023 B", "1.0 KiB", "148.0 KiB", "3.0 MiB", "1024.0 GiB"]
     assert format_nbytes(parse_nbytes("device_budget", "38GiB"), digits=2) == "38.00 GiB"
     assert format_nbytes(-3 * 2**20) == "-3.0 MiB"  # a difference of two counts
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("fraction", [0.2, 0.35, 0.5])
+def test_declared_passes_make_the_first_plan_hold_from_the_first_call(fraction):
+    """Each expert runs its model twice per call: declared up front (``passes``), the plan made
+    at ``add`` predicts the first call's bytes and every later call's; learned instead, the
+    first call moves more than its plan predicted."""
+    x = torch.randn(2, WIDTH)
+    figures = {}
+    for passes in (None, {"high_noise": 2, "low_noise": 2}):
+        models = _pipeline(Probe())
+        with torch.no_grad():
+            scheduler = _auto(models, int(_total(models) * fraction),
+                              **({} if passes is None else {"passes": passes}))
+            before = scheduler.plan.predicted.nbytes
+            for _ in range(3):
+                _call(models, x, scheduler)
+            figures[passes is not None] = (before, [c.nbytes for c in scheduler.calls],
+                                           scheduler.plan.reason)
+            scheduler.close()
+    before, calls, reason = figures[True]
+    assert calls == [before] * 3, figures  # the plans chosen after calls 1 and 2: the same
+    assert reason == "a steady call measured" and len(list(scheduler.transitions)) > 0
+    before, calls, _ = figures[False]
+    assert calls[0] > before, figures

@@ -409,14 +409,23 @@ BAD_AUTO_OPTIONS = [
      r"\['text_encoder', 'transformer', 'vae'\]\), or leave it out to observe the first call"),
     ({"phase_order": ["transformer", 3]}, r"phase_order=\['transformer', 3\]; give the group"),
     ({"phase_order": "transformer"}, r"phase_order='transformer'; give the group names"),
+    ({"passes": {"transformer": 0}},
+     r"passes=\{'transformer': 0\}; give an object of group names and the forwards of each "
+     r"group's model one call runs, each a whole number >= 1 \(e\.g\. \{'transformer': 100\} "
+     r"for 50 steps under classifier-free guidance run as two batches\), or leave it out to "
+     r"learn them from the first call"),
+    ({"passes": {"transformer": True}}, r"passes=\{'transformer': True\}; give an object"),
+    ({"passes": {}}, r"passes=\{\}; give an object of group names"),
+    ({"passes": [2]}, r"passes=\[2\]; give an object of group names"),
+    ({"passes": {"t": 1.5}}, r"passes=\{'t': 1\.5\}; give an object"),
     ({"drift": 0}, r"drift=0; give a positive fraction, e\.g\. 0\.25"),
     ({"drift": "0.1"}, r"drift='0\.1'; give a positive fraction"),
     ({"budget": "1GiB", "headroom": "1GiB"},
      r"auto_options has unknown keys \['budget'\]; the keys are device_budget, headroom, "
-     r"phase_order, drift\. Did you mean 'device_budget'\?"),
+     r"phase_order, passes, drift\. Did you mean 'device_budget'\?"),
     ("1GiB",
      r"auto_options='1GiB'; give an object with any of the keys device_budget, headroom, "
-     r"phase_order, drift"),
+     r"phase_order, passes, drift"),
     ([], r"auto_options=\[\]; give an object with any of the keys"),
 ]
 

@@ -325,6 +325,8 @@ _auto_options = st.one_of(
                                                     0, -1, None]), st.integers(1, 2**40)),
         "headroom": st.sampled_from(["64MiB", 0, 1024, -1, None]),
         "phase_order": st.sampled_from([["transformer", "vae"], [], [""], None]),
+        "passes": st.sampled_from([{"transformer": 2}, {}, {"transformer": 0}, {"t": True},
+                                   {"": 1}, [2], None]),
         "drift": st.sampled_from([0.25, 1, 0, -0.5]),
     }),
     st.fixed_dictionaries({"budget": st.integers(0, 2)}),

@@ -62,7 +62,7 @@ def test_two_ranks_share_every_part_and_choose_the_same_plan(tmp_path):
             assert result is not None and "raised" not in result, (rank, result)
             assert all(result["same"]) and len(result["same"]) == 20, result
             assert all(result["shared"]) and len(result["shared"]) > 2, result
-            assert result["reason"] == "first call observed", result
+            assert result["reason"] in ("first call observed", "a steady call measured"), result
             assert result["measured"][-2:] == [result["predicted"]] * 2, result
         assert results[0]["plans"] == results[1]["plans"]
         dit = results[0]["plans"][1]  # its blocks kept apart or streamed: parts of every kind

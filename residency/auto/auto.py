@@ -27,8 +27,11 @@ seconds less their bytes at the measured copy bandwidth (`TransitionLog.timed_nb
 any re-plan made inside it.  A plan predicts its bytes at that bandwidth on top, so the
 seconds it predicts are the span the records measure.  The first call's compute includes its
 one-off costs (reads, wrappers, allocations): the plan made after it takes the observed order,
-entries and passes; the plan after the second call is chosen again from steady times and, when
-the choice is the same, only renews the prediction (a re-plan evicts the current group).
+entries and passes; the plan after the second call is chosen again from steady times.  Either
+time the plans in force stay, their prediction renewed, unless the new choice moves fewer bytes
+or, on an accelerator, is predicted `BETTER_BY` faster (a re-plan evicts the current group, and
+timing noise must not make plans flap): with ``passes`` declared, the plan made at ``add``
+holds from the first call.
 Fields (guarded by the scheduler lock; this object is their one mutator): ``options``, the
 resolved ``budget`` and ``headroom``, the per-call counters (``_entries``, ``_passes``,
 ``_phases``, ``_one_off``), what the last call that taught the model did (``_observed``,
@@ -58,8 +61,11 @@ from residency.group.calls import Calls
 from residency.device.transport import (CpuTransport, Transport, device_total_memory,
                                        free_device_memory)
 
-__all__ = ["AutoPlan", "AutoPlanner"]
+__all__ = ["BETTER_BY", "AutoPlan", "AutoPlanner"]
 
+#: How much faster (a fraction of its seconds) a plan chosen from measured calls must be
+#: predicted to run than the plans in force, moving no fewer bytes, to replace them.
+BETTER_BY = 0.05
 #: Copy bandwidth assumed before any copy was measured (bytes per second).
 _ASSUMED_BANDWIDTH = {True: 10e9, False: 5e9}
 #: Bytes as a plan's description prints them: two decimals (a budget and its peak may differ
@@ -133,8 +139,9 @@ class AutoPlanner:
         #: The sizes each group was planned for, by name (`_sizes`; written with ``plan``).
         self._planned_sizes: dict[str, _Sizes] = {}
         self._first = options.phase_order[0] if options.phase_order else None
-        #: What a declared phase order says each group does per call: (entries, passes, 0).
-        self._declared = _declared(options.phase_order or ())
+        #: What the declared phase order and passes say each group does per call: (entries,
+        #: passes, 0), until a call is observed.
+        self._declared = _declared(options.phase_order or (), dict(options.passes or ()))
         self._entries: dict[str, int] = {}
         self._passes: dict[str, int] = {}
         #: Per group this call: (seconds in its phases, bytes moved in them).
@@ -154,19 +161,19 @@ class AutoPlanner:
 
     def replan(self, groups: Iterable[Residency], reason: str, keep_same: bool = False) -> None:
         """Choose every group's plan for the budget and carry it out (called with no holders);
-        with `keep_same`, a choice equal to the plans in force only renews the prediction.
+        with `keep_same` the plans in force may stay, their prediction renewed (`_keeps`).
         Raises `DeviceMemoryError` when nothing fits, with nothing changed."""
         groups = list(groups)
         workloads = tuple(self._workload(group) for group in groups)
         bandwidth = _ASSUMED_BANDWIDTH[self._overlap] if self._collective else self._bandwidth()
         plans = choose(workloads, weights_budget=self.budget - self.headroom,
                        bandwidth=bandwidth, overlap=self._overlap and not self._collective)
+        host = 0.0 if self._collective else self._host
         predicted = predict(workloads, plans, bandwidth=bandwidth, overlap=self._overlap,
-                            host_seconds=0.0 if self._collective else self._host)
-        if self.plan is not None and keep_same and dict(self.plan.plans) == plans and \
-                all(g.plan == plans[g.name] for g in groups):  # the same choice: a new prediction
-            self.plan = attrs.evolve(self.plan, predicted=predicted, workloads=workloads)
+                            host_seconds=host)
+        if keep_same and self._keeps(groups, workloads, predicted, bandwidth, host, reason):
             return
+
         began = time.perf_counter()
         order = sorted(groups, key=lambda g: _kept_nbytes(plans[g.name], g)
                        - _kept_nbytes(g.plan, g))  # the ones keeping less first
@@ -185,6 +192,26 @@ class AutoPlanner:
         self.plan, self._planned_sizes = plan, sizes  # one line: see [Note: interrupts]
         self._one_off += time.perf_counter() - began
         self._drifted = 0
+
+    def _keeps(self, groups: list[Residency], workloads: tuple[Workload, ...], chosen: Cost,
+               bandwidth: float, host: float, reason: str) -> bool:
+        """Whether the plans in force stay, given the plan `chosen` for the same groups and
+        budget from what calls measured: they do unless `chosen` moves fewer bytes or (on an
+        accelerator, where the objective is time) is predicted `BETTER_BY` faster; then their
+        prediction is renewed (a re-plan evicts the current group, and timing noise must not
+        make plans flap)."""
+        if self.plan is None or {g.name for g in groups} != set(self.plan.plans) or any(
+                g.plan != self.plan.plans[g.name] for g in groups):
+            return False
+        kept = predict(workloads, self.plan.plans, bandwidth=bandwidth, overlap=self._overlap,
+                       host_seconds=host)
+        faster = chosen.seconds < kept.seconds * (1 - BETTER_BY)
+        timed = self._overlap and not self._collective  # a rank's clock never tips a choice
+        if chosen.nbytes < kept.nbytes or (timed and faster) or kept.peak > \
+                self.budget - self.headroom:
+            return False
+        self.plan = attrs.evolve(self.plan, predicted=kept, workloads=workloads, reason=reason)
+        return True
 
     def added(self, group: Residency, groups: Iterable[Residency], lock, remove) -> Residency:
         """Plan the groups again with `group` just registered (takes `lock`) and return it; if
@@ -275,7 +302,7 @@ class AutoPlanner:
         self._phase_start = None
         if self._due is not None and no_holders:
             reason, self._due = self._due, None
-            self.replan(groups, reason, keep_same=reason == _STEADY)
+            self.replan(groups, reason, keep_same=reason in (_FIRST, _STEADY))
 
     def call_ended(self, call: CallRecord, groups: Iterable[Residency]) -> None:
         """`call` ended: learn what it did when it ran alone and whole, and say whether a plan
@@ -335,13 +362,15 @@ class AutoPlanner:
 _FIRST, _STEADY = "first call observed", "a steady call measured"
 
 
-def _declared(order: tuple[str, ...]) -> dict[str, tuple[int, int, float]]:
-    """Entries (switches to it, the order taken as a cycle) and passes (phases) per call of each
-    group of a declared phase order."""
+def _declared(order: tuple[str, ...], passes: Mapping[str, int]) -> dict[str, tuple[int, int, float]]:
+    """Entries (switches to it, the order taken as a cycle) and passes (phases, or the declared
+    `passes`) per call of each group of a declared phase order or of `passes`."""
     counts: dict[str, tuple[int, int, float]] = {}
     for index, name in enumerate(order):
-        entries, passes, _ = counts.get(name, (0, 0, 0.0))
-        counts[name] = (entries + (order[index - 1] != name or len(order) == 1), passes + 1, 0.0)
+        entries, count, _ = counts.get(name, (0, 0, 0.0))
+        counts[name] = (entries + (order[index - 1] != name or len(order) == 1), count + 1, 0.0)
+    for name, count in passes.items():
+        counts[name] = (counts.get(name, (1, 0, 0.0))[0], count, 0.0)
     return counts
 
 

@@ -63,7 +63,7 @@ _BYTES_FORMS = ("a size such as '38GiB', '1.5GiB', '500MB', '2048' (units B, KB,
 _FRACTION_FORMS = ("a fraction of the free device memory: a float in (0, 1] such as 0.9, or a "
                    "percentage such as '90%'")
 _log = logging.getLogger("residency")
-_FIELDS = ("device_budget", "headroom", "phase_order", "drift")
+_FIELDS = ("device_budget", "headroom", "phase_order", "passes", "drift")
 
 
 def check_option_keys(label: str, options: object, fields: Sequence[str], *, give: str) -> None:
@@ -179,6 +179,28 @@ def _check_order(_instance, _attribute, value: object) -> None:
         )
 
 
+def _to_passes(value: object) -> object:
+    if isinstance(value, Mapping) and all(isinstance(name, str) for name in value):
+        return tuple(sorted(value.items()))
+    return value
+
+
+def _check_passes(_instance, _attribute, value: object) -> None:
+    if value is None:
+        return
+    if (isinstance(value, tuple) and value and all(
+            isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) and pair[0]
+            and type(pair[1]) is int and pair[1] >= 1 for pair in value)):
+        return
+    shown = dict(value) if isinstance(value, tuple) and all(
+        isinstance(p, tuple) and len(p) == 2 for p in value) else value  # as the user gave it
+    raise ConfigError(
+        f"passes={shown!r}; give an object of group names and the forwards of each group's "
+        "model one call runs, each a whole number >= 1 (e.g. {'transformer': 100} for 50 steps "
+        "under classifier-free guidance run as two batches), or leave it out to learn them from "
+        "the first call")
+
+
 def _check_drift(_instance, _attribute, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(f"drift={value!r}; give a positive fraction, e.g. {DEFAULT_DRIFT}")
@@ -201,6 +223,11 @@ class AutoOptions:
     #: The group names one call enters, in order; None: observed on the first call.
     phase_order: tuple[str, ...] | None = attrs.field(default=None, converter=_to_order,
                                                       validator=_check_order)
+    #: Forwards of each group's model one call runs, by group name (a denoiser: its steps, twice
+    #: each under classifier-free guidance run as two batches), as ((name, count), ...) sorted by
+    #: name (a mapping is converted); None: one per phase until the first call is observed.
+    passes: tuple[tuple[str, int], ...] | None = attrs.field(
+        default=None, converter=_to_passes, validator=_check_passes)
     #: Re-plan after two calls in a row off the prediction by more than this fraction.
     drift: float = attrs.field(default=DEFAULT_DRIFT, validator=_check_drift)
 
@@ -218,6 +245,8 @@ class AutoOptions:
                  if getattr(self, field.name) != field.default}
         if "phase_order" in given:
             given["phase_order"] = list(given["phase_order"])
+        if "passes" in given:
+            given["passes"] = dict(given["passes"])
         return given
 
     def resolve(self, free: int | None, total: int | None = None) -> tuple[int, int]:
