@@ -95,8 +95,8 @@ def _total(models) -> int:
     return sum(p.numel() * p.element_size() for m in models.values() for p in m.parameters())
 
 
-def _auto(models, budget, probe=None, **options) -> Scheduler:
-    scheduler = Scheduler("cpu", auto={"device_budget": budget, "headroom": 0, **options})
+def _auto(models, budget, probe=None, device="cpu", **options) -> Scheduler:
+    scheduler = Scheduler(device, auto={"device_budget": budget, "headroom": 0, **options})
     for name in ("text_encoder", "high_noise", "low_noise"):
         scheduler.add(name, models[name])
     scheduler.add("vae", models["vae"], policy="resident")
@@ -353,7 +353,8 @@ def _check_auto_plan_on_an_accelerator(fraction: float) -> None:
                 scheduler.add(name, models[name].to(device), detect_edits=False)
             scheduler.add("vae", models["vae"].to(device), policy="resident", detect_edits=False)
             probe.scheduler = scheduler
-            for call in range(5):
+            for call in range(7):  # plans after calls 1 and 2, a trial judged by call 4, a
+                # roll-back at call 5's beginning: calls 6 and 7 settled ([Note: roll-back])
                 probe.samples, probe.allocator = [], [] if reads_allocator else None
                 outputs = _call(models, x, scheduler, probe)
                 assert all(torch.equal(a, b) for a, b in zip(outputs, expected)), call
@@ -450,3 +451,56 @@ def test_declared_passes_make_the_first_plan_hold_from_the_first_call(fraction):
     assert reason == "a steady call measured" and len(list(scheduler.transitions)) > 0
     before, calls, _ = figures[False]
     assert calls[0] > before, figures
+
+
+def _forged_steady_plan(device, last_work: float) -> tuple[Scheduler, list[str]]:
+    """An auto scheduler whose plan after the second call is made worse on purpose: before it
+    is chosen, the planner is told each expert runs its model once per call (it runs it twice),
+    and that the plan before ran its last call in `last_work` seconds.  Runs six calls; returns
+    the scheduler (closed) and the plan's reason after each call."""
+    models = _pipeline(Probe())
+    x = torch.randn(2, WIDTH, device=device)
+    expected = _call({name: copy.deepcopy(m).to(device) for name, m in models.items()}, x)
+    scheduler = _auto({name: m.to(device) for name, m in models.items()},
+                      int(_total(models) * 0.35), device=device)
+    reasons = []
+    with torch.no_grad():
+        for call in range(6):
+            outputs = _call(models, x, scheduler)
+            assert all(torch.equal(a, b) for a, b in zip(outputs, expected)), call
+            reasons.append(scheduler.plan.reason)
+            if call == 1:  # the forged measurement, read at call 3's beginning
+                planner = scheduler._auto
+                planner._observed = {name: (entries, 1, compute) for name, (entries, _, compute)
+                                     in planner._observed.items()}
+                planner._last_work = last_work
+    scheduler.close()
+    return scheduler, reasons
+
+
+@pytest.mark.gpu
+def test_a_plan_slower_than_the_one_it_replaced_is_rolled_back_and_not_chosen_again():
+    device = torch.accelerator.current_accelerator()
+    scheduler, reasons = _forged_steady_plan(device, last_work=1e-9)  # anything is slower
+    assert reasons[2] == "a steady call measured", reasons  # the forged plan, on trial
+    assert reasons[3] == reasons[2]  # call 4 judged it: rolled back at call 5's beginning
+    assert reasons[4].startswith("rolled back after call 4: the plans chosen for 'a steady call "
+                                 "measured' ran it in "), reasons
+    assert reasons[4].endswith("for the plans before (more than 10% slower); not chosen again "
+                               "until the budget or the groups change"), reasons
+    assert reasons[5] == reasons[4]  # its drift does not bring the rejected plans back
+    assert "rolled back after call 4" in scheduler.plan.describe().splitlines()[0]
+
+
+@pytest.mark.gpu
+def test_a_plan_no_slower_than_the_one_it_replaced_stays():
+    device = torch.accelerator.current_accelerator()
+    _, reasons = _forged_steady_plan(device, last_work=1e9)  # nothing is slower
+    assert reasons[2:4] == ["a steady call measured"] * 2, reasons
+    assert not any(reason.startswith("rolled back") for reason in reasons), reasons
+
+
+@pytest.mark.fast
+def test_on_the_cpu_a_plan_is_chosen_on_bytes_and_never_on_trial():
+    _, reasons = _forged_steady_plan("cpu", last_work=1e-9)
+    assert not any(reason.startswith("rolled back") for reason in reasons), reasons

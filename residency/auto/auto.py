@@ -32,6 +32,17 @@ time the plans in force stay, their prediction renewed, unless the new choice mo
 or, on an accelerator, is predicted `BETTER_BY` faster (a re-plan evicts the current group, and
 timing noise must not make plans flap): with ``passes`` declared, the plan made at ``add``
 holds from the first call.
+[Note: roll-back]
+A plan chosen from measured calls on an accelerator (where the objective is predicted time, and a
+wrong time model picks a wrong plan) is on trial: the first call under it carries the re-plan's
+one-off costs (new buffers, the first forwards of moved parts), so its second call is compared
+with the last call under the plan it replaced, each less the re-plans made inside it.  More than
+`ROLLBACK_MARGIN` slower, and the plan it replaced is carried out again at the next call's
+beginning; the reason says so (in `describe()` and in a warning of logger ``residency``), and the
+plans rolled back from are not chosen again while the budget, the headroom and the groups' sizes
+stay what they were (`_inputs`).  On the CPU, and with a process group, plans are chosen on bytes,
+which are exact: nothing is on trial.
+
 Fields (guarded by the scheduler lock; this object is their one mutator): ``options``, the
 resolved ``budget`` and ``headroom``, the per-call counters (``_entries``, ``_passes``,
 ``_phases``, ``_one_off``), what the last call that taught the model did (``_observed``,
@@ -45,6 +56,7 @@ it), and the planned peak is within ``budget - headroom``.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Iterable, Mapping
 
@@ -61,11 +73,16 @@ from residency.group.calls import Calls
 from residency.device.transport import (CpuTransport, Transport, device_total_memory,
                                        free_device_memory)
 
-__all__ = ["BETTER_BY", "AutoPlan", "AutoPlanner"]
+_log = logging.getLogger("residency")
+
+__all__ = ["BETTER_BY", "ROLLBACK_MARGIN", "AutoPlan", "AutoPlanner"]
 
 #: How much faster (a fraction of its seconds) a plan chosen from measured calls must be
 #: predicted to run than the plans in force, moving no fewer bytes, to replace them.
 BETTER_BY = 0.05
+#: How much slower (a fraction of its seconds) the first call under a plan chosen from measured
+#: calls may run than the last call under the plan it replaced before it is rolled back.
+ROLLBACK_MARGIN = 0.10
 #: Copy bandwidth assumed before any copy was measured (bytes per second).
 _ASSUMED_BANDWIDTH = {True: 10e9, False: 5e9}
 #: Bytes as a plan's description prints them: two decimals (a budget and its peak may differ
@@ -156,24 +173,39 @@ class AutoPlanner:
         self._unmarked: int | None = None  # the open call of `Calls` this planner began
         self._phase_start: tuple[str, float, int] | None = None
         self._drifted = 0
+        #: The last learned call's seconds less its re-plans' ([Note: roll-back]).
+        self._last_work: float | None = None
+        #: A plan on trial: the plan it replaced, that plan's last call's seconds, and how many
+        #: calls under the new plan are still to pass before the one that judges it.
+        self._trial: tuple[AutoPlan, float, int] | None = None
+        #: The plan to roll back to at the next call's beginning, with the reason.
+        self._back_to: AutoPlan | None = None
+        #: The plans rolled back from, and the inputs (`_inputs`) they were judged with.
+        self._rejected: tuple[tuple, tuple] | None = None
 
     # -- planning --------------------------------------------------------------------------------
 
-    def replan(self, groups: Iterable[Residency], reason: str, keep_same: bool = False) -> None:
-        """Choose every group's plan for the budget and carry it out (called with no holders);
-        with `keep_same` the plans in force may stay, their prediction renewed (`_keeps`).
-        Raises `DeviceMemoryError` when nothing fits, with nothing changed."""
+    def replan(self, groups: Iterable[Residency], reason: str, keep_same: bool = False,
+               plans: Mapping[str, Plan] | None = None) -> None:
+        """Choose every group's plan for the budget (or take `plans`: a roll-back) and carry it
+        out (called with no holders); with `keep_same` (a plan due from measured calls) the
+        plans in force may stay, their prediction renewed (`_keeps`), and a change is on trial
+        ([Note: roll-back]).  Raises `DeviceMemoryError` when nothing fits, nothing changed."""
         groups = list(groups)
         workloads = tuple(self._workload(group) for group in groups)
         bandwidth = _ASSUMED_BANDWIDTH[self._overlap] if self._collective else self._bandwidth()
-        plans = choose(workloads, weights_budget=self.budget - self.headroom,
-                       bandwidth=bandwidth, overlap=self._overlap and not self._collective)
+        if plans is None:
+            plans = choose(workloads, weights_budget=self.budget - self.headroom,
+                           bandwidth=bandwidth, overlap=self._overlap and not self._collective)
         host = 0.0 if self._collective else self._host
         predicted = predict(workloads, plans, bandwidth=bandwidth, overlap=self._overlap,
                             host_seconds=host)
-        if keep_same and self._keeps(groups, workloads, predicted, bandwidth, host, reason):
+        if keep_same and self._keeps(groups, workloads, plans, chosen=predicted,
+                                     bandwidth=bandwidth, host=host, reason=reason):
             return
-
+        timed = self._overlap and not self._collective  # the choice rests on predicted time
+        trial = (self.plan, self._last_work, 1) if keep_same and timed and \
+            self._last_work is not None else None
         began = time.perf_counter()
         order = sorted(groups, key=lambda g: _kept_nbytes(plans[g.name], g)
                        - _kept_nbytes(g.plan, g))  # the ones keeping less first
@@ -191,15 +223,16 @@ class AutoPlanner:
         sizes = {w.name: (w.own, w.blocks) for w in workloads}
         self.plan, self._planned_sizes = plan, sizes  # one line: see [Note: interrupts]
         self._one_off += time.perf_counter() - began
-        self._drifted = 0
+        self._drifted, self._trial = 0, trial
 
-    def _keeps(self, groups: list[Residency], workloads: tuple[Workload, ...], chosen: Cost,
-               bandwidth: float, host: float, reason: str) -> bool:
-        """Whether the plans in force stay, given the plan `chosen` for the same groups and
-        budget from what calls measured: they do unless `chosen` moves fewer bytes or (on an
-        accelerator, where the objective is time) is predicted `BETTER_BY` faster; then their
-        prediction is renewed (a re-plan evicts the current group, and timing noise must not
-        make plans flap)."""
+    def _keeps(self, groups: list[Residency], workloads: tuple[Workload, ...],
+               plans: Mapping[str, Plan], *, chosen: Cost, bandwidth: float, host: float,
+               reason: str) -> bool:
+        """Whether the plans in force stay, given `plans` chosen (costing `chosen`) for the same
+        groups and budget from what calls measured: they do unless `plans` move fewer bytes or
+        (on an accelerator, where the objective is time) are predicted `BETTER_BY` faster, and
+        were not rolled back from with the same inputs; then their prediction is renewed (a
+        re-plan evicts the current group, and timing noise must not make plans flap)."""
         if self.plan is None or {g.name for g in groups} != set(self.plan.plans) or any(
                 g.plan != self.plan.plans[g.name] for g in groups):
             return False
@@ -207,10 +240,12 @@ class AutoPlanner:
                        host_seconds=host)
         faster = chosen.seconds < kept.seconds * (1 - BETTER_BY)
         timed = self._overlap and not self._collective  # a rank's clock never tips a choice
-        if chosen.nbytes < kept.nbytes or (timed and faster) or kept.peak > \
-                self.budget - self.headroom:
+        better = chosen.nbytes < kept.nbytes or (timed and faster)
+        rejected = self._rejected == (_plans_key(plans), self._inputs())
+        if (better and not rejected) or kept.peak > self.budget - self.headroom:
             return False
-        self.plan = attrs.evolve(self.plan, predicted=kept, workloads=workloads, reason=reason)
+        self.plan = attrs.evolve(self.plan, predicted=kept, workloads=workloads,
+                                 reason=self.plan.reason if rejected else reason)
         return True
 
     def added(self, group: Residency, groups: Iterable[Residency], lock, remove) -> Residency:
@@ -249,6 +284,11 @@ class AutoPlanner:
         except BaseException:
             self.options, self.budget, self.headroom = before
             raise
+
+    def _inputs(self) -> tuple:
+        """What a rolled-back choice was judged with: the budget, the headroom and the groups'
+        sizes; when one of them changes, the choice may be made again."""
+        return (self.budget, self.headroom, tuple(sorted(self._planned_sizes.items())))
 
     def _workload(self, group: Residency) -> Workload:
         entries, passes, compute = (self._observed or self._declared).get(group.name,
@@ -302,7 +342,12 @@ class AutoPlanner:
         self._phase_start = None
         if self._due is not None and no_holders:
             reason, self._due = self._due, None
-            self.replan(groups, reason, keep_same=reason in (_FIRST, _STEADY))
+            back, self._back_to = self._back_to, None
+            if back is not None:
+                self._rejected = (_plans_key(self.plan.plans), self._inputs())
+                self.replan(groups, reason, plans=back.plans)
+            else:
+                self.replan(groups, reason, keep_same=reason.startswith(_MEASURED))
 
     def call_ended(self, call: CallRecord, groups: Iterable[Residency]) -> None:
         """`call` ended: learn what it did when it ran alone and whole, and say whether a plan
@@ -322,7 +367,29 @@ class AutoPlanner:
             for name in self._entries}
         inside = sum(seconds for seconds, _ in self._phases.values())
         self._host = max(0.0, call.seconds - inside - self._one_off)
-        self._due = self._due or self._why_due(call.nbytes, list(groups))
+        work = call.seconds - self._one_off
+        self._due = self._due or self._judged(call.number, work) or self._why_due(
+            call.nbytes, list(groups))
+        self._last_work = work
+
+    def _judged(self, number: int, work: float) -> str | None:
+        """The roll-back due when the plan on trial ran call `number` (its second) in `work`
+        seconds, more than `ROLLBACK_MARGIN` slower than the plan it replaced ran its last call;
+        else None, and the trial ends after that call ([Note: roll-back])."""
+        trial, self._trial = self._trial, None
+        if trial is not None and trial[2] > 0:  # its first call: the re-plan's one-off costs
+            self._trial = (trial[0], trial[1], trial[2] - 1)
+            return None
+        if trial is None or work <= trial[1] * (1 + ROLLBACK_MARGIN):
+            return None
+        replaced, before, _ = trial
+        self._back_to = replaced
+        reason = (f"rolled back after call {number}: the plans chosen for {self.plan.reason!r} "
+                  f"ran it in {work:.3f} s against {before:.3f} s for the plans before (more "
+                  f"than {ROLLBACK_MARGIN:.0%} slower); not chosen again until the budget or "
+                  "the groups change")
+        _log.warning("auto plan %s", reason)
+        return reason
 
     def _end_phase(self, now: float) -> None:
         if self._phase_start is not None:
@@ -349,8 +416,7 @@ class AutoPlanner:
         off = abs(nbytes - predicted) > self.options.drift * max(predicted, 1)
         self._drifted = self._drifted + 1 if off and not self._collective else 0
         if self._drifted >= 2:
-            return (f"two calls off the prediction ({predicted} bytes) by more than "
-                    f"{self.options.drift:.0%}")
+            return f"{_DRIFT} ({predicted} bytes) by more than {self.options.drift:.0%}"
         planned = self._planned_sizes
         if len(groups) != len(planned) or any(planned.get(g.name) != _sizes(g) for g in groups):
             return "the groups or their parts changed (added, removed or re-packed)"
@@ -360,6 +426,15 @@ class AutoPlanner:
 #: Why a plan is made after the first call (its phase order, entries and passes), and after
 #: the second (its compute times, past the first call's one-off costs).
 _FIRST, _STEADY = "first call observed", "a steady call measured"
+#: Why a plan is due when two calls in a row moved bytes off the prediction.
+_DRIFT = "two calls off the prediction"
+#: The reasons that come from measured calls: the plans in force may stay (`_keeps`), and a
+#: change is on trial.  Any other reason (a group removed, refreshed or re-packed) re-plans.
+_MEASURED = (_FIRST, _STEADY, _DRIFT)
+
+
+def _plans_key(plans: Mapping[str, Plan]) -> tuple:
+    return tuple(sorted(plans.items(), key=lambda item: item[0]))
 
 
 def _declared(order: tuple[str, ...], passes: Mapping[str, int]) -> dict[str, tuple[int, int, float]]:
