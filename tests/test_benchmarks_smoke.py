@@ -393,3 +393,21 @@ def test_cold_start_runs_its_cases_at_the_tiny_scale(tmp_path):
     assert rows["host_tier"]["file_backed_groups"] == ["transformer", "transformer_2"]
     for case in cases[1:]:
         assert rows[case]["seconds"] > 0 and rows[case]["rss_over_held"] > 0, case
+
+
+def test_plans_runs_every_budget_with_and_without_guidance_at_the_tiny_scale():
+    """Issue 47's benchmark: each configuration's steady calls move exactly the bytes the
+    settled plan predicts, the plan holds through them, and guidance doubles the passes it
+    learned (the seconds against their goal are the benchmark's, on the small scale)."""
+    import torch
+
+    (plans,) = import_benchmarks("plans")
+    result = plans.sweep("tiny", torch.device("cpu"))
+    assert [(row["fraction"], row["guidance"]) for row in result["rows"]] == [
+        (fraction, guidance) for guidance in (False, True) for fraction in plans.BUDGETS]
+    for row in result["rows"]:
+        assert row["bytes_exact"] and row["plan_held"], row["plan"]
+        assert len(row["calls"]) == plans.SETTLE + plans.STEADY
+        assert row["passes"]["transformer"] == 2 * (2 if row["guidance"] else 1), row["passes"]
+        assert row["predicted_seconds"] > 0 and row["steady_median_seconds"] > 0
+    assert result["load_average"]["before"] and "| 0.25x | yes |" in plans._table(result)

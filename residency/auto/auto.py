@@ -24,8 +24,11 @@ and the bytes moved in it (a switch's load belongs to the group switched to).  A
 alone and whole teaches the model, per group: entries, passes, and compute - its phases'
 seconds less their bytes at the measured copy bandwidth (`TransitionLog.timed_nbytes` /
 ``timed_seconds``); and per call the host seconds outside every exclusive group's phase, less
-any re-plan made inside it.  A plan predicts its bytes at that bandwidth on top, so the
-seconds it predicts are the span the records measure.  The first call's compute includes its
+any re-plan made inside it.  Compute and host seconds are the medians over the last three
+such calls under the plans in force (`_HISTORY`; a re-plan starts afresh, and the first call
+under new plans counts only until another has run), and after each such call with no plan due
+the plans in force are predicted again.  A plan predicts its bytes at that
+bandwidth on top, so the seconds it predicts are the span the records measure.  The first call's compute includes its
 one-off costs (reads, wrappers, allocations): the plan made after it takes the observed order,
 entries and passes; the plan after the second call is chosen again from steady times.  Either
 time the plans in force stay, their prediction renewed, unless the new choice moves fewer bytes
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
 import time
 from collections.abc import Iterable, Mapping
 
@@ -173,6 +177,10 @@ class AutoPlanner:
         self._unmarked: int | None = None  # the open call of `Calls` this planner began
         self._phase_start: tuple[str, float, int] | None = None
         self._drifted = 0
+        #: What the last `_HISTORY` learned calls under the plans in force did: (observed,
+        #: host seconds, whether it was the first under them) each; `_observed` and `_host` are
+        #: their medians (`_medians`).
+        self._history: tuple[tuple[dict, float, bool], ...] = ()
         #: The last learned call's seconds less its re-plans' ([Note: roll-back]).
         self._last_work: float | None = None
         #: A plan on trial: the plan it replaced, that plan's last call's seconds, and how many
@@ -206,7 +214,6 @@ class AutoPlanner:
         timed = self._overlap and not self._collective  # the choice rests on predicted time
         trial = (self.plan, self._last_work, 1) if keep_same and timed and \
             self._last_work is not None else None
-        began = time.perf_counter()
         order = sorted(groups, key=lambda g: _kept_nbytes(plans[g.name], g)
                        - _kept_nbytes(g.plan, g))  # the ones keeping less first
         try:
@@ -222,8 +229,7 @@ class AutoPlanner:
                         measured=self._calls.log)
         sizes = {w.name: (w.own, w.blocks) for w in workloads}
         self.plan, self._planned_sizes = plan, sizes  # one line: see [Note: interrupts]
-        self._one_off += time.perf_counter() - began
-        self._drifted, self._trial = 0, trial
+        self._drifted, self._trial, self._history = 0, trial, ()
 
     def _keeps(self, groups: list[Residency], workloads: tuple[Workload, ...],
                plans: Mapping[str, Plan], *, chosen: Cost, bandwidth: float, host: float,
@@ -343,11 +349,15 @@ class AutoPlanner:
         if self._due is not None and no_holders:
             reason, self._due = self._due, None
             back, self._back_to = self._back_to, None
-            if back is not None:
-                self._rejected = (_plans_key(self.plan.plans), self._inputs())
-                self.replan(groups, reason, plans=back.plans)
-            else:
-                self.replan(groups, reason, keep_same=reason.startswith(_MEASURED))
+            began = time.perf_counter()  # the search and the moves: no plan's cost
+            try:
+                if back is not None:
+                    self._rejected = (_plans_key(self.plan.plans), self._inputs())
+                    self.replan(groups, reason, plans=back.plans)
+                else:
+                    self.replan(groups, reason, keep_same=reason.startswith(_MEASURED))
+            finally:
+                self._one_off += time.perf_counter() - began
 
     def call_ended(self, call: CallRecord, groups: Iterable[Residency]) -> None:
         """`call` ended: learn what it did when it ran alone and whole, and say whether a plan
@@ -360,17 +370,34 @@ class AutoPlanner:
             return  # mixed with another call's phases, or its end not seen: nothing learned
         forwards = self._block_forwards(since=call.start)
         bandwidth = self._bandwidth()
-        self._observed = {
+        observed = {
             name: (self._entries[name], max(self._passes.get(name, 0), forwards.get(name, 0)),
                    max(0.0, self._phases.get(name, (0.0, 0))[0]
                        - self._phases.get(name, (0.0, 0))[1] / bandwidth))
             for name in self._entries}
         inside = sum(seconds for seconds, _ in self._phases.values())
-        self._host = max(0.0, call.seconds - inside - self._one_off)
+        host = max(0.0, call.seconds - inside - self._one_off)
+        fresh = not self._history and self._learned > 0  # the first call under new plans
+        self._history = (*self._history[-(_HISTORY - 1):], (observed, host, fresh))
+        self._observed, self._host = _medians(self._history)
         work = call.seconds - self._one_off
+        groups = list(groups)
         self._due = self._due or self._judged(call.number, work) or self._why_due(
-            call.nbytes, list(groups))
+            call.nbytes, groups)
         self._last_work = work
+        if self._due is None:
+            self._renew(groups)
+
+    def _renew(self, groups: list[Residency]) -> None:
+        """Predict the plans in force again from what the calls measured (no plan is due)."""
+        if any(g.name not in self.plan.plans for g in groups):
+            return
+        workloads = tuple(self._workload(group) for group in groups)
+        bandwidth = _ASSUMED_BANDWIDTH[self._overlap] if self._collective else self._bandwidth()
+        predicted = predict(workloads, self.plan.plans, bandwidth=bandwidth,
+                            overlap=self._overlap, host_seconds=0.0 if self._collective
+                            else self._host)
+        self.plan = attrs.evolve(self.plan, predicted=predicted, workloads=workloads)
 
     def _judged(self, number: int, work: float) -> str | None:
         """The roll-back due when the plan on trial ran call `number` (its second) in `work`
@@ -431,6 +458,24 @@ _DRIFT = "two calls off the prediction"
 #: The reasons that come from measured calls: the plans in force may stay (`_keeps`), and a
 #: change is on trial.  Any other reason (a group removed, refreshed or re-packed) re-plans.
 _MEASURED = (_FIRST, _STEADY, _DRIFT)
+
+
+#: How many learned calls under the plans in force the time model takes the median of.
+_HISTORY = 3
+
+
+def _medians(history: tuple[tuple[dict, float, bool], ...]) -> tuple[dict, float]:
+    """The last call's entries and passes per group, with each group's compute seconds and the
+    host seconds as medians over the calls of `history` (one slow call - a busy host - does not
+    move the prediction); the first call under new plans (`fresh`: their first forwards, their
+    allocations) counts only while no other has run."""
+    observed = history[-1][0]
+    history = tuple(entry for entry in history if not entry[2]) or history
+    compute = {name: statistics.median(seen[name][2] for seen, _, _ in history if name in seen)
+               for name in observed}
+    return ({name: (entries, passes, compute[name])
+             for name, (entries, passes, _) in observed.items()},
+            statistics.median(host for _, host, _ in history))
 
 
 def _plans_key(plans: Mapping[str, Plan]) -> tuple:

@@ -116,6 +116,10 @@ def choose(groups: Sequence[Workload], *, weights_budget: int, bandwidth: float,
             found = _best_within(fitting, slot, bound, room, overlap)
             if found is not None and (best is None or found[0] < best[0]):
                 best = found
+            if best is not None and _moves_nothing(best[1]):
+                break  # nothing moved: no plan costs less (seconds grow with bytes), stop here
+        if best is not None and _moves_nothing(best[1]):
+            break
     if best is None:
         raise DeviceMemoryError(_nothing_fits(groups, options, weights_budget))
     return {option.group: option.plan for option in best[1]}
@@ -210,6 +214,10 @@ def _best_within(fitting: Mapping[str, list[_Option]], slot: int, bound: int, ro
     kept, key, chosen = min(merged, key=lambda entry: entry[1])
     peak = kept[0] + max(o.local(slot) for o in chosen)
     return (key, peak), chosen
+
+
+def _moves_nothing(options: tuple[_Option, ...]) -> bool:
+    return all(option.nbytes == 0 for option in options)
 
 
 def _front(entries: list[tuple]) -> list[tuple]:
