@@ -61,7 +61,8 @@ def _observed(budget: int):
     def build():
         world = AutoWorld(budget=budget).add("a", "t")
         world.call()
-        world.call()  # the plan from the first call's observation is in force
+        world.call()
+        world.call()  # the plans after the first and the second call's observation are in force
         phase = _entered(world, "t")
         world.edit("t")
         phase.__exit__(None, None, None)

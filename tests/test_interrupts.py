@@ -45,7 +45,7 @@ from _interrupts import (
 #: accelerator) and keep to their stride.
 STRIDES = {"registration-module": 7, "registration-resident": 50, "registration-layers": 13,
            "layer-step": 5, "leaving-layers": 10, "prefetch": 20, "refresh": 41, "close": 50,
-           "enable": 1999, "disable": 211, "accelerator-change": 20, "accelerator-step": 40}
+           "enable": 1999, "disable": 211, "accelerator-change": 20, "accelerator-step": 60}
 EVERY_LINE = {"registration-module", "registration-resident", "layer-step", "prefetch", "close"}
 
 
@@ -218,7 +218,7 @@ def test_layer_mode_step(stride):
 @pytest.mark.gpu
 def test_layer_mode_step_on_an_accelerator(stride):
     """As above on the accelerator: two block slots, the copy stream one block ahead; each line
-    at its first and last execution, and every 40th point."""
+    at its first and last execution, and every 60th point."""
     device = torch.accelerator.current_accelerator()
     assert sweep(_edited_then_in("t", layered=True, device=device), _step, World.check,
                  stride=stride("accelerator-step")) > 200

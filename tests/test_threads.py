@@ -392,7 +392,7 @@ def test_reading_the_transition_log_while_another_thread_changes_phases(schedule
     thread = threading.Thread(target=swapper, name="swapper", daemon=True)
     thread.start()
     try:
-        for _ in range(3000):
+        for _ in range(1000):  # each read walks the whole log, which grows as phases change
             for record in scheduler.transitions:
                 assert record.to_group in (*groups.names, "vae", None)
             summarize(scheduler.transitions)

@@ -16,25 +16,27 @@ the second (its steady times), when a call's groups or parts changed size (a re-
 and when two calls in a row moved bytes off the prediction by more than ``drift``.
 
 [Note: the time model]
-Calls are marked or found as [Note: what a call is] in `residency.group.calls` says; each
-ends with its `CallRecord`, and `plan.measured` is that log: every call since the first, across
+Calls are marked or found as [Note: what a call is] in `residency.group.calls` says; each ends
+with its `CallRecord`, and `plan.measured` is that log: every call since the first, across
 re-plans.  While a call runs the planner counts each group's entries (switches to it) and passes
 (its phase entries, or its first streamed block's forwards where more), and each phase's seconds
 and the bytes moved in it (a switch's load belongs to the group switched to).  A call that ran
 alone and whole teaches the model, per group: entries, passes, and compute - its phases'
 seconds less their bytes at the measured copy bandwidth (`TransitionLog.timed_nbytes` /
 ``timed_seconds``); and per call the host seconds outside every exclusive group's phase, less
-any re-plan made inside it.  Compute and host seconds are the medians over the last three
-such calls under the plans in force (`_HISTORY`; a re-plan starts afresh, and the first call
-under new plans counts only until another has run), and after each such call with no plan due
-the plans in force are predicted again.  A plan predicts its bytes at that
-bandwidth on top, so the seconds it predicts are the span the records measure.  The first call's compute includes its
-one-off costs (reads, wrappers, allocations): the plan made after it takes the observed order,
-entries and passes; the plan after the second call is chosen again from steady times.  Either
-time the plans in force stay, their prediction renewed, unless the new choice moves fewer bytes
-or, on an accelerator, is predicted `BETTER_BY` faster (a re-plan evicts the current group, and
-timing noise must not make plans flap): with ``passes`` declared, the plan made at ``add``
-holds from the first call.
+the re-plans made inside it (the planner's search included).  Compute and host seconds are the
+medians over the last three such calls under the plans in force (`_HISTORY`; a re-plan starts
+afresh, and the first call under new plans counts only until another has run), and after each
+such call with no plan due the plans in force are predicted again.  A plan predicts its bytes at
+that bandwidth on top, so the seconds it predicts are the span the records measure.
+
+The first call's compute includes its one-off costs (reads, wrappers, allocations): the plan
+made after it takes the observed order, entries and passes; the plan after the second call is
+chosen again from steady times.  Either time the plans in force stay, their prediction renewed,
+unless the new choice moves fewer bytes or, on an accelerator, is predicted `BETTER_BY` faster
+(a re-plan evicts the current group, and timing noise must not make plans flap): with
+``passes`` declared, the plan made at ``add`` holds from the first call.
+
 [Note: roll-back]
 A plan chosen from measured calls on an accelerator (where the objective is predicted time, and a
 wrong time model picks a wrong plan) is on trial: the first call under it carries the re-plan's
@@ -84,7 +86,7 @@ __all__ = ["BETTER_BY", "ROLLBACK_MARGIN", "AutoPlan", "AutoPlanner"]
 #: How much faster (a fraction of its seconds) a plan chosen from measured calls must be
 #: predicted to run than the plans in force, moving no fewer bytes, to replace them.
 BETTER_BY = 0.05
-#: How much slower (a fraction of its seconds) the first call under a plan chosen from measured
+#: How much slower (a fraction of its seconds) the second call under a plan chosen from measured
 #: calls may run than the last call under the plan it replaced before it is rolled back.
 ROLLBACK_MARGIN = 0.10
 #: Copy bandwidth assumed before any copy was measured (bytes per second).
@@ -186,7 +188,7 @@ class AutoPlanner:
         #: A plan on trial: the plan it replaced, that plan's last call's seconds, and how many
         #: calls under the new plan are still to pass before the one that judges it.
         self._trial: tuple[AutoPlan, float, int] | None = None
-        #: The plan to roll back to at the next call's beginning, with the reason.
+        #: The plan to roll back to at the next call's beginning (`_due` says why).
         self._back_to: AutoPlan | None = None
         #: The plans rolled back from, and the inputs (`_inputs`) they were judged with.
         self._rejected: tuple[tuple, tuple] | None = None
@@ -482,7 +484,8 @@ def _plans_key(plans: Mapping[str, Plan]) -> tuple:
     return tuple(sorted(plans.items(), key=lambda item: item[0]))
 
 
-def _declared(order: tuple[str, ...], passes: Mapping[str, int]) -> dict[str, tuple[int, int, float]]:
+def _declared(order: tuple[str, ...],
+              passes: Mapping[str, int]) -> dict[str, tuple[int, int, float]]:
     """Entries (switches to it, the order taken as a cycle) and passes (phases, or the declared
     `passes`) per call of each group of a declared phase order or of `passes`."""
     counts: dict[str, tuple[int, int, float]] = {}
