@@ -99,8 +99,7 @@ def test_a_phase_change_under_an_auto_plan(budget, stride):
                  every_line=False) > 100
 
 
-@pytest.mark.beside
-def test_a_re_plan_for_a_new_budget(stride):
+def test_a_re_plan_for_a_new_budget(stride):  # in the parent: it balances the two cores
     """`set_device_budget` from a partly kept plan to a streaming one and back: every line
     (every 31st in CI)."""
     def replan(world):
