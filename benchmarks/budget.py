@@ -39,7 +39,7 @@ from benchmarks import simulator, wan_shaped
 from benchmarks.machine import describe_machine
 from residency import Scheduler, model_blocks
 
-__all__ = ["BUDGETS", "measure", "plain_output", "sweep", "write_plot"]
+__all__ = ["BUDGETS", "measure", "plain_output", "sweep", "sweep_on", "write_plot"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Budgets as fractions of the pipeline's weights.
@@ -158,6 +158,16 @@ def sweep(scale: str, device: torch.device) -> dict:
             "timing": SIM_TIMING if simulator.is_simulated(device) else None,
             "scale": scale, "total_nbytes": total, "module_and_layer_bit_identical": exact,
             "peers": _peers(c, state, device, plain), "rows": rows}
+
+
+def sweep_on(device: str, sweep, scale: str) -> dict:
+    """``sweep(scale, device)`` on the CPU ("cpu"), or on the simulated accelerator in its timing
+    mode (`SIM_TIMING`) for "sim": the two devices the budget benchmarks run on."""
+    if device == "sim":
+        sim = simulator.load(asynchronous=True)
+        with simulator.timing(**SIM_TIMING):
+            return sweep(scale, sim)
+    return sweep(scale, torch.device("cpu"))
 
 
 def plain_output(c, state, device) -> torch.Tensor:
@@ -299,12 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only draw benchmarks/results/budget.png from the JSONs there")
     args = parser.parse_args(argv)
     if not args.plot:
-        if args.device == "sim":
-            device = simulator.load(asynchronous=True)
-            with simulator.timing(**SIM_TIMING):
-                result = sweep(args.scale, device)
-        else:
-            result = sweep(args.scale, torch.device("cpu"))
+        result = sweep_on(args.device, sweep, args.scale)
         out = RESULTS / f"budget-{args.device}.json"
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(_table(result))

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import simulator, wan_shaped
-from benchmarks.budget import SIM_TIMING, config
+from benchmarks.budget import SIM_TIMING, config, sweep_on
 from benchmarks.machine import describe_machine
 from residency import Scheduler
 
@@ -139,12 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the JSON to write (default: results/plans-DEVICE.json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.device == "sim":
-        device = simulator.load(asynchronous=True)
-        with simulator.timing(**SIM_TIMING):
-            result = sweep(args.scale, device)
-    else:
-        result = sweep(args.scale, torch.device("cpu"))
+    result = sweep_on(args.device, sweep, args.scale)
     out = args.out or RESULTS / f"plans-{args.device}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(_table(result))

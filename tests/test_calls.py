@@ -16,6 +16,8 @@ from residency import PhaseError, Scheduler, SchedulerClosedError
 pytestmark = pytest.mark.fast
 
 WIDTH = 32
+#: An auto plan's options: a budget of the six layers' weight matrices (their biases aside).
+AUTO = {"device_budget": 6 * WIDTH * WIDTH * 4, "headroom": 0}
 #: How long a test thread waits for another before the test fails (never reached when it passes).
 BOUND_S = 30.0
 
@@ -62,8 +64,7 @@ def test_each_marked_call_is_counted_when_it_ends_and_the_bytes_sum_to_the_recor
     models = _models()
     x = torch.randn(2, WIDTH)
     with torch.no_grad():
-        scheduler = _scheduler(models, auto={"device_budget": 6 * WIDTH * WIDTH * 4,
-                                             "headroom": 0})
+        scheduler = _scheduler(models, auto=AUTO)
         before = _moved(scheduler)  # the loads of registration: before the first call
         numbers = []
         for call in range(3):
@@ -86,8 +87,7 @@ def test_a_re_plans_loads_land_in_the_next_call():
     models = _models()
     x = torch.randn(2, WIDTH)
     with torch.no_grad():
-        scheduler = _scheduler(models, auto={"device_budget": 6 * WIDTH * WIDTH * 4,
-                                             "headroom": 0})
+        scheduler = _scheduler(models, auto=AUTO)
         _run(scheduler, models, x)
         transitions = len(scheduler.transitions)
         _run(scheduler, models, x)  # begins with the plan "first call observed"
@@ -120,7 +120,7 @@ def test_unmarked_calls_of_an_auto_scheduler_end_where_the_next_begins():
     models = _models()
     x = torch.randn(2, WIDTH)
     with torch.no_grad():
-        scheduler = _scheduler(models, auto={"device_budget": 6 * WIDTH * WIDTH * 4})
+        scheduler = _scheduler(models, auto={"device_budget": AUTO["device_budget"]})
         before = _moved(scheduler)
         for _ in range(3):
             _run(scheduler, models, x, marked=False)
@@ -151,7 +151,7 @@ def test_overlapping_calls_are_marked_and_teach_the_plan_nothing():
             errors.append(error)
 
     with torch.no_grad():
-        scheduler = _scheduler(models, auto={"device_budget": 6 * WIDTH * WIDTH * 4})
+        scheduler = _scheduler(models, auto={"device_budget": AUTO["device_budget"]})
         before, plan = _moved(scheduler), scheduler.plan
         thread = threading.Thread(target=other, daemon=True)
         thread.start()
@@ -178,7 +178,7 @@ def test_host_time_outside_the_phases_is_in_the_prediction():
     models = _models()
     x = torch.randn(2, WIDTH)
     with torch.no_grad():
-        scheduler = _scheduler(models, auto={"device_budget": 6 * WIDTH * WIDTH * 4})
+        scheduler = _scheduler(models, auto={"device_budget": AUTO["device_budget"]})
         for _ in range(3):
             _run(scheduler, models, x, outside=lambda: time.sleep(0.05))
         plan = scheduler.plan

@@ -425,7 +425,6 @@ class AutoPlanner:
             name, began, moved = self._phase_start
             seconds, nbytes = self._phases.get(name, (0.0, 0))
             self._phases[name] = (seconds + now - began, nbytes + self._calls.moved() - moved)
-            self._phase_start = (name, now, self._calls.moved())
 
     def _block_forwards(self, since: float) -> dict[str, int]:
         """Forwards of each streaming group's first streamed block since `since` (a phase may
