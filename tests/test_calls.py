@@ -1,4 +1,4 @@
-"""Calls (residency/scheduler/calls.py): each call's bytes and span, counted from the first call
+"""Calls (residency/group/calls.py): each call's bytes and span, counted from the first call
 on - marked by hand, by the diffusers adapter, or found from the phase order - across re-plans,
 under concurrent calls, and what an auto plan learns from them."""
 
@@ -238,3 +238,42 @@ def test_a_call_that_raises_ends_raised():
                 raise ValueError("bad input")
         scheduler.close()
     assert [c.ending for c in scheduler.calls] == ["raised"]
+
+
+def test_an_interrupt_anywhere_in_a_calls_end_counts_it_once():
+    """[Note: one commit point] in residency/group/calls.py: an end cut short at any line
+    counts the call once - by its retry, or by the thread's next call - never twice."""
+    from tests._interrupts import sweep
+
+    x = torch.randn(2, WIDTH)
+
+    def build():
+        models = _models()
+        scheduler = _scheduler(models)
+        call = scheduler.call().begin()
+        _run(scheduler, models, x, marked=False)
+        return scheduler, models, call
+
+    def operation(world):
+        world[2].end()
+
+    def after(world):
+        scheduler, models, call = world
+        if call.record is None:
+            try:
+                call.end()  # the user's retry
+            except PhaseError:
+                pass
+        _run(scheduler, models, x)
+
+    def check(world):
+        scheduler = world[0]
+        calls = list(scheduler.calls)
+        assert [c.number for c in calls] == [1, 2], calls
+        assert scheduler.calls.count == 2 and not any(c.overlapped for c in calls)
+        assert [c.ending for c in calls] == ["returned", "returned"]
+        assert scheduler.calls.nbytes == sum(c.nbytes for c in calls) == _moved(scheduler)
+        scheduler.close()
+
+    with torch.no_grad():
+        assert sweep(build, operation, check, after=after) > 10

@@ -30,6 +30,16 @@ scheduler whose calls nobody marks - the span from one beginning of the phase or
   the line that would remember it) is closed by the thread's next call, and never marks every
   later call as overlapped.
 
+[Note: one commit point]
+An interrupt can land between any two lines (see [Note: interrupts] in
+`residency.scheduler.scheduler`), so a call's end is counted by one store: the log's `append`
+(`CallLog.newest` and its totals, in one line).  The open calls and the bytes at the last end
+follow from it: `_settle`, run at the start of every `begin` and `end` and again after the
+append, closes the call the log counted last.  An end cut short before the append counts
+nothing (the call is still open: its next end, or its thread's next call, counts it once); one
+cut short after it has counted the call exactly once.  A `begin` computes first and stores its
+fields in one line.
+
 Fields (guarded by the scheduler lock; `Calls` is their one mutator): ``log`` (its `CallLog`),
 ``_open`` (each open call's number: its beginning and thread), ``_overlapped`` (open calls that
 overlapped another), ``_moved_at_end`` (the records' bytes at the last end, None before the
@@ -69,7 +79,8 @@ class Calls:
     @property
     def open(self) -> int:
         """How many calls are open now."""
-        return len(self._open)
+        newest = self.log.newest
+        return len(self._open) - (newest is not None and newest.number in self._open)
 
     def moved(self) -> int:
         """The records' host-to-device bytes so far (transitions' and block copies')."""
@@ -78,33 +89,42 @@ class Calls:
     def begin(self, *, marked: bool) -> tuple[int, CallRecord | None]:
         """Open a call now on this thread: its number, and the record of the call this thread
         still had open (ended "found": one call per thread at a time), if any."""
+        self._settle()
         thread = threading.get_ident()
         left = next((n for n, (_, t) in self._open.items() if t == thread), None)
         found = None if left is None else self.end(left, "found")
-        if self._moved_at_end is None:
-            self._moved_at_end = self.moved()
         number = self._begun + 1
-        if self._open:
-            self._overlapped.update((*self._open, number))
-        self._open[number] = (time.perf_counter(), thread)
-        self._begun, self.marked = number, self.marked or marked
+        moved_at_end = self.moved() if self._moved_at_end is None else self._moved_at_end
+        overlapped = self._overlapped | ({*self._open, number} if self._open else set())
+        opened = {**self._open, number: (time.perf_counter(), thread)}
+        self._open, self._overlapped, self._moved_at_end, self._begun, self.marked = (  # one store
+            opened, overlapped, moved_at_end, number, self.marked or marked)
         return number, found
 
     def end(self, number: int, ending: str) -> CallRecord | None:
-        """Close call `number` now; its record (appended to the log), or None when it is not
-        open (a later call on its thread found it ended)."""
+        """Close call `number` now; its record (counted in the log), or None when it is not
+        open (a later call on its thread found it ended).  The log's `append` is the one commit
+        point (see [Note: one commit point])."""
+        self._settle()
         if number not in self._open:
-            return None
+            newest = self.log.newest  # an end an interrupt cut short after its commit
+            return newest if newest is not None and newest.number == number else None
         start = self._open[number][0]
-        moved = self.moved()
-        record = CallRecord(number=number, nbytes=moved - self._moved_at_end,
+        record = CallRecord(number=number, nbytes=self.moved() - self._moved_at_end,
                             seconds=time.perf_counter() - start, ending=ending,
                             overlapped=number in self._overlapped, start=start)
         self.log.append(record)
-        self._moved_at_end = moved
-        del self._open[number]
-        self._overlapped.discard(number)
+        self._settle()
         return record
+
+    def _settle(self) -> None:
+        """Make the open calls agree with the log: a call the log counted is no longer open."""
+        newest = self.log.newest
+        if newest is None or newest.number not in self._open:
+            return
+        still_open = {n: entry for n, entry in self._open.items() if n != newest.number}
+        self._open, self._overlapped, self._moved_at_end = (  # one store
+            still_open, self._overlapped - {newest.number}, self._moved_at_end + newest.nbytes)
 
     def __repr__(self) -> str:
         return f"<Calls {self._begun} begun, {len(self._open)} open>"

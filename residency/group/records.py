@@ -240,14 +240,30 @@ class CallLog(_KeptLog):
         super().__init__(limit)
         #: Calls ended since the scheduler was created, their bytes and their seconds.
         self.count, self.nbytes, self.seconds = 0, 0, 0.0
+        #: The newest record counted, or None: the log's commit point.  A record the deque holds
+        #: past it was appended by an `append` an interrupt cut short, and is dropped.
+        self.newest: CallRecord | None = None
 
     def append(self, record: CallRecord) -> None:
+        """Count `record`: it is in the totals and `newest` exactly when this returns."""
         locked(self._lock, self._append, record)
 
     def _append(self, record: CallRecord) -> None:
+        self._drop_uncounted()
         self._records.append(record)
-        self.count, self.nbytes, self.seconds = (  # one store: [Note: interrupts] in the facade
-            self.count + 1, self.nbytes + record.nbytes, self.seconds + record.seconds)
+        self.count, self.nbytes, self.seconds, self.newest = (  # one store: [Note: interrupts]
+            self.count + 1, self.nbytes + record.nbytes, self.seconds + record.seconds, record)
+
+    def _drop_uncounted(self) -> None:
+        if self._records and self._records[-1] is not self.newest:
+            self._records.pop()
+
+    def _snapshot(self) -> list:
+        kept = locked(self._lock, list, self._records)
+        return kept if not kept or kept[-1] is self.newest else kept[:-1]
+
+    def __len__(self) -> int:
+        return len(self._snapshot())
 
     def __iter__(self) -> Iterator[CallRecord]:
         return iter(self._snapshot())
