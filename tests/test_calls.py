@@ -134,7 +134,9 @@ def test_unmarked_calls_of_an_auto_scheduler_end_where_the_next_begins():
     assert len(after) == 3 and sum(c.nbytes for c in after) == moved - before
 
 
-def test_overlapping_calls_are_marked_and_teach_the_plan_nothing():
+@pytest.mark.parametrize("order", ["arrival", "group"])
+def test_overlapping_calls_are_marked_and_teach_the_plan_nothing(order):
+    """Under either order of turns (issue 46): the bytes still sum, and the plan holds."""
     models = _models()
     x = torch.randn(2, WIDTH)
     inside, release = threading.Event(), threading.Event()
@@ -151,7 +153,8 @@ def test_overlapping_calls_are_marked_and_teach_the_plan_nothing():
             errors.append(error)
 
     with torch.no_grad():
-        scheduler = _scheduler(models, auto={"device_budget": AUTO["device_budget"]})
+        scheduler = _scheduler(models, auto={"device_budget": AUTO["device_budget"]},
+                               order=order)
         before, plan = _moved(scheduler), scheduler.plan
         thread = threading.Thread(target=other, daemon=True)
         thread.start()
