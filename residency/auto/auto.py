@@ -13,7 +13,9 @@ object measures and decides when to plan again: when a group is added, when the 
 (`Scheduler.set_device_budget`), after the first call (the phase order it observed: the first
 call runs on a plan made as if each group were entered once per call, within the budget), after
 the second (its steady times), when a call's groups or parts changed size (a re-packed group),
-and when two calls in a row moved bytes off the prediction by more than ``drift``.
+when two calls in a row moved bytes off the prediction by more than ``drift``, and, on an
+accelerator, when another program takes the device memory the plan needs or gives it back
+([Note: co-tenants] in `residency.auto.room`).
 
 [Note: the time model]
 Calls are marked or found as [Note: what a call is] in `residency.group.calls` says; each ends
@@ -67,7 +69,9 @@ import time
 from collections.abc import Iterable, Mapping
 
 import attrs
+import torch
 
+from residency.core.errors import DeviceMemoryError
 from residency.options.budget import AutoOptions, counted, format_nbytes
 from residency.group.residency import Residency
 from residency.core.locks import locked
@@ -78,6 +82,7 @@ from residency.group.records import CallLog, CallRecord
 from residency.group.calls import Calls
 from residency.device.transport import (CpuTransport, Transport, device_total_memory,
                                        free_device_memory)
+from residency.auto.room import read_room, resize, short
 
 _log = logging.getLogger("residency")
 
@@ -158,6 +163,9 @@ class AutoPlanner:
         self._transitions, self._block_log, self._calls = calls.transitions, calls.block_log, calls
         self.budget, self.headroom = options.resolve(free_device_memory(placement.device),
                                                      device_total_memory(placement.device))
+        #: The budget the options resolved to; `budget` is less while a co-tenant holds the rest
+        #: ([Note: co-tenants] in `residency.auto.room`).
+        self.configured = self.budget
         self.plan: AutoPlan | None = None
         #: The sizes each group was planned for, by name (`_sizes`; written with ``plan``).
         self._planned_sizes: dict[str, _Sizes] = {}
@@ -196,16 +204,18 @@ class AutoPlanner:
     # -- planning --------------------------------------------------------------------------------
 
     def replan(self, groups: Iterable[Residency], reason: str, keep_same: bool = False,
-               plans: Mapping[str, Plan] | None = None) -> None:
-        """Choose every group's plan for the budget (or take `plans`: a roll-back) and carry it
-        out (called with no holders); with `keep_same` (a plan due from measured calls) the
-        plans in force may stay, their prediction renewed (`_keeps`), and a change is on trial
-        ([Note: roll-back]).  Raises `DeviceMemoryError` when nothing fits, nothing changed."""
+               plans: Mapping[str, Plan] | None = None, budget: int | None = None) -> None:
+        """Choose every group's plan for the budget (or for `budget`, which then becomes it; or
+        take `plans`: a roll-back) and carry it out (called with no holders); with `keep_same`
+        (a plan due from measured calls) the plans in force may stay, their prediction renewed
+        (`_keeps`), and a change is on trial ([Note: roll-back]).  Raises `DeviceMemoryError`
+        when nothing fits, nothing changed."""
         groups = list(groups)
+        budget = self.budget if budget is None else budget
         workloads = tuple(self._workload(group) for group in groups)
         bandwidth = _ASSUMED_BANDWIDTH[self._overlap] if self._collective else self._bandwidth()
         if plans is None:
-            plans = choose(workloads, weights_budget=self.budget - self.headroom,
+            plans = choose(workloads, weights_budget=budget - self.headroom,
                            bandwidth=bandwidth, overlap=self._overlap and not self._collective)
         host = 0.0 if self._collective else self._host
         predicted = predict(workloads, plans, bandwidth=bandwidth, overlap=self._overlap,
@@ -225,12 +235,13 @@ class AutoPlanner:
             for group in order:
                 self._placement.replan(group, plans[group.name])
             raise
-        self._placement.budget = self.budget - self.headroom
-        plan = AutoPlan(budget=self.budget, headroom=self.headroom, plans=plans,
+        self._placement.budget = budget - self.headroom
+        plan = AutoPlan(budget=budget, headroom=self.headroom, plans=plans,
                         predicted=predicted, workloads=workloads, reason=reason,
                         measured=self._calls.log)
         sizes = {w.name: (w.own, w.blocks) for w in workloads}
-        self.plan, self._planned_sizes = plan, sizes  # one line: see [Note: interrupts]
+        self.plan, self._planned_sizes, self.budget = plan, sizes, budget  # one line: see
+        # [Note: interrupts]
         self._drifted, self._trial, self._history = 0, trial, ()
 
     def _keeps(self, groups: list[Residency], workloads: tuple[Workload, ...],
@@ -285,12 +296,13 @@ class AutoPlanner:
         budget, headroom = options.resolve(
             free_device_memory(device, held=self._placement.device_nbytes),
             device_total_memory(device))
-        before = (self.options, self.budget, self.headroom)
-        self.options, self.budget, self.headroom = options, budget, headroom
+        before = (self.options, self.budget, self.headroom, self.configured)
+        self.options, self.budget, self.headroom, self.configured = (
+            options, budget, headroom, budget)
         try:
             self.replan(groups, f"device budget set to {device_budget!r}")
         except BaseException:
-            self.options, self.budget, self.headroom = before
+            self.options, self.budget, self.headroom, self.configured = before
             raise
 
     def _inputs(self) -> tuple:
@@ -342,6 +354,40 @@ class AutoPlanner:
             now = time.perf_counter()
             self._end_phase(now)
             self._phase_start = (group.name, now, self._calls.moved())
+            if no_holders and self._overlap and not self._collective:
+                self._fit_room(groups)
+
+    def switched(self) -> None:
+        """A switch is done: while the budget is below the configured one, the blocks it freed
+        go back to the device for its co-tenants ([Note: co-tenants] in `residency.auto.room`)."""
+        if self.budget < self.configured:
+            torch.accelerator.empty_cache()
+
+    def _fit_room(self, groups: Iterable[Residency]) -> None:
+        """Plan again within the device's room when a co-tenant took or gave back memory
+        ([Note: co-tenants] in `residency.auto.room`); a room no plan fits keeps the plan."""
+        device, placement = self._placement.device, self._placement
+        room = read_room(device, placement.device_nbytes)
+        if room is None or self.plan is None:
+            return
+        peak = self.plan.predicted.peak
+        if room.cached and short(room, peak, self.headroom):  # our cache first
+            torch.accelerator.empty_cache()
+            room = read_room(device, placement.device_nbytes)
+        change = resize(room, peak=peak, budget=self.budget, configured=self.configured,
+                        headroom=self.headroom)
+        if change is None:
+            return
+        budget, reason = change
+        began = time.perf_counter()
+        try:
+            self.replan(groups, reason, budget=budget)
+        except DeviceMemoryError as error:
+            _log.warning("auto plan kept: %s, but %s", reason, error)
+            return
+        self._one_off += time.perf_counter() - began  # no plan's cost
+        torch.accelerator.empty_cache()  # what the plan no longer keeps, to the co-tenant
+        _log.warning("auto plan %s", reason)
 
     def call_began(self, groups: Iterable[Residency], no_holders: bool) -> None:
         """A call began: its counts start at zero; a plan due is made now when no phase is

@@ -215,6 +215,8 @@ class PhaseGate:
         try:
             if self.placement.current is not turn.group:
                 self.placement.switch_to(turn.group, turn.choice)
+                if self.auto is not None:
+                    self.auto.switched()
         except BaseException as error:
             back = self.holds.refuse(turn, error)
             if back is not None:
