@@ -151,3 +151,46 @@ def test_a_master_past_the_cgroup_limit_is_refused_instead_of_killing_the_proces
            f"{group} leaves" in message
     assert f"cgroup {group} limit 1.2 GiB" in message and "nothing was allocated" in message
     assert "host={'memory_limit': ..., 'spill_directory': ...}" in message
+
+
+SPILL_CHILD = textwrap.dedent("""
+    import json, os, sys
+    with open(sys.argv[1] + "/cgroup.procs", "w") as procs:
+        procs.write(str(os.getpid()))
+    import torch
+    from torch import nn
+    from residency import Scheduler
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4096, 4096, bias=False) for _ in range(12)))  # 768 MiB
+    x = torch.randn(2, 4096)
+    with torch.no_grad():
+        expected = model(x)
+    scheduler = Scheduler("cpu", host={"spill_directory": sys.argv[2]})
+    scheduler.add("dit", model)
+    with torch.no_grad(), scheduler.resident("dit"):
+        same = bool(torch.equal(model(x), expected))
+    spilled = scheduler["dit"].host_master.spill is not None
+    scheduler.close()
+    print(json.dumps({"same": same, "spilled": spilled, "left": os.listdir(sys.argv[2])}))
+""")
+
+
+def test_with_a_spill_directory_a_master_past_the_cgroup_limit_spills_instead(tmp_path):
+    """The same 768 MiB in a 1,200 MiB cgroup, its tensors freed as they are packed, and
+    ``host={"spill_directory": ...}``: the master that has no room in memory is file-backed
+    there instead of refused, and the model runs bit-identical; nothing is left in the
+    directory."""
+    group = _make_cgroup(1200 * MiB)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    try:
+        done = subprocess.run([sys.executable, "-c", SPILL_CHILD, str(group), str(spill)],
+                              capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        group.rmdir()
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"same": True, "spilled": True, "left": []}, result
+    assert "host masters that do not fit are file-backed in" in done.stderr

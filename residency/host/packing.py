@@ -84,7 +84,7 @@ from residency.device.host_memory import host_memory
 from residency.device.transport import Transport
 from residency.options.budget import format_nbytes
 
-__all__ = ["Packer", "check_host_room"]
+__all__ = ["Packer", "check_host_room", "host_room_error"]
 
 _log = logging.getLogger("residency")
 
@@ -108,6 +108,9 @@ class Packer:
         #: Which masters are file-backed beyond ``memory_limit``, and whose pages are in
         #: (`residency.host.host_tier`); None without a limit.
         self.tier = HostTier.for_options(self.host, accelerator=transport.can_pin())
+        #: With ``spill_directory`` and no ``memory_limit``: the tier of the masters the process
+        #: had no room for, made at the first (`_spill_past_room`); else None.
+        self._spill_tier: HostTier | None = None
         #: The ranks of this host, when several share host masters (see [Note: one host copy per
         #: node]); None for a single process.
         self._node = node if node is not None and node.local_world_size > 1 else None
@@ -153,6 +156,10 @@ class Packer:
         tier = self.tier
         if tier is not None and tier.file_backs(name, inventory):  # host smaller than the model
             return tier.pack(name, inventory, self._transport)
+        if tier is None and self.host.spill_directory is not None and self._node is None:
+            spilled = self._spill_past_room(name, inventory)
+            if spilled is not None:
+                return spilled
         files = cached = None
         if self._caching(inventory):
             files = self._file_sources(inventory)
@@ -175,6 +182,25 @@ class Packer:
             _log.info("group %r: host master written to the warm-restart cache %s", name,
                       cached[0])
         return master
+
+    def _spill_past_room(self, name: str, inventory: Inventory) -> HostMaster | None:
+        """With ``spill_directory`` and no ``memory_limit``: a master the process has no room
+        for (`check_host_room`) is file-backed there instead of refused; None when it fits in
+        memory.  The masters it spills share one tier, whose limit is the room the process had
+        at the first, with that group's bytes (its tensors are freed once they point at the
+        master, unless the caller keeps them): their pages are paged in and dropped within it,
+        and beyond it the kernel reclaims them (clean file pages), never the OOM killer."""
+        nbytes = inventory.layout.nbytes
+        if host_room_error(name, nbytes) is None:
+            return None
+        if self._spill_tier is None:
+            room, source = host_memory().room()
+            self._spill_tier = HostTier((room or 0) + nbytes, self.host.spill_directory,
+                                        "spill_directory", accelerator=self._transport.can_pin())
+            _log.warning("host memory is short (%s leaves %s): host masters that do not fit "
+                         "are file-backed in %s", source, format_nbytes(room or 0),
+                         self.host.spill_directory)
+        return self._spill_tier.pack(name, inventory, self._transport)
 
     def _pack_private(self, name: str, inventory: Inventory, files) -> HostMaster:
         """A master of this process's own memory, pinned when it can be; `files`: the regions'
@@ -311,13 +337,21 @@ def check_host_room(name: str, nbytes: int) -> None:
     """Refuse, before anything is allocated, a host master of `nbytes` for group `name` that
     the process cannot take: more than MemAvailable or its memory cgroup's room ([Note: the limit
     that kills] in `residency.device.host_memory`), naming need, room and source."""
+    error = host_room_error(name, nbytes)
+    if error is not None:
+        raise error
+
+
+def host_room_error(name: str, nbytes: int) -> HostMemoryError | None:
+    """The refusal `check_host_room` raises for a master of `nbytes`, or None when it fits."""
     memory = host_memory()
     room, source = memory.room()
     if room is None or nbytes <= room:
-        return
-    raise HostMemoryError(
+        return None
+    return HostMemoryError(
         f"cannot add group {name!r}: its host master needs {format_nbytes(nbytes)} and "
         f"{source} leaves {format_nbytes(room)} ({memory.describe()}); nothing was allocated "
         "and the weights keep their values. Keep masters beyond a limit file-backed with the "
-        "host tier (host={'memory_limit': ..., 'spill_directory': ...}), raise the limit, or "
+        "host tier (host={'memory_limit': ..., 'spill_directory': ...}, or only "
+        "{'spill_directory': ...}: masters past the room spill there), raise the limit, or "
         "free host memory")
