@@ -12,6 +12,7 @@ from torch import nn
 
 from residency import Scheduler, ResidencyState
 from residency.host.memory import Progress
+from residency.options.budget import format_nbytes
 
 from _accelerator import (device as accelerator_device, host_synchronisations, is_simulated,
                           no_host_synchronisation)
@@ -183,6 +184,33 @@ def test_host_masters_are_pinned_at_about_one_times_the_weights():
     assert group.host_master.pinned
     assert all(chunk.is_pinned() for chunk in group.host_master.chunks)
     assert group.host_master.nbytes <= 1.02 * group.nbytes
+
+
+@pytest.mark.gpu
+def test_the_pinned_bytes_reported_are_the_bytes_requested_and_what_the_allocator_holds():
+    """Issue 48: `Scheduler.host_usage` says every master's bytes are pinned; on the simulated
+    device the pinned allocator holds them, within its 512-byte rounding of each chunk (CUDA's
+    would round each up to a power of two: there the masters are page-locked at their exact
+    size instead, [Note: exact-size pinned memory])."""
+    device = _device()
+    if not is_simulated(device):
+        pytest.skip("reads the simulated device's pinned allocator")
+    import simdevice
+
+    before = simdevice.pinned_bytes()
+    scheduler = Scheduler(device, chunk_nbytes=2**20)
+    scheduler.add("a", _big_group(depth=3))
+    scheduler.add("b", _big_group(width=1000, depth=2))
+    usage = scheduler.host_usage
+    chunks = sum(len(master.chunks) for name in scheduler
+                 for master in scheduler[name].host_masters)
+    assert usage.pinned == usage.requested == sum(
+        scheduler[name].host_master.nbytes for name in scheduler)
+    assert usage.describe() == (f"host masters: {format_nbytes(usage.requested, digits=1)} "
+                                f"requested, {format_nbytes(usage.pinned, digits=1)} pinned")
+    held = simdevice.pinned_bytes() - before
+    assert usage.pinned <= held < usage.pinned + 512 * chunks, (held, usage, chunks)
+    scheduler.close()
 
 
 @pytest.mark.gpu

@@ -346,6 +346,24 @@ def test_on_an_accelerator_the_report_compares_allocator_peaks_and_times_each_ch
     assert [row.split()[:3] for row in rows] == [["-", "->", "text_encoder"],
                                                 ["text_encoder", "->", "transformer"],
                                                 ["transformer", "->", "transformer_2"]]
+    # Issue 48: the host masters' pinned bytes against the bytes requested, and what module
+    # mode costs where the device would hold every group (the tiny pipeline: it would).
+    host = re.fullmatch(r"host masters: ([\d.]+ KiB) requested, ([\d.]+ KiB) pinned",
+                        next(line for line in lines if line.startswith("host masters: ")))
+    assert host and host[1] == host[2], host
+    assert any(line.startswith("module mode moves every exclusive group's bytes at every call")
+               and line.endswith('{"mode": "auto"} would keep them on the device and move '
+                                 'nothing after the first call') for line in lines)
+
+
+def test_on_the_cpu_the_report_gives_the_host_masters_and_no_module_mode_cost(capsys,
+                                                                             monkeypatch):
+    quiet(monkeypatch)
+    lines = report_of(capsys, "--size", "tiny", "--steps", "2")
+    assert re.fullmatch(r"host masters: [\d.]+ KiB requested, 0 B pinned \(the CPU device "
+                        r"copies from pageable memory\)",
+                        next(line for line in lines if line.startswith("host masters: ")))
+    assert not any(line.startswith("module mode moves") for line in lines)
 
 
 # -- the picture ----------------------------------------------------------------------------------

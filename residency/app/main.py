@@ -62,6 +62,7 @@ from residency.options.budget import counted, format_nbytes
 from residency.core.errors import ResidencyError
 from residency.scheduler.scheduler import Scheduler
 from residency.app.checks import PLOT_SUFFIXES, check_arguments
+from residency.pipelines.discovery import module_mode_cost
 from residency.app.plot import write_plot
 from residency.app.synthetic import SIZES, SyntheticWan22
 from residency.app.timeline import (
@@ -749,6 +750,13 @@ def _report(run: Run, config: OffloadConfig, device: torch.device) -> str:
     lines.append(format_device_bytes(plain=run.plain_device_bytes,
                                      storage_peak=run.peak_device_bytes,
                                      allocator_peak=run.allocator_peak, device=device))
+    usage = getattr(run.scheduler, "host_usage", None)  # NoOffload keeps no host masters
+    if usage is not None:
+        lines.append(usage.describe() + (" (the CPU device copies from pageable memory)"
+                                         if device.type == "cpu" else ""))
+    cost = module_mode_cost(run.scheduler, config.mode)
+    if cost is not None:
+        lines.append(cost)
     rows = timeline_rows(run.records, run.recorder, first_index=run.first_index)
     lines.append(format_timeline(rows, device=device))
     if device.type != "cpu" and run.recorder is None:

@@ -171,6 +171,11 @@ class Residency:
         return (*self.apart, *(part for stream in self.streams for part in stream.parts))
 
     @property
+    def host_masters(self) -> tuple[HostMaster, ...]:
+        """The own part's host master, then each part's apart from it."""
+        return (self.host_master, *(part.host_master for part in self.parts))
+
+    @property
     def device_need(self) -> int:
         """Device bytes the group needs while current (`device_need`)."""
         return device_need(self.inventory, (p.inventory for p in self.parts), self.sharded)

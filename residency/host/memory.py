@@ -33,12 +33,14 @@ and the buffer is abandoned (left to its alias) and a fresh one allocated.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
 import warnings
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from residency.core.errors import WeightFileError
@@ -49,9 +51,10 @@ from residency.core.locks import in_context
 from residency.modules.tensors import Inventory, data_ptrs, make_views, repoint
 from residency.device.host_memory import host_memory
 from residency.device.transport import Transport
+from residency.options.budget import format_nbytes
 
 __all__ = [
-    "DeviceStorage", "HostMaster", "PROGRESS_THRESHOLD", "Progress", "allocate_chunk",
+    "DeviceStorage", "HostMaster", "HostUsage", "PROGRESS_THRESHOLD", "Progress", "allocate_chunk",
     "copy_region_into", "refuse_cut_files", "views_into_chunk",
 ]
 
@@ -59,7 +62,55 @@ __all__ = [
 PROGRESS_THRESHOLD = 2**30
 
 _log = logging.getLogger("residency")
+_size = functools.partial(format_nbytes, digits=1)
 _use_count = torch._C._storage_Use_Count
+
+
+@attrs.frozen(kw_only=True)
+class HostUsage:
+    """The host bytes a scheduler's masters hold (`Scheduler.host_usage`).
+
+        usage = scheduler.host_usage
+        usage.requested, usage.pinned      # every master's bytes; of those, page-locked
+        print(usage.describe())            # "host masters: 1.2 GiB requested, 1.2 GiB pinned"
+
+    `requested` is every master's chunks as allocated (each storage once): on CUDA a pinned
+    master is page-locked at exactly that size ([Note: exact-size pinned memory] in
+    `residency.device.transport`), where PyTorch's pinned allocator would round each request
+    up to a power of two.  `pinned` is the page-locked part, `file_backed` the part in files of
+    the host tier (paged in as loads need it), `shared` the part in node-shared segments (one
+    copy per host, counted by each rank).
+    """
+
+    requested: int
+    pinned: int
+    file_backed: int
+    shared: int
+
+    @classmethod
+    def of(cls, masters) -> HostUsage:
+        """The usage of `masters` (`HostMaster` objects, each storage counted once)."""
+        seen: set[int] = set()
+        totals = dict.fromkeys(("requested", "pinned", "file_backed", "shared"), 0)
+        for master in masters:
+            for chunk in master.chunks:
+                storage = chunk.untyped_storage()
+                if storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                nbytes = chunk.nbytes
+                totals["requested"] += nbytes
+                totals["pinned"] += nbytes if master.pinned else 0
+                totals["file_backed"] += nbytes if master.spill is not None else 0
+                totals["shared"] += nbytes if master.shared_group is not None else 0
+        return cls(**totals)
+
+    def describe(self) -> str:
+        """One line: requested and pinned, and what is file-backed or shared when any is."""
+        from_files = (f", {_size(self.file_backed)} file-backed" if self.file_backed else "")
+        shared = f", {_size(self.shared)} node-shared" if self.shared else ""
+        return (f"host masters: {_size(self.requested)} requested, {_size(self.pinned)} "
+                f"pinned{from_files}{shared}")
 
 
 class HostMaster:

@@ -63,6 +63,7 @@ __all__ = [
     "check_transfers_have_ranks",
     "declares_components",
     "group_components",
+    "module_mode_cost",
     "note_module_mode_cost",
     "resolve_path",
     "scheduler_from_pipeline",
@@ -784,24 +785,32 @@ def scheduler_from_pipeline(
 
 
 def note_module_mode_cost(scheduler, mode: str) -> bool:
-    """Say, in one log line, what module mode costs where it is not needed: on an accelerator
-    whose free memory (the scheduler's own storage counted as free) would hold every group, it
-    still moves every exclusive group's bytes at every call, while ``{"mode": "auto"}`` would
-    keep them all and move nothing after the first call.  Returns whether it said so.
+    """Say, in one log line, what module mode costs where it is not needed
+    (`module_mode_cost`); returns whether it said so.
 
         note_module_mode_cost(scheduler, config.mode)   # after the groups are registered
     """
+    cost = module_mode_cost(scheduler, mode)
+    if cost is not None:
+        _log.warning("%s", cost)
+    return cost is not None
+
+
+def module_mode_cost(scheduler, mode: str) -> str | None:
+    """What module mode costs where it is not needed, or None: on an accelerator whose free
+    memory (the scheduler's own storage counted as free) would hold every group, it still moves
+    every exclusive group's bytes at every call, while ``{"mode": "auto"}`` would keep them all
+    and move nothing after the first call."""
     device = getattr(scheduler, "device", None)
     if mode != "module" or device is None or device.type == "cpu":
-        return False
+        return None
     free = free_device_memory(device, held=scheduler.device_nbytes)
     groups = [scheduler[name] for name in scheduler]
     moved = sum(group.nbytes for group in groups if group.exclusive)
     if free is None or sum(group.nbytes for group in groups) > free:
-        return False
-    _log.warning(
-        "module mode moves every exclusive group's bytes at every call (%s here, %d groups), "
-        "yet this %s has %s free, enough to hold all of them: {\"mode\": \"auto\"} would keep "
-        "them on the device and move nothing after the first call",
-        format_nbytes(moved), sum(g.exclusive for g in groups), device, format_nbytes(free))
-    return True
+        return None
+    return ("module mode moves every exclusive group's bytes at every call "
+            f"({format_nbytes(moved)} here, {sum(g.exclusive for g in groups)} groups), yet this "
+            f"{device} has {format_nbytes(free)} free, enough to hold all of them: "
+            "{\"mode\": \"auto\"} would keep them on the device and move nothing after the "
+            "first call")

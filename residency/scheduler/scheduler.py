@@ -71,6 +71,7 @@ from residency.placement.layers import as_model_blocks, auto_blocks, streamed_mo
 from residency.core.locks import locked, new_lock
 from residency.group.no_offload import NoOffload
 from residency.multirank.node import node_view
+from residency.host.memory import HostUsage
 from residency.host.packing import Packer
 from residency.placement.placement import Placement
 from residency.group.records import BlockLog, CallLog, CallRecord, TransitionLog, WaitLog, WaitStats
@@ -302,6 +303,12 @@ class Scheduler:
     def pin_memory(self) -> bool:
         """Whether host masters are pinned (off, with a warning, after a failure to pin)."""
         return self._packer.pin_memory
+
+    @property
+    def host_usage(self) -> HostUsage:
+        """The host bytes the groups' masters hold: requested, pinned, file-backed, shared."""
+        return locked(self._lock, HostUsage.of, (master for group in self._registry for master
+                                                 in group.host_masters))
 
     @property
     def wait_timeout(self) -> float | None:
