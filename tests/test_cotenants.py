@@ -24,7 +24,7 @@ MiB = 2**20
 WIDTH = 256  # a 256 KiB weight per block: the groups are a few MiB
 #: Every how many line events the co-tenant sweep interrupts (each line at its first and last
 #: execution would cost minutes on the simulated device).
-SWEEP_STRIDE = 25
+SWEEP_STRIDE = 50
 
 
 # -- the decision (fast) -----------------------------------------------------------------------

@@ -171,16 +171,19 @@ SPILL_CHILD = textwrap.dedent("""
     with torch.no_grad(), scheduler.resident("dit"):
         same = bool(torch.equal(model(x), expected))
     spilled = scheduler["dit"].host_master.spill is not None
+    usage = scheduler.host_usage  # the file's chunks, each counted
+    counted = usage.file_backed == usage.requested == scheduler["dit"].host_master.nbytes
     scheduler.close()
-    print(json.dumps({"same": same, "spilled": spilled, "left": os.listdir(sys.argv[2])}))
+    print(json.dumps({"same": same, "spilled": spilled, "counted": counted,
+                      "left": os.listdir(sys.argv[2])}))
 """)
 
 
 def test_with_a_spill_directory_a_master_past_the_cgroup_limit_spills_instead(tmp_path):
     """The same 768 MiB in a 1,200 MiB cgroup, its tensors freed as they are packed, and
     ``host={"spill_directory": ...}``: the master that has no room in memory is file-backed
-    there instead of refused, and the model runs bit-identical; nothing is left in the
-    directory."""
+    there instead of refused, the model runs bit-identical, `host_usage` counts every chunk of
+    the file as file-backed; nothing is left in the directory."""
     group = _make_cgroup(1200 * MiB)
     spill = tmp_path / "spill"
     spill.mkdir()
@@ -192,5 +195,5 @@ def test_with_a_spill_directory_a_master_past_the_cgroup_limit_spills_instead(tm
         group.rmdir()
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result == {"same": True, "spilled": True, "left": []}, result
+    assert result == {"same": True, "spilled": True, "counted": True, "left": []}, result
     assert "host masters that do not fit are file-backed in" in done.stderr

@@ -240,8 +240,7 @@ class AutoPlanner:
                         predicted=predicted, workloads=workloads, reason=reason,
                         measured=self._calls.log)
         sizes = {w.name: (w.own, w.blocks) for w in workloads}
-        self.plan, self._planned_sizes, self.budget = plan, sizes, budget  # one line: see
-        # [Note: interrupts]
+        self.plan, self._planned_sizes, self.budget = plan, sizes, budget  # one store
         self._drifted, self._trial, self._history = 0, trial, ()
 
     def _keeps(self, groups: list[Residency], workloads: tuple[Workload, ...],

@@ -263,7 +263,8 @@ class CallLog(_KeptLog):
         return kept if not kept or kept[-1] is self.newest else kept[:-1]
 
     def __len__(self) -> int:
-        return len(self._snapshot())
+        kept = len(self._records)
+        return kept - (kept > 0 and self._records[-1] is not self.newest)
 
     def __iter__(self) -> Iterator[CallRecord]:
         return iter(self._snapshot())

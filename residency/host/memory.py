@@ -54,8 +54,8 @@ from residency.device.transport import Transport
 from residency.options.budget import format_nbytes
 
 __all__ = [
-    "DeviceStorage", "HostMaster", "HostUsage", "PROGRESS_THRESHOLD", "Progress", "allocate_chunk",
-    "copy_region_into", "refuse_cut_files", "views_into_chunk",
+    "DeviceStorage", "HostMaster", "HostUsage", "PROGRESS_THRESHOLD", "Progress",
+    "allocate_chunk", "copy_region_into", "refuse_cut_files", "views_into_chunk",
 ]
 
 #: Building a host master larger than this shows progress (registration of many GiB takes seconds).
@@ -74,7 +74,7 @@ class HostUsage:
         usage.requested, usage.pinned      # every master's bytes; of those, page-locked
         print(usage.describe())            # "host masters: 1.2 GiB requested, 1.2 GiB pinned"
 
-    `requested` is every master's chunks as allocated (each storage once): on CUDA a pinned
+    `requested` is every master's chunks as allocated (each chunk once): on CUDA a pinned
     master is page-locked at exactly that size ([Note: exact-size pinned memory] in
     `residency.device.transport`), where PyTorch's pinned allocator would round each request
     up to a power of two.  `pinned` is the page-locked part, `file_backed` the part in files of
@@ -89,15 +89,14 @@ class HostUsage:
 
     @classmethod
     def of(cls, masters) -> HostUsage:
-        """The usage of `masters` (`HostMaster` objects, each storage counted once)."""
-        seen: set[int] = set()
+        """The usage of `masters` (`HostMaster` objects, each chunk counted once)."""
+        seen: set[tuple[int, int]] = set()
         totals = dict.fromkeys(("requested", "pinned", "file_backed", "shared"), 0)
         for master in masters:
             for chunk in master.chunks:
-                storage = chunk.untyped_storage()
-                if storage.data_ptr() in seen:
+                if (chunk.data_ptr(), chunk.nbytes) in seen:
                     continue
-                seen.add(storage.data_ptr())
+                seen.add((chunk.data_ptr(), chunk.nbytes))
                 nbytes = chunk.nbytes
                 totals["requested"] += nbytes
                 totals["pinned"] += nbytes if master.pinned else 0

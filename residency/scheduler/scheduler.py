@@ -213,16 +213,17 @@ class PhaseGate:
         """Carry out `turn`: the placement makes its group current, then the holds grant it.  A
         switch that fails is refused and raised, the thread given back the group it held when
         the turn says so."""
+        switching = self.placement.current is not turn.group
         try:
-            if self.placement.current is not turn.group:
+            if switching:
                 self.placement.switch_to(turn.group, turn.choice)
-                if self.auto is not None:
-                    self.auto.switched()
         except BaseException as error:
             back = self.holds.refuse(turn, error)
             if back is not None:
                 self._give_back(back, error)
             raise
+        if switching and self.auto is not None:
+            self.auto.switched()  # a co-tenant gets back what the switch freed
         return self.holds.grant(turn)
 
     def _give_back(self, turn: Turn, error: BaseException) -> None:
