@@ -53,6 +53,7 @@ from residency.group.records import (
 from residency.options.order import TurnOrder
 from residency.scheduler.scheduler import Phase, Scheduler
 from residency.pipelines.split import SplitModel
+from residency.host.memory import HostUsage
 from residency.device.transport import AcceleratorTransport, Completion, CpuTransport, Transport
 from residency.core.enums import PhaseStatus
 
@@ -89,6 +90,7 @@ __all__ = [
     "ModelBlocks",
     # records
     "CallRecord",
+    "HostUsage",
     "summarize",
     "TurnChoice",
     "WaitStats",
