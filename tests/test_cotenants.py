@@ -129,7 +129,7 @@ def _weights(models) -> int:
     return sum(p.nbytes for m in models.values() for p in m.parameters())
 
 
-def _world(device, headroom: int):
+def _world(device, headroom: int, budget: int | None = None):
     """An auto scheduler whose budget holds everything with room to spare, the never-offloaded
     twin's outputs, and the capacity the device is given: what it holds now plus the budget."""
     probe = _Probe()
@@ -138,7 +138,7 @@ def _world(device, headroom: int):
     x = torch.randn(4, WIDTH, device=device)
     expected = _call(plain, x)
     del plain
-    budget = 2 * _weights(models)
+    budget = 2 * _weights(models) if budget is None else budget
     scheduler = Scheduler(device, auto={"device_budget": budget, "headroom": headroom})
     for name in ("text_encoder", "high_noise", "low_noise"):
         scheduler.add(name, models[name].to(device), detect_edits=False)
@@ -239,3 +239,47 @@ def test_an_interrupt_anywhere_in_a_re_plan_a_co_tenant_caused_loses_nothing():
 
     with simdevice.controls(capacity=capacity):
         assert sweep(build, operation, check, stride=SWEEP_STRIDE, every_line=False) > 100
+
+
+@pytest.mark.gpu
+def test_a_room_no_plan_fits_keeps_the_plan_and_says_so_once(caplog):
+    """A co-tenant takes nearly everything: no plan fits what is left.  The plan in force stays
+    (its groups all on the device, the phases still run: nothing has to be allocated), with one
+    warning, not one per switch; once the co-tenant leaves, nothing more is said and the calls
+    run bit-identical."""
+    import logging
+
+    device = torch.accelerator.current_accelerator()
+    import simdevice
+
+    torch.accelerator.synchronize()
+    torch.accelerator.empty_cache()
+    headroom = 8 * MiB  # more than the weights: with the room theirs, nothing is left for them
+    capacity = torch.accelerator.memory_reserved() + 64 * MiB
+    with simdevice.controls(capacity=capacity):
+        scheduler, models, _, x, expected = _world(device, headroom, budget=32 * MiB)
+        try:
+            for _ in range(2):
+                assert _same(_call(models, x, scheduler), expected)
+            plan = scheduler.plan
+            torch.accelerator.synchronize()
+            torch.accelerator.empty_cache()
+            hog = torch.empty(torch.accelerator.get_memory_info()[0] - WIDTH * WIDTH,
+                              dtype=torch.uint8, device=device)
+            with caplog.at_level(logging.WARNING, logger="residency"):
+                assert _same(_call(models, x, scheduler), expected)  # three switches
+                kept = [r.getMessage() for r in caplog.records
+                        if r.getMessage().startswith("auto plan kept: ")]
+                assert len(kept) == 1, kept
+                assert "planned within" in kept[0] and "no plan of the groups" in kept[0]
+                assert scheduler.plan.plans == plan.plans  # kept (its prediction renewed)
+                assert scheduler.plan.budget == plan.budget
+                del hog
+                torch.accelerator.synchronize()  # its block is free once the device is done
+                torch.accelerator.empty_cache()
+                for _ in range(2):
+                    assert _same(_call(models, x, scheduler), expected)
+            assert len([r for r in caplog.records
+                        if r.getMessage().startswith("auto plan kept: ")]) == 1
+        finally:
+            scheduler.close()

@@ -82,7 +82,7 @@ from residency.group.records import CallLog, CallRecord
 from residency.group.calls import Calls
 from residency.device.transport import (CpuTransport, Transport, device_total_memory,
                                        free_device_memory)
-from residency.auto.room import read_room, resize, short
+from residency.auto.room import resize, room_for
 
 _log = logging.getLogger("residency")
 
@@ -166,6 +166,8 @@ class AutoPlanner:
         #: The budget the options resolved to; `budget` is less while a co-tenant holds the rest
         #: ([Note: co-tenants] in `residency.auto.room`).
         self.configured = self.budget
+        #: The room (a budget) no plan fitted at the last co-tenant re-plan, or None.
+        self._unfit: int | None = None
         self.plan: AutoPlan | None = None
         #: The sizes each group was planned for, by name (`_sizes`; written with ``plan``).
         self._planned_sizes: dict[str, _Sizes] = {}
@@ -353,7 +355,7 @@ class AutoPlanner:
             now = time.perf_counter()
             self._end_phase(now)
             self._phase_start = (group.name, now, self._calls.moved())
-            if no_holders and self._overlap and not self._collective:
+            if no_holders and self._overlap and not self._collective and self.plan is not None:
                 self._fit_room(groups)
 
     def switched(self) -> None:
@@ -365,25 +367,25 @@ class AutoPlanner:
     def _fit_room(self, groups: Iterable[Residency]) -> None:
         """Plan again within the device's room when a co-tenant took or gave back memory
         ([Note: co-tenants] in `residency.auto.room`); a room no plan fits keeps the plan."""
-        device, placement = self._placement.device, self._placement
-        room = read_room(device, placement.device_nbytes)
-        if room is None or self.plan is None:
-            return
         peak = self.plan.predicted.peak
-        if room.cached and short(room, peak, self.headroom):  # our cache first
-            torch.accelerator.empty_cache()
-            room = read_room(device, placement.device_nbytes)
-        change = resize(room, peak=peak, budget=self.budget, configured=self.configured,
-                        headroom=self.headroom)
+        room = room_for(self._placement.device, self._placement.device_nbytes, peak,
+                        self.headroom)
+        change = None if room is None else resize(
+            room, peak=peak, budget=self.budget, configured=self.configured,
+            headroom=self.headroom)
         if change is None:
             return
         budget, reason = change
+        if self._unfit is not None and budget <= self._unfit:
+            return  # no plan fits it: said once, tried again when the room grows
         began = time.perf_counter()
         try:
             self.replan(groups, reason, budget=budget)
         except DeviceMemoryError as error:
+            self._unfit = budget
             _log.warning("auto plan kept: %s, but %s", reason, error)
             return
+        self._unfit = None
         self._one_off += time.perf_counter() - began  # no plan's cost
         torch.accelerator.empty_cache()  # what the plan no longer keeps, to the co-tenant
         _log.warning("auto plan %s", reason)
