@@ -47,9 +47,8 @@ kept bytes and least cost). A larger bound leaves less room, so a bound where no
 skipped, and so is one whose least possible cost (each group's cheapest option within the room)
 does not beat the best found. When those cheapest options fit the room together they are the
 bound's answer, with no merge. The search is exact for this model: tests/test_planner.py compares
-the choice with a brute force over every placement of every part. Measured on a Wan-shaped pipeline
-with 40-block experts: 0.02-0.2 s per search, against 0.3-7 s for the merge of every front at every
-bound it replaced (benchmarks/README.md).
+the choice with a brute force over every placement of every part. What a search costs, against
+merging every front at every bound: benchmarks/README.md ("Plans that hold").
 """
 
 from __future__ import annotations
