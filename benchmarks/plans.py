@@ -4,6 +4,7 @@ steady calls measure, at three device budgets, with and without classifier-free 
     python -m benchmarks.plans                     # CPU -> results/plans-cpu.json
     python -m benchmarks.plans --device sim        # the simulated accelerator's timing mode
     python -m benchmarks.plans --scale tiny        # seconds, for the smoke test
+    python -m benchmarks.plans --search            # the planner's search alone -> plans-search.json
 
 The Wan2.2-shaped pipeline of `benchmarks.budget` (text encoder 11 : expert 28 : expert 28 : VAE
 0.5) runs under ``Scheduler(auto={"device_budget": b, "headroom": 0})`` at 0.25x, 0.5x and 1.2x
@@ -36,7 +37,7 @@ from benchmarks.budget import SIM_TIMING, config, sweep_on
 from benchmarks.machine import describe_machine
 from residency import Scheduler
 
-__all__ = ["BUDGETS", "GOAL", "measure", "sweep"]
+__all__ = ["BUDGETS", "GOAL", "measure", "search_times", "search_workloads", "sweep"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Device budgets as fractions of the pipeline's weights.
@@ -117,6 +118,51 @@ def sweep(scale: str, device: torch.device) -> dict:
             f"{STEADY} steady calls; bytes exact", "rows": rows}
 
 
+#: The search's workloads: a Wan-shaped set (text encoder of 6 blocks, two experts, a resident
+#: VAE) with 16-block experts (this benchmark's pipeline) and 40-block ones (Wan2.2-T2V-A14B's).
+SEARCH_BLOCKS = (16, 40)
+SEARCH_BUDGETS = (0.25, 0.5, 0.7, 0.9, 0.99, 1.2)
+
+
+def search_workloads(blocks: int) -> list:
+    """The planner's view of a Wan-shaped pipeline whose experts have `blocks` blocks (sizes in
+    the real model's ratios, MiB-scaled; each expert runs 8 forwards a call)."""
+    from residency.auto.planner import Workload
+
+    mib = 2**20
+    groups = [Workload(name="text_encoder", own=(2 * mib,) * 2, compute_seconds=0.01,
+                       blocks=tuple((f"te.{i}", 2 * mib, 2 * mib) for i in range(6)))]
+    for name in ("transformer", "transformer_2"):
+        groups.append(Workload(name=name, own=(mib,) * 2, passes=8, compute_seconds=0.2,
+                               blocks=tuple((f"{name}.{i}", 4 * mib, 4 * mib)
+                                            for i in range(blocks))))
+    groups.append(Workload(name="vae", own=(3 * mib,) * 2, compute_seconds=0.05))
+    return groups
+
+
+def search_times(repeats: int = 3) -> list[dict]:
+    """Seconds of one `choose` per expert depth, budget and objective (the least of `repeats`)."""
+    import time
+
+    from residency.auto.planner import choose
+
+    rows = []
+    for blocks in SEARCH_BLOCKS:
+        groups = search_workloads(blocks)
+        total = sum(w.own[1] + sum(b[2] for b in w.blocks) for w in groups)
+        for fraction in SEARCH_BUDGETS:
+            for overlap in (False, True):
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    choose(groups, weights_budget=int(total * fraction), bandwidth=10e9,
+                           overlap=overlap)
+                    times.append(time.perf_counter() - start)
+                rows.append({"blocks": blocks, "fraction": fraction, "overlap": overlap,
+                             "seconds": min(times), "repeats": times})
+    return rows
+
+
 def _table(result: dict) -> str:
     lines = ["| budget | guidance | predicted MiB | steady MiB | bytes exact | predicted s | "
              "median s | ratio | within 15% |", "|---|---|---|---|---|---|---|---|---|"]
@@ -137,8 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", choices=("small", "tiny"), default="small")
     parser.add_argument("--out", type=Path, default=None,
                         help="the JSON to write (default: results/plans-DEVICE.json)")
+    parser.add_argument("--search", action="store_true",
+                        help="time the planner's search alone (results/plans-search.json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.search:
+        out = args.out or RESULTS / "plans-search.json"
+        result = {"machine": describe_machine(), "load_average": os.getloadavg(),
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                      timespec="seconds"), "rows": search_times()}
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        for row in result["rows"]:
+            print(f"{row['blocks']:>3} blocks  {row['fraction']:>5}x  "
+                  f"{'time' if row['overlap'] else 'bytes':<5}  {row['seconds']:.4f} s")
+        print(f"written to {out}")
+        return 0
     result = sweep_on(args.device, sweep, args.scale)
     out = args.out or RESULTS / f"plans-{args.device}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
