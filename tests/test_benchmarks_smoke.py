@@ -411,3 +411,20 @@ def test_plans_runs_every_budget_with_and_without_guidance_at_the_tiny_scale():
         assert row["passes"]["transformer"] == 2 * (2 if row["guidance"] else 1), row["passes"]
         assert row["predicted_seconds"] > 0 and row["steady_median_seconds"] > 0
     assert result["load_average"]["before"] and "| 0.25x | yes |" in plans._table(result)
+
+
+def test_plans_times_the_search_alone(tmp_path, capsys):
+    """``python -m benchmarks.plans --search``: one row per expert depth, budget and objective,
+    each search timed, the JSON written with the machine and the date."""
+    import json
+
+    (plans,) = import_benchmarks("plans")
+    out = tmp_path / "search.json"
+    assert plans.main(["--search", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["blocks"], r["fraction"], r["overlap"]) for r in result["rows"]] == [
+        (b, f, o) for b in plans.SEARCH_BLOCKS for f in plans.SEARCH_BUDGETS
+        for o in (False, True)]
+    assert all(r["seconds"] > 0 and len(r["repeats"]) == 3 for r in result["rows"])
+    assert result["machine"] and result["date"]
+    assert f"written to {out}" in capsys.readouterr().out
