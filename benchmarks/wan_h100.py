@@ -73,7 +73,7 @@ from benchmarks import simulator
 from benchmarks.machine import describe_machine
 from benchmarks.transition_model import (PUBLISHED_H2D_GBPS, PUBLISHED_H2D_SOURCE, Assumption,
                                          measured_h2d)
-from residency import Scheduler, model_blocks
+from residency import DeviceMemoryError, Scheduler, model_blocks
 from residency.auto.planner import Workload, choose
 from residency.group.plan import Where
 
@@ -281,7 +281,7 @@ def _auto(p: Pipeline, weights: float) -> dict:
     try:
         plans = choose(workloads(p, scale=scale), weights_budget=int(weights / scale),
                        bandwidth=p.rate / scale, overlap=True)
-    except Exception as error:  # DeviceMemoryError: nothing fits
+    except DeviceMemoryError as error:  # nothing fits
         return _row(p, False, 0.0, 0.0, str(error)[:80])
     nbytes = exposed = 0.0
     how = []
