@@ -553,3 +553,22 @@ def test_the_ten_line_example_in_the_docs_prints_the_groups_the_code_gives():
     scheduler = enable_offload(pipe, device="cpu")
     assert repr(list(scheduler)) == printed
     disable_offload(pipe)
+
+
+@pytest.mark.gpu
+def test_module_mode_says_what_it_costs_once_as_the_first_call_starts(caplog):
+    """Issue 48: where the device would hold every group, one line, at the first ``pipe(...)``
+    (the free memory the calls will have), not at ``enable_offload`` and not again."""
+    import logging
+
+    device = torch.accelerator.current_accelerator()
+    hint = "module mode moves every exclusive group's bytes at every call"
+    pipe = tiny_wan22()
+    with caplog.at_level(logging.WARNING, logger="residency"):
+        enable_offload(pipe, device=device)
+        assert not [r for r in caplog.records if hint in r.getMessage()]
+        for seed in (0, 1):
+            frames(pipe, seed)
+    said = [r.getMessage() for r in caplog.records if hint in r.getMessage()]
+    assert len(said) == 1 and '{"mode": "auto"} would keep them on the device' in said[0], said
+    disable_offload(pipe)

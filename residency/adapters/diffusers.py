@@ -272,7 +272,6 @@ def enable_offload(
         found, lambda: Scheduler(device, pin_memory=pin_memory, process_group=process_group,
                                  auto=parsed.auto_options, host=host, order=parsed.order)
     )
-    note_module_mode_cost(scheduler, parsed.mode)
     leftovers = _leftovers(owner, found, roles)
     if leftovers is not None:
         _log.warning("%s", leftovers)
@@ -280,6 +279,7 @@ def enable_offload(
                        calls=PipelineCalls(pipe), gathered=gathered)
     _wrap_groups(offload, found)
     _mark_calls(offload.calls, scheduler)
+    _note_cost_at_first_call(offload.calls, scheduler, parsed.mode)
     set_boundaries(offload.calls, pipe)  # after the entries: see [Note: adapter state], "Undoing"
     _place_execution_device(scheduler, found)
     return scheduler
@@ -302,6 +302,20 @@ def _mark_calls(calls: PipelineCalls, scheduler: object) -> None:
             mark.end(end.how.value)
 
     calls.on_end(ended)
+    calls.on_start(started)
+
+
+def _note_cost_at_first_call(calls: PipelineCalls, scheduler: object, mode: str) -> None:
+    """Say what module mode costs, once, as the pipeline's first call starts
+    (`note_module_mode_cost`): the device's free memory is then what the calls will have, the
+    pipeline's other parts placed."""
+    said: list[bool] = []
+
+    def started(number: int) -> None:
+        if not said:
+            said.append(True)
+            note_module_mode_cost(scheduler, mode)
+
     calls.on_start(started)
 
 
