@@ -280,3 +280,53 @@ def test_an_interrupt_anywhere_in_a_calls_end_counts_it_once():
 
     with torch.no_grad():
         assert sweep(build, operation, check, after=after) > 10
+
+
+def _overlapping_pair(scheduler, models, x) -> None:
+    """Two calls, one per thread, open at once: both end overlapped."""
+    inside, release = threading.Event(), threading.Event()
+    errors = []
+
+    def other():
+        try:
+            with scheduler.call():
+                inside.set()
+                assert release.wait(BOUND_S)
+                with scheduler.resident("dit"):
+                    models["dit"](x)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    assert inside.wait(BOUND_S)
+    with scheduler.call():
+        with scheduler.resident("encoder"):
+            models["encoder"](x)
+        release.set()
+    thread.join(BOUND_S)
+    assert not thread.is_alive() and not errors, errors
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["nothing declared", "passes declared"])
+def test_calls_that_keep_overlapping_say_once_what_to_declare(caplog, declared):
+    """Under concurrent requests from the start no call runs alone, so the plan learns nothing:
+    after three such calls it says so once, naming what to declare; not when it was declared."""
+    import logging
+
+    models = _models()
+    x = torch.randn(2, WIDTH)
+    auto = {**AUTO, **({"passes": {"dit": 2}} if declared else {})}
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="residency"):
+        scheduler = _scheduler(models, auto=auto)
+        for _ in range(3):
+            _overlapping_pair(scheduler, models, x)
+        calls = list(scheduler.calls)
+        scheduler.close()
+    assert len(calls) == 6 and all(c.overlapped for c in calls)
+    said = [r.getMessage() for r in caplog.records if "calls overlapped" in r.getMessage()]
+    assert said == ([] if declared else [
+        "auto plan: 3 calls overlapped (concurrent requests) and none ran alone, so the plan "
+        "learned no phase order, entries or passes (it plans each group entered once a call); "
+        "declare them: auto_options {'passes': {group: forwards per call}, 'phase_order': "
+        "[...]}"]), said

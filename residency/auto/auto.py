@@ -202,6 +202,7 @@ class AutoPlanner:
         self._back_to: AutoPlan | None = None
         #: The plans rolled back from, and the inputs (`_inputs`) they were judged with.
         self._rejected: tuple[tuple, tuple] | None = None
+        self._overlapping, self._said_overlapping = 0, False  # `_unlearned`'s count, and note
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -416,7 +417,8 @@ class AutoPlanner:
         if self.plan is None or not self._entries:
             return
         if call.overlapped or call.ending not in ("returned", "next call"):
-            return  # mixed with another call's phases, or its end not seen: nothing learned
+            self._unlearned(call)  # mixed with another call's phases, or its end not seen
+            return
         forwards = self._block_forwards(since=call.start)
         bandwidth = self._bandwidth()
         observed = {
@@ -449,23 +451,22 @@ class AutoPlanner:
         self.plan = attrs.evolve(self.plan, predicted=predicted, workloads=workloads)
 
     def _judged(self, number: int, work: float) -> str | None:
-        """The roll-back due when the plan on trial ran call `number` (its second) in `work`
-        seconds, more than `ROLLBACK_MARGIN` slower than the plan it replaced ran its last call;
-        else None, and the trial ends after that call ([Note: roll-back])."""
-        trial, self._trial = self._trial, None
-        if trial is not None and trial[2] > 0:  # its first call: the re-plan's one-off costs
-            self._trial = (trial[0], trial[1], trial[2] - 1)
-            return None
-        if trial is None or work <= trial[1] * (1 + ROLLBACK_MARGIN):
-            return None
-        replaced, before, _ = trial
-        self._back_to = replaced
-        reason = (f"rolled back after call {number}: the plans chosen for {self.plan.reason!r} "
-                  f"ran it in {work:.3f} s against {before:.3f} s for the plans before (more "
-                  f"than {ROLLBACK_MARGIN:.0%} slower); not chosen again until the budget or "
-                  "the groups change")
-        _log.warning("auto plan %s", reason)
+        """The roll-back due after call `number` ran in `work` seconds (`_judge`), or None."""
+        self._trial, back_to, reason = _judge(self._trial, number, work, self.plan.reason)
+        if reason is not None:
+            self._back_to = back_to
+            _log.warning("auto plan %s", reason)
         return reason
+
+    def _unlearned(self, call: CallRecord) -> None:
+        """A call that teaches nothing ended: after `_OVERLAPPING` overlapping ones and none
+        alone, nothing declared, say once what to declare (`_OVERLAPPING_NOTE`)."""
+        if not call.overlapped or self._learned or self._declared or self._said_overlapping:
+            return
+        self._overlapping += 1
+        if self._overlapping >= _OVERLAPPING:
+            self._said_overlapping = True
+            _log.warning(_OVERLAPPING_NOTE, self._overlapping)
 
     def _end_phase(self, now: float) -> None:
         if self._phase_start is not None:
@@ -510,6 +511,29 @@ _MEASURED = (_FIRST, _STEADY, _DRIFT)
 
 #: How many learned calls under the plans in force the time model takes the median of.
 _HISTORY = 3
+#: Overlapping calls, none alone before them, after which the plan says what to declare.
+_OVERLAPPING = 3
+_OVERLAPPING_NOTE = (
+    "auto plan: %d calls overlapped (concurrent requests) and none ran alone, so the plan "
+    "learned no phase order, entries or passes (it plans each group entered once a call); "
+    "declare them: auto_options {'passes': {group: forwards per call}, 'phase_order': [...]}")
+
+
+def _judge(trial: tuple | None, number: int, work: float,
+           reason: str) -> tuple[tuple | None, object, str | None]:
+    """Judge the plan on `trial` (the plan it replaced, that plan's last call's seconds, the calls
+    still to pass) by call `number`, which ran in `work` seconds: (the trial after it, the plan to
+    roll back to, why), the last two None unless it ran more than `ROLLBACK_MARGIN` slower
+    ([Note: roll-back]); `reason` is why the plan on trial was made."""
+    if trial is not None and trial[2] > 0:  # its first call: the re-plan's one-off costs
+        return (trial[0], trial[1], trial[2] - 1), None, None
+    if trial is None or work <= trial[1] * (1 + ROLLBACK_MARGIN):
+        return None, None, None
+    replaced, before, _ = trial
+    return None, replaced, (
+        f"rolled back after call {number}: the plans chosen for {reason!r} ran it in "
+        f"{work:.3f} s against {before:.3f} s for the plans before (more than "
+        f"{ROLLBACK_MARGIN:.0%} slower); not chosen again until the budget or the groups change")
 
 
 def _medians(history: tuple[tuple[dict, float, bool], ...]) -> tuple[dict, float]:
