@@ -134,11 +134,8 @@ def test_unmarked_calls_of_an_auto_scheduler_end_where_the_next_begins():
     assert len(after) == 3 and sum(c.nbytes for c in after) == moved - before
 
 
-@pytest.mark.parametrize("order", ["arrival", "group"])
-def test_overlapping_calls_are_marked_and_teach_the_plan_nothing(order):
-    """Under either order of turns (issue 46): the bytes still sum, and the plan holds."""
-    models = _models()
-    x = torch.randn(2, WIDTH)
+def _overlapping_pair(scheduler, models, x) -> None:
+    """Two calls, one per thread, open at once: both end overlapped."""
     inside, release = threading.Event(), threading.Event()
     errors = []
 
@@ -152,19 +149,27 @@ def test_overlapping_calls_are_marked_and_teach_the_plan_nothing(order):
         except BaseException as error:  # reported below
             errors.append(error)
 
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    assert inside.wait(BOUND_S)
+    with scheduler.call():
+        with scheduler.resident("encoder"):
+            models["encoder"](x)
+        release.set()
+    thread.join(BOUND_S)
+    assert not thread.is_alive() and not errors, errors
+
+
+@pytest.mark.parametrize("order", ["arrival", "group"])
+def test_overlapping_calls_are_marked_and_teach_the_plan_nothing(order):
+    """Under either order of turns (issue 46): the bytes still sum, and the plan holds."""
+    models = _models()
+    x = torch.randn(2, WIDTH)
     with torch.no_grad():
         scheduler = _scheduler(models, auto={"device_budget": AUTO["device_budget"]},
                                order=order)
         before, plan = _moved(scheduler), scheduler.plan
-        thread = threading.Thread(target=other, daemon=True)
-        thread.start()
-        assert inside.wait(BOUND_S)
-        with scheduler.call():
-            with scheduler.resident("encoder"):
-                models["encoder"](x)
-            release.set()
-        thread.join(BOUND_S)
-        assert not thread.is_alive() and not errors, errors
+        _overlapping_pair(scheduler, models, x)
         calls = list(scheduler.calls)
         moved = _moved(scheduler)
         after = scheduler.plan
@@ -280,32 +285,6 @@ def test_an_interrupt_anywhere_in_a_calls_end_counts_it_once():
 
     with torch.no_grad():
         assert sweep(build, operation, check, after=after) > 10
-
-
-def _overlapping_pair(scheduler, models, x) -> None:
-    """Two calls, one per thread, open at once: both end overlapped."""
-    inside, release = threading.Event(), threading.Event()
-    errors = []
-
-    def other():
-        try:
-            with scheduler.call():
-                inside.set()
-                assert release.wait(BOUND_S)
-                with scheduler.resident("dit"):
-                    models["dit"](x)
-        except BaseException as error:  # reported below
-            errors.append(error)
-
-    thread = threading.Thread(target=other, daemon=True)
-    thread.start()
-    assert inside.wait(BOUND_S)
-    with scheduler.call():
-        with scheduler.resident("encoder"):
-            models["encoder"](x)
-        release.set()
-    thread.join(BOUND_S)
-    assert not thread.is_alive() and not errors, errors
 
 
 @pytest.mark.parametrize("declared", [False, True], ids=["nothing declared", "passes declared"])
