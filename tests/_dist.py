@@ -8,7 +8,16 @@ Workers are module-level functions of a test module (they are pickled by name). 
 from a forkserver that has imported torch once, so a world starts in well under a second instead
 of each rank importing torch again; each rank initialises the default group from a file store in
 `tmp_path` (no ports to find) and reports through a JSON file, then leaves with ``os._exit`` (no
-teardown that could wait on a dead peer).  The parent waits for each process until the deadline
+teardown that could wait on a dead peer) once every peer has reported or died.
+
+[Note: leaving together] A collective can end on one rank before it ends on another: gloo's
+``new_group`` connects a full mesh, and a rank whose side of each pair is done returns while a
+peer still reads its handshake.  A rank that left at once closed its sockets under that peer,
+which then failed with "Connection closed by peer" (seen in CI on a loaded machine).  So a rank
+leaves only when each peer has written its result (it is past its last collective) or is gone:
+each rank holds an exclusive ``flock`` on its own file for its whole life, which the kernel drops
+when it dies however it dies (SIGKILL included), so a peer whose lock can be taken is gone.  The
+wait is bounded (`LEAVE_WAIT`); the parent's deadline bounds everything anyway.  The parent waits for each process until the deadline
 and kills whatever is left, so a test never hangs.
 """
 
@@ -26,6 +35,9 @@ from typing import Any
 
 #: Every rank's default group gives up on a missing peer after this long.
 GROUP_TIMEOUT = timedelta(seconds=15)
+
+#: The longest a rank that has reported waits for its peers to report or die before it leaves.
+LEAVE_WAIT = 30.0
 
 
 #: What the forkserver imports once, for every rank: torch, and the third-party modules that
@@ -87,6 +99,7 @@ def _rank_main(worker, rank, world_size, store, results, args, env) -> None:
 
     torch.set_num_threads(1)
     started = time.monotonic()
+    alive = _hold_alive_lock(Path(results), rank)
     try:
         try:
             dist.init_process_group(
@@ -103,8 +116,47 @@ def _rank_main(worker, rank, world_size, store, results, args, env) -> None:
                 "traceback": traceback.format_exc()[-3000:],
             }
         _write(Path(results) / f"{rank}.json", result)
+        _wait_for_peers(Path(results), rank, world_size)
     finally:
+        alive.close()
         os._exit(0)
+
+
+def _hold_alive_lock(results: Path, rank: int):
+    """This rank's open, exclusively locked ``alive`` file; see [Note: leaving together]."""
+    import fcntl
+
+    path = results / f"{rank}.alive"
+    alive = open(path.with_suffix(".locking"), "w")
+    fcntl.flock(alive, fcntl.LOCK_EX)
+    path.with_suffix(".locking").rename(path)  # visible only once locked
+    return alive
+
+
+def _wait_for_peers(results: Path, rank: int, world_size: int) -> None:
+    """Return once every other rank has written its result or is gone, or after `LEAVE_WAIT`."""
+    pending = set(range(world_size)) - {rank}
+    deadline = time.monotonic() + LEAVE_WAIT
+    while pending and time.monotonic() < deadline:
+        pending = {peer for peer in pending if not _left(results, peer)}
+        if pending:
+            time.sleep(0.005)
+
+
+def _left(results: Path, peer: int) -> bool:
+    """Whether `peer` has reported, or started and died (its lock can be taken)."""
+    import fcntl
+
+    if (results / f"{peer}.json").exists():
+        return True
+    try:
+        with open(results / f"{peer}.alive", "r") as alive:
+            fcntl.flock(alive, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except FileNotFoundError:
+        return False  # not started yet
+    except BlockingIOError:
+        return False  # alive
+    return True
 
 
 def _write(path: Path, result: Any) -> None:
