@@ -17,8 +17,8 @@ which then failed with "Connection closed by peer" (seen in CI on a loaded machi
 leaves only when each peer has written its result (it is past its last collective) or is gone:
 each rank holds an exclusive ``flock`` on its own file for its whole life, which the kernel drops
 when it dies however it dies (SIGKILL included), so a peer whose lock can be taken is gone.  The
-wait is bounded (`LEAVE_WAIT`); the parent's deadline bounds everything anyway.  The parent waits for each process until the deadline
-and kills whatever is left, so a test never hangs.
+wait is bounded (`LEAVE_WAIT`).  The parent waits for each process until its deadline and kills
+whatever is left, so a test never hangs.
 """
 
 from __future__ import annotations
