@@ -25,6 +25,7 @@ its block stream) and lists every disagreement: the one checker every interrupt 
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import threading
 import traceback
@@ -114,26 +115,56 @@ class Interrupter:
 
 
 def bounded(check: Callable[[], None], timeout: float = WATCHDOG_S) -> None:
-    """Run `check` on a daemon thread; waiting longer than `timeout` is an AssertionError (the
-    thread is left behind, stuck: that is the failure being reported)."""
-    failure: list[BaseException] = []
-    threads = torch.get_num_threads()
+    """Run `check` on the checker thread; waiting longer than `timeout` is an AssertionError (the
+    thread is left behind, stuck: that is the failure being reported, and the next check gets a
+    new thread)."""
+    global _checker
+    if _checker is None or _checker.stuck:
+        _checker = _Checker()
+    _checker.run(check, timeout)
 
-    def target():
-        torch.set_num_threads(threads)  # per thread: OpenMP waits made tiny ops 100x slower
+
+class _Checker:
+    """One daemon thread that runs the checks of every injection point, one at a time.
+
+    A thread per check cost about 6 ms a point more than the check itself (a new thread's first
+    torch calls: its OpenMP team, its thread-local state), a sixth of a sweep's time."""
+
+    def __init__(self) -> None:
+        self.stuck = False
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="interrupt-check", daemon=True)
+        self._thread.start()
+
+    def run(self, check: Callable[[], None], timeout: float) -> None:
+        self._jobs.put((check, torch.get_num_threads()))
         try:
-            check()
-        except BaseException as error:  # handed to the caller
-            failure.append(error)
+            failure = self._done.get(timeout=timeout)
+        except queue.Empty:
+            self.stuck = True
+            frame = sys._current_frames().get(self._thread.ident)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)"
+            raise AssertionError(f"the checks waited over {timeout} s (forever?):\n{stack}") \
+                from None
+        if failure is not None:
+            raise failure
 
-    thread = threading.Thread(target=target, name="interrupt-check", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        stack = "".join(traceback.format_stack(sys._current_frames()[thread.ident]))
-        raise AssertionError(f"the checks waited over {timeout} s (forever?):\n{stack}")
-    if failure:
-        raise failure[0]
+    def _serve(self) -> None:
+        while True:
+            check, threads = self._jobs.get()
+            torch.set_num_threads(threads)  # per thread: OpenMP waits made tiny ops 100x slower
+            try:
+                check()
+            except BaseException as error:  # handed to the caller
+                self._done.put(error)
+            else:
+                self._done.put(None)
+            del check
+
+
+#: The thread `bounded` runs checks on (made at the first check, again after one got stuck).
+_checker: _Checker | None = None
 
 
 def sweep(

@@ -128,6 +128,22 @@ def test_memory_that_is_no_file_is_not_a_source():
     assert found == [None, None]
 
 
+@pytest.mark.fast
+def test_the_quick_look_at_map_files_agrees_with_the_maps_lines(saved: Path):
+    """`find_*` parse /proc/self/maps only when a region starts in some file mapping, which the
+    names of /proc/self/map_files tell: never for plain memory, always for a mapped file."""
+    from residency.host.file_reads import _any_in_a_file_mapping, find_mapped_regions
+
+    plain = torch.nn.Linear(64, 64)
+    mapped = load(saved).transformer
+    for module, in_a_file in ((plain, False), (mapped, True)):
+        inventory = take_inventory([module])
+        found = find_mapped_regions(inventory.source_regions, inventory.layout.region_nbytes)
+        starts = [s.data_ptr() + first for s, first in inventory.source_regions]
+        assert _any_in_a_file_mapping(starts) is in_a_file
+        assert any(region is not None for region in found) is in_a_file
+
+
 # -- from_pretrained under residency: the same pipeline as the plain one -------------------------
 
 ALL = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
