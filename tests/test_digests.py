@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from residency.device import one_pass
 from residency.device.digests import ChangeDetector, DigestLayout, window_digests
+from residency.device.one_pass import one_pass_sums
 
 from _accelerator import device as accelerator_device
 
@@ -46,14 +48,30 @@ def swap(elements: torch.Tensor, i: int, j: int) -> None:
     elements[i], elements[j] = elements[j].clone(), elements[i].clone()
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def intra_op_threads(request):
-    """Run under one intra-op thread (windows one pair of sums at a time) and under two (all
-    windows in one pair): the two CPU paths of `residency.device.digests`."""
+#: The CPU's ways to digest: the one-pass C kernel (`residency.device.one_pass`) and its fallback,
+#: torch's pairs of reductions (one pair per window at one thread, one for all windows at two).
+CPU_PATHS = [("one pass", 1), ("one pass", 2), ("pairs", 1), ("pairs", 2)]
+
+
+def use_cpu_path(monkeypatch, path: str, threads: int) -> None:
+    """Digest on the CPU by `path` ("one pass" or "pairs") under `threads` intra-op threads until
+    the test ends (the caller restores the thread count; monkeypatch the environment)."""
+    if path == "pairs":
+        monkeypatch.setenv("RESIDENCY_ONE_PASS", "0")
+    one_pass._loaded.cache_clear()  # asked again at the next digest, and after the test
+    assert (one_pass_sums() is not None) == (path == "one pass"), "no C compiler for one pass?"
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=CPU_PATHS, ids=[f"{path}-{threads}-thread" for path, threads in CPU_PATHS])
+def intra_op_threads(request, monkeypatch):
+    """Run by each CPU path under one intra-op thread and under two (`CPU_PATHS`); the same
+    digests, the same detection."""
     before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
+    use_cpu_path(monkeypatch, *request.param)
     yield request.param
     torch.set_num_threads(before)
+    one_pass._loaded.cache_clear()
 
 
 class AtenCalls(TorchDispatchMode):
@@ -233,15 +251,21 @@ def test_each_window_digests_as_that_window_alone():
 # --- cost: a bounded number of calls per buffer ---------------------------------------------------
 
 @pytest.mark.fast
-@pytest.mark.parametrize("intra_op_threads", [2], indirect=True)
+@pytest.mark.parametrize("intra_op_threads", [("one pass", 1), ("one pass", 2), ("pairs", 2)],
+                         indirect=True, ids=["one-pass-1-thread", "one-pass-2-threads",
+                                             "pairs-2-threads"])
 @pytest.mark.parametrize("layout, windows", [(SMALL, 3), (SMALL, 64), (SMALL, 4096),
                                              (DigestLayout.for_device(torch.device("cpu")), 24)])
-def test_with_several_threads_a_check_costs_the_same_few_sums_whatever_the_window_count(
+def test_a_check_costs_the_same_few_calls_whatever_the_window_count(
         intra_op_threads, layout, windows):
-    """With more than one intra-op thread each large reduction opens a parallel region, and each
-    region stalls when other processes share the cores: a remember and a check run four sums
-    each (rows and columns of the whole windows, of the last, shorter one), not two per window,
-    and give the digests of the one-window-at-a-time path (one thread)."""
+    """With more than one intra-op thread each large torch reduction opens a parallel region, and
+    each region stalls when other processes share the cores.  So a remember and a check cost a
+    fixed number of calls: by the one-pass kernel, one call for the whole windows (no torch sum
+    of them) and two sums for the last, shorter one; by torch's pairs at two threads, four sums
+    (rows and columns of the whole windows, of the last one), not two per window.  Either gives
+    the digests of the one-window-at-a-time path (torch, one thread)."""
+    path, _ = intra_op_threads
+    sums = 2 if path == "one pass" else 4
     buffer = random_bytes(windows * layout.window_nbytes + layout.window_nbytes // 2 + 3, seed=5)
     detector = ChangeDetector(layout)
     with AtenCalls() as remembering:
@@ -250,13 +274,42 @@ def test_with_several_threads_a_check_costs_the_same_few_sums_whatever_the_windo
     buffer[layout.window_nbytes // 2] ^= 0x01  # in the first
     with AtenCalls() as checking:
         changed = detector.changed_windows(buffer)
-    assert remembering.calls["sum"] == 4, remembering.calls
-    assert checking.calls["sum"] == 4 and checking.calls["any"] == 1, checking.calls
+    assert remembering.calls["sum"] == sums, remembering.calls
+    assert checking.calls["sum"] == sums and checking.calls["any"] == 1, checking.calls
     assert changed == [window_range(0, buffer.numel(), layout),
                        window_range(windows, buffer.numel(), layout)]
-    with_these_threads = window_digests(buffer, layout)
-    torch.set_num_threads(1)  # one pair of sums per window; the fixture restores the count
-    assert torch.equal(window_digests(buffer, layout), with_these_threads)
+    these = window_digests(buffer, layout)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_cpu_path(monkeypatch, "pairs", 1)  # one pair of sums per window
+        assert torch.equal(window_digests(buffer, layout), these)
+
+
+@pytest.mark.fast
+def test_the_one_pass_kernel_is_built_into_the_cache_once_and_a_failed_build_falls_back(
+        tmp_path, monkeypatch, caplog):
+    """Built at the first digest into the user's cache folder (here an empty one), loaded from it
+    after; where the compiler fails, the torch path digests the same, with one log line."""
+    buffer = random_bytes(5 * SMALL.window_nbytes + 7, seed=3)
+    with pytest.MonkeyPatch.context() as pairs:
+        use_cpu_path(pairs, "pairs", 1)
+        expected = window_digests(buffer, SMALL)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    try:
+        one_pass._loaded.cache_clear()
+        assert torch.equal(window_digests(buffer, SMALL), expected)
+        built = list((tmp_path / "residency").glob("one_pass-*.so"))
+        assert len(built) == 1 and not list((tmp_path / "residency").glob("*.partial"))
+        stamp = built[0].stat().st_mtime_ns
+        one_pass._loaded.cache_clear()
+        assert one_pass_sums() is not None and built[0].stat().st_mtime_ns == stamp  # not again
+        monkeypatch.setenv("CC", "false")  # a compiler that fails: another key, nothing cached
+        one_pass._loaded.cache_clear()
+        with caplog.at_level("INFO", logger="residency.device.one_pass"):
+            assert one_pass_sums() is None
+            assert torch.equal(window_digests(buffer, SMALL), expected)
+        assert "could not be built" in caplog.text and "false failed" in caplog.text
+    finally:
+        one_pass._loaded.cache_clear()
 
 
 # --- edits the version counter cannot see ---------------------------------------------------------

@@ -61,7 +61,11 @@ calls a buffer costs, and the thread count decides (`_windows_per_call`):
   with about a tenth more reading when no wait comes.
 * an accelerator: all windows in one pair (two kernels; HBM at TB/s).
 
-Both give the same digests.  (The same-run benchmark is benchmarks/test_change_detection.py; its
+Both give the same digests.  On a CPU neither is used where a C compiler is found: the one-pass
+kernel of `residency.device.one_pass` reads each word once, adding it to its row's sum and to its
+column's (which stay in L1), over all whole windows in one call on torch's intra-op thread count,
+with one join per call.  It is faster than either pair at one thread and at two, and bounded
+under load as the single pair is.  The torch pairs stay as its fallback.  (The same-run benchmark is benchmarks/test_change_detection.py; its
 figures, with machine and date, are in benchmarks/README.md, "Change detection".)  The
 digests take ``(rows + columns) * 8`` bytes per window: 0.9% of the buffer with the CPU layout,
 0.3% with the accelerator layout.  (Keeping a copy to ``torch.equal`` against would cost 100% of
@@ -84,6 +88,8 @@ from __future__ import annotations
 
 import attrs
 import torch
+
+from residency.device.one_pass import one_pass_sums
 
 __all__ = ["ChangeDetector", "DigestLayout", "window_digests"]
 
@@ -182,11 +188,16 @@ def _check_buffer(buffer_bytes: torch.Tensor) -> None:
 def _digest_full_windows(
     window_bytes: torch.Tensor, layout: DigestLayout, out: torch.Tensor
 ) -> None:
-    """Row and column sums of whole windows into `out`, `_windows_per_call` windows per pair:
-    two calls for all of them, or two per window on a one-thread CPU."""
+    """Row and column sums of whole windows into `out`: on a CPU, one call of the one-pass
+    kernel where it is built; else `_windows_per_call` windows per pair of torch reductions (two
+    calls for all of them, or two per window on a one-thread CPU)."""
     if window_bytes.numel() == 0:
         return
     matrices = window_bytes.view(torch.int64).view(-1, layout.rows, layout.columns)
+    one_pass = one_pass_sums() if window_bytes.device.type == "cpu" else None
+    if one_pass is not None:
+        one_pass(matrices, out)  # one call, each word read once
+        return
     per_call = _windows_per_call(window_bytes.device, matrices.shape[0])
     batches = zip(matrices.split(per_call), out[:, : layout.rows].split(per_call),
                   out[:, layout.rows :].split(per_call))
