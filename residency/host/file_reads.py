@@ -77,6 +77,7 @@ import bisect
 import collections
 import itertools
 import math
+import operator
 import os
 import re
 import stat
@@ -132,6 +133,9 @@ class _Mapping:
     path: str
 
 
+#: An address range, as /proc/self/map_files names each file mapping.
+_RANGE = re.compile(r"([0-9a-f]+)-([0-9a-f]+)")
+
 #: A readable file mapping's line of /proc/self/maps: start, end, offset, major, minor, inode
 #: (non-zero), path.
 _MAPS_LINE = re.compile(
@@ -164,27 +168,33 @@ def _file_mappings(sources: Sequence[tuple[torch.UntypedStorage, int] | None]) -
     one: the names of /proc/self/map_files (every file mapping's address range, no more) are
     read first, in a fifth of the time the maps' lines take to parse, and a pack of a model in
     plain memory (every registration that loaded no mapped file) stops there."""
-    starts = [storage.data_ptr() + first for storage, first in filter(None, sources)
-              if storage.device.type == "cpu"]
-    if starts and not _any_in_a_file_mapping(starts):
-        return _Finder([])
+    regions = [*filter(None, sources)]
+    if regions:  # (a device pointer among them at worst makes the maps parsed: `mapping_at`)
+        storages, firsts = zip(*regions)
+        if not _any_in_a_file_mapping([*map(operator.add, map(torch.UntypedStorage.data_ptr,
+                                                              storages), firsts)]):
+            return _Finder([])
     with open("/proc/self/maps") as maps:
         return _Finder(_MAPS_LINE.findall(maps.read()))
 
 
 def _any_in_a_file_mapping(addresses: list[int]) -> bool:
-    """Whether an address lies in a file mapping (True when /proc/self/map_files cannot say)."""
+    """Whether an address lies in a file mapping (True when /proc/self/map_files cannot say).
+    Parsed and searched in C (`map`, `bisect`): hundreds of mappings cost no Python line each."""
     try:
-        ranges = sorted(tuple(int(bound, 16) for bound in name.split("-"))
-                        for name in os.listdir("/proc/self/map_files"))
-    except (OSError, ValueError):
+        names = os.listdir("/proc/self/map_files")
+    except OSError:
         return True
-    starts = [start for start, _ in ranges]
-    for address in addresses:
-        index = bisect.bisect_right(starts, address) - 1
-        if index >= 0 and address < ranges[index][1]:
-            return True
-    return False
+    bounds = _RANGE.findall(" ".join(names))
+    if not bounds:
+        return False
+    firsts, lasts = zip(*bounds)
+    ranges = sorted(zip(map(int, firsts, itertools.repeat(16)),
+                        map(int, lasts, itertools.repeat(16))))
+    starts, ends = zip(*((-1, -1), *ranges))  # a sentinel below every address: no index -1
+    found = map(bisect.bisect_right, itertools.repeat(starts), addresses)
+    return any(map(operator.lt, addresses, map(ends.__getitem__, map(operator.add, found,
+                                                                        itertools.repeat(-1)))))
 
 
 class _Finder:
