@@ -144,6 +144,37 @@ def test_the_quick_look_at_map_files_agrees_with_the_maps_lines(saved: Path):
         assert any(region is not None for region in found) is in_a_file
 
 
+@pytest.mark.fast
+def test_looking_for_files_costs_no_python_line_per_mapping_of_the_process(tmp_path: Path):
+    """Every pack looks for weight files; the interrupt sweeps interrupt its line events, so a
+    Python line per mapping of the process (hundreds: every library) would multiply their
+    points.  The count is the same with 200 more file mappings."""
+    import mmap
+
+    from _interrupts import Interrupter
+
+    inventory = take_inventory([torch.nn.Linear(64, 64)])
+
+    def line_events() -> int:
+        counter = Interrupter()
+        counter.run(lambda: find_file_sources(inventory.source_regions,
+                                              inventory.layout.region_nbytes))
+        return counter.count
+
+    before = line_events()
+    mapped = []
+    for index in range(200):
+        path = tmp_path / f"{index}.bin"
+        path.write_bytes(b"\0" * 4096)
+        with open(path, "rb") as file:
+            mapped.append(mmap.mmap(file.fileno(), 4096, prot=mmap.PROT_READ))
+    try:
+        assert line_events() == before
+    finally:
+        for mapping in mapped:
+            mapping.close()
+
+
 # -- from_pretrained under residency: the same pipeline as the plain one -------------------------
 
 ALL = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
