@@ -33,6 +33,7 @@ import ast
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1458,3 +1459,17 @@ def test_a_fresh_interpreter_without_the_variable_does_not_check():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.fast
+def test_notes_say_why_not_when():
+    """No dated one-off figure in the code or in docs/: dated figures live in
+    benchmarks/README.md with machine and date (the README's headline table too)."""
+    date = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+    places = [*sorted((ROOT / "residency").rglob("*.py")), *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(places) > 60  # really read
+    dated = [f"{path.relative_to(ROOT)}:{number}"
+             for path in places
+             for number, line in enumerate(path.read_text().splitlines(), start=1)
+             if date.search(line)]
+    assert not dated, f"dates in notes (move the figure to benchmarks/README.md): {dated}"
