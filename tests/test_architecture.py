@@ -1267,13 +1267,13 @@ def test_each_public_mutator_begins_by_checking_the_lock(owner):
 
 @pytest.mark.fast
 def test_the_mutator_analysis_sees_the_known_mutators():
-    assert {"push", "take", "give_up", "enqueue", "dequeue", "leave", "join", "pop"} <= (
+    assert {"push", "take", "release_thread", "enqueue", "dequeue", "leave", "join", "pop"} <= (
         owner_shape("holds").public_mutators()
     )
     assert {"claim", "release_claim", "enroll", "unregister", "alias", "close"} <= (
         owner_shape("registry").public_mutators()
     )
-    assert {"admit", "withdraw", "switch_to", "prefetch", "cancel_prefetch"} <= (
+    assert {"admit", "remove", "switch_to", "prefetch", "cancel_prefetch"} <= (
         owner_shape("placement").public_mutators()
     )
     # queries are not mutators
@@ -1402,7 +1402,7 @@ def test_named_mutators_without_the_lock_raise_and_change_nothing(busy_scheduler
     assert scheduler.current == "a"
     entry = ThreadHolds(threading.current_thread())
     for call in (
-        lambda: scheduler._holds.give_up(entry),
+        lambda: scheduler._holds.release_thread(entry),
         lambda: scheduler._holds.take(entry, scheduler["a"]),
         lambda: scheduler._registry.enroll(group, ["elsewhere"]),
         lambda: scheduler._registry.unregister(group),

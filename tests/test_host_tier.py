@@ -165,7 +165,7 @@ def test_the_file_that_followed_last_time_is_read_ahead(tmp_path):
     _run(scheduler, groups, torch.randn(1, WIDTH))  # g1, then g2: the order is learnt
     first, second = _spill(scheduler, "g1"), _spill(scheduler, "g2")
     for spill in (first, second):
-        spill.drop_pages()
+        spill.release_pages()
     assert first.resident_nbytes() == second.resident_nbytes() == 0
     with scheduler.resident("g1"):  # g1's load reads g1's file; g2's is read ahead meanwhile
         deadline = time.monotonic() + 5
@@ -188,7 +188,7 @@ def test_edits_survive_dropping_the_pages(tmp_path):
             edited.weight.data.add_(1.0)  # in place on the device storage
             expected_weight = edited.weight.detach().clone()
         for spill in tier.files():
-            spill.drop_pages()
+            spill.release_pages()
         assert all(spill.resident_nbytes() == 0 for spill in tier.files())
         with scheduler.resident("g2"):  # read back from the file
             assert torch.equal(edited.weight, expected_weight)
@@ -196,7 +196,7 @@ def test_edits_survive_dropping_the_pages(tmp_path):
         edited.bias.data.mul_(2.0)  # on the host: into the file's page cache
         expected_bias = edited.bias.detach().clone()
         for spill in tier.files():
-            spill.drop_pages()
+            spill.release_pages()
         with scheduler.resident("g2"):
             assert torch.equal(edited.bias, expected_bias)
             assert not torch.equal(edited(x), expected)
@@ -264,7 +264,7 @@ def test_on_an_accelerator_a_file_backed_master_is_pageable_and_exact(tmp_path, 
                 with scheduler.resident(f"g{index}"):
                     assert torch.equal(group(x), reference(x))
             for spill in scheduler._packer.tier.files():
-                spill.drop_pages()
+                spill.release_pages()
     torch.accelerator.synchronize()
     scheduler.close()
 

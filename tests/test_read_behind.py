@@ -258,7 +258,7 @@ def test_a_group_changed_before_its_first_load_is_re_packed_and_its_reads_droppe
     gate.open("transformer_2")
     with scheduler.resident("transformer_2"):  # re-packed (read behind again), then loaded
         assert_same_tensors(pipe.transformer_2, reference, "transformer_2")
-    assert old.abandoned and old not in scheduler._packer._reads._queue
+    assert old.cancelled and old not in scheduler._packer._reads._queue
     scheduler.close()
     assert no_reading_thread_left()
 
@@ -460,7 +460,7 @@ def test_an_interrupt_anywhere_in_a_first_load_keeps_the_weights(saved: Path):
 
 @pytest.mark.beside
 def test_an_interrupt_anywhere_in_an_add_that_reads_behind_keeps_the_weights(saved: Path):
-    """An add interrupted at any line: undone (the arrival abandoned, the tensors the file views
+    """An add interrupted at any line: undone (the arrival cancelled, the tensors the file views
     they were) or done (the group loads and is exact); no reading thread is left behind."""
     from diffusers import WanTransformer3DModel
 

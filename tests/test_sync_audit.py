@@ -106,7 +106,7 @@ class Site:
     """One ordering call site: the `place`-th call named `call` (1 = the first) in `function` (its
     classes and enclosing functions, dotted) of `file`.
 
-        Site("residency/placement/apart.py", "PartsApart.drop_unkept", "release", 2)
+        Site("residency/placement/apart.py", "PartsApart.evict_unkept", "release", 2)
     """
 
     file: str
@@ -542,12 +542,12 @@ SAME_BYTES_ON_HOST = Site(_WRITE_BACK, "_same_bytes", "cpu", 2, stale=0)
 CHANGED_FLAGS = Site("residency/device/digests.py", "ChangeDetector.changed_windows", "tolist",
                      stale=False)
 FINGERPRINT_DIGESTS = Site("residency/multirank/agreement.py", "_fingerprints", "cpu", stale=0)
-WITHDRAW_RELEASE = Site(_PLACEMENT, "Placement._withdraw", "release")
-FREE_ALL_RELEASE = Site(_BUFFERS, "DeviceBuffers.free_all", "release")
+REMOVE_RELEASE = Site(_PLACEMENT, "Placement._remove", "release")
+FREE_ALL_RELEASE = Site(_BUFFERS, "DeviceBuffers.release_all", "release")
 MAKE_ROOM_RELEASE = Site(_BUFFERS, "DeviceBuffers.make_room", "release")
 APART_EVICT_RELEASE = Site(_APART, "PartsApart.evict", "release")
-UNKEPT_PART_RELEASE = Site(_APART, "PartsApart.drop_unkept", "release", 1)
-UNKEPT_OWN_RELEASE = Site(_APART, "PartsApart.drop_unkept", "release", 2)
+UNKEPT_PART_RELEASE = Site(_APART, "PartsApart.evict_unkept", "release", 1)
+UNKEPT_OWN_RELEASE = Site(_APART, "PartsApart.evict_unkept", "release", 2)
 OWN_STORAGE_RELEASE = Site(_PLACEMENT, "Placement._leave", "release")
 
 
@@ -921,7 +921,7 @@ def released_by(device, point, *, how: str) -> None:
     """A buffer is released by placement (`how`) and its memory must be free again."""
     models = {"m": mlp(1), "t": Tower(2)}
     scheduler = Scheduler(device)
-    if how == "withdraw":
+    if how == "remove":
         scheduler.add("m", models["m"], policy="resident")
     else:
         scheduler.add("m", models["m"])
@@ -931,7 +931,7 @@ def released_by(device, point, *, how: str) -> None:
     removed = []  # kept past the check: the caller may keep what remove returns
 
     def release():
-        if how == "withdraw":
+        if how == "remove":
             removed.append(scheduler.remove("m"))
             assert removed[0].device_storage is not None
         elif how == "release_shared":
@@ -949,13 +949,13 @@ def released_by(device, point, *, how: str) -> None:
 
 @pytest.mark.gpu
 def test_removing_a_resident_group_frees_its_buffer(device):
-    """placement.py:Placement.withdraw -> device_storage.release()."""
-    audit(lambda point: released_by(device, point, how="withdraw"), WITHDRAW_RELEASE)
+    """placement.py:Placement.remove -> device_storage.release()."""
+    audit(lambda point: released_by(device, point, how="remove"), REMOVE_RELEASE)
 
 
 @pytest.mark.gpu
 def test_offload_all_frees_the_shared_buffers(device):
-    """buffers.py:DeviceBuffers.free_all -> storage.release() (offload_all)."""
+    """buffers.py:DeviceBuffers.release_all -> storage.release() (offload_all)."""
     audit(lambda point: released_by(device, point, how="release_shared"), FREE_ALL_RELEASE)
 
 
@@ -1017,14 +1017,14 @@ def test_an_own_part_in_a_storage_of_its_own_frees_it_when_its_group_leaves(devi
 
 @pytest.mark.gpu
 def test_a_re_plan_frees_the_storage_of_a_block_it_no_longer_keeps(device):
-    """apart.py:PartsApart.drop_unkept -> part.device_storage.release()."""
+    """apart.py:PartsApart.evict_unkept -> part.device_storage.release()."""
     audit(lambda point: released_by_an_auto_plan(device, point, how="replan"),
           UNKEPT_PART_RELEASE)
 
 
 @pytest.mark.gpu
 def test_a_re_plan_frees_the_storage_of_an_own_part_it_no_longer_keeps(device):
-    """apart.py:PartsApart.drop_unkept -> group.device_storage.release() (its second release)."""
+    """apart.py:PartsApart.evict_unkept -> group.device_storage.release() (its second release)."""
     audit(lambda point: released_by_an_auto_plan(device, point, how="replan_own"),
           UNKEPT_OWN_RELEASE)
 
@@ -1238,7 +1238,7 @@ def test_each_removal_replaces_exactly_one_node_of_the_source_as_loaded():
 
 @pytest.mark.fast
 def test_a_removal_takes_out_the_one_call_for_the_block_only():
-    """On the CPU: with `DeviceBuffers.free_all`'s release removed, offload_all keeps the buffer;
+    """On the CPU: with `DeviceBuffers.release_all`'s release removed, offload_all keeps the buffer;
     outside the block it frees it again."""
     def buffer_after_offload_all():
         scheduler = Scheduler("cpu")
@@ -1269,5 +1269,5 @@ def test_places_count_the_calls_of_a_name_in_one_function_in_source_order():
 
 @pytest.mark.fast
 def test_a_site_that_is_not_in_the_source_is_refused_by_name():
-    with pytest.raises(LookupError, match=r"PartsApart.drop_unkept `release` #3: no such call"):
-        removed_code(Site(_APART, "PartsApart.drop_unkept", "release", 3))
+    with pytest.raises(LookupError, match=r"PartsApart.evict_unkept `release` #3: no such call"):
+        removed_code(Site(_APART, "PartsApart.evict_unkept", "release", 3))

@@ -249,12 +249,12 @@ class CallLog(_KeptLog):
         locked(self._lock, self._append, record)
 
     def _append(self, record: CallRecord) -> None:
-        self._drop_uncounted()
+        self._forget_uncounted()
         self._records.append(record)
         self.count, self.nbytes, self.seconds, self.newest = (  # one store: [Note: interrupts]
             self.count + 1, self.nbytes + record.nbytes, self.seconds + record.seconds, record)
 
-    def _drop_uncounted(self) -> None:
+    def _forget_uncounted(self) -> None:
         if self._records and self._records[-1] is not self.newest:
             self._records.pop()
 

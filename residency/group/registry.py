@@ -232,7 +232,7 @@ class Registry:
             check_held(self._lock)
         if self._claims.get(claim.name) is not claim:
             return
-        self._give_up_modules(owned_modules(claim))
+        self._release_modules(owned_modules(claim))
         del self._claims[claim.name]
 
     def enroll(self, group: Residency, aliases: Iterable[str] = ()) -> None:
@@ -248,7 +248,7 @@ class Registry:
         """Forget `group`, its aliases and its modules' ownership."""
         if CHECKING:
             check_held(self._lock)
-        self._give_up_modules(owned_modules(group))
+        self._release_modules(owned_modules(group))
         for path in self.aliases_of(group):
             del self._aliases[path]
         if self._groups.get(group.name) is group:  # last; repeatable, also after a half enroll
@@ -262,7 +262,7 @@ class Registry:
         now = owned_modules(group)
         self._take_modules(now, group.name)
         kept = {id(module) for module in now}
-        self._give_up_modules([module for module in before if id(module) not in kept])
+        self._release_modules([module for module in before if id(module) not in kept])
 
     def alias(self, path: object, name: str) -> None:
         """Let `path` lead to group `name` (or the group an alias `name` leads to); refused
@@ -302,10 +302,10 @@ class Registry:
         for module in modules:
             _OWNERS[module] = (weakref.ref(self), name)
 
-    def _give_up_modules(self, modules: Iterable[nn.Module]) -> None:
-        locked(_OWNERS_LOCK, self._give_up_modules_locked, modules)
+    def _release_modules(self, modules: Iterable[nn.Module]) -> None:
+        locked(_OWNERS_LOCK, self._release_modules_locked, modules)
 
-    def _give_up_modules_locked(self, modules: Iterable[nn.Module]) -> None:
+    def _release_modules_locked(self, modules: Iterable[nn.Module]) -> None:
         for module in modules:
             found = _OWNERS.get(module)
             if found is not None and found[0]() is self:

@@ -168,7 +168,7 @@ class SpillFile:
             raise OSError(ctypes.get_errno(), "mincore failed")
         return min(self.nbytes, (pages - bytes(vector).count(0)) * _PAGE)
 
-    def drop_pages(self) -> None:
+    def release_pages(self) -> None:
         """Write the dirty pages out, unmap them, let the page cache go (see [Note: edits go
         to our file]): nothing is lost, the next read comes from the file."""
         self._mapping.flush()
@@ -322,7 +322,7 @@ class HostTier:
         for spill in order:
             if total <= room:
                 break
-            if _advise(spill.drop_pages, "drop the pages of", spill):
+            if _advise(spill.release_pages, "drop the pages of", spill):
                 total -= resident[spill]
         return total <= room
 

@@ -153,14 +153,14 @@ class HostMaster:
         reads have not ended); a load of it would wait for them."""
         return self.arrival is not None and not self.arrival.done.is_set()
 
-    def abandon_reads(self) -> None:
+    def cancel_reads(self) -> None:
         """Stop the reads of an arriving master nobody will load (its group left the scheduler,
         or was re-packed): its tensors stay where they were, with their values - unless a
         weight file was cut short under them, when they are moved off its mapping first
         (`residency.host.read_behind`, [Note: a weight file cut short under an arriving
         master])."""
         if self.arrival is not None:
-            self.arrival.abandon(self)
+            self.arrival.cancel(self)
 
     def rehome(self, views: list[torch.Tensor]) -> None:
         """While arriving: the tensors' homes are `views` now (a weight file was cut short

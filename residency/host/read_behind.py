@@ -43,7 +43,7 @@ interrupt landed between the queue and the start, or one that died, is replaced;
 worker ends at its next turn: only the registered one reads).  It never touches a module or a
 tensor of the model: it allocates chunks and reads files into them through `FileReader`.  A
 master nobody will load (its group removed, re-packed after a change, a registration undone by
-an interrupt) is abandoned: `abandon` is called by the group's removal, and by a finaliser when
+an interrupt) is cancelled: `cancel` is called by the group's removal, and by a finaliser when
 the master is collected, so an undone registration stops its reads too; the worker finishes the
 part in flight and drops the arrival.  A read that fails (an I/O error, host memory) is kept
 and raised by every `complete`, as a `WeightFileError` or `HostMemoryError`: the group's tensors
@@ -129,7 +129,7 @@ class Arrival:
     """One master's bytes on their way from the weight files (see the module docstring).
 
     The worker writes `chunks`, `pinned`, `read_nbytes` and, once, `failure` then `done`; the
-    caller's thread reads them only after `done` is set.  `abandoned` is written by `abandon`.
+    caller's thread reads them only after `done` is set.  `cancelled` is written by `cancel`.
     """
 
     def __init__(self, reads: ReadBehind, name: str, inventory: Inventory, sources: list,
@@ -159,7 +159,7 @@ class Arrival:
         #: [Note: a weight file cut short under an arriving master]); every load raises it.
         self._loss: _Loss | None = None
         self.done = threading.Event()
-        self.abandoned = False
+        self.cancelled = False
         self._started = time.perf_counter()
 
     @property
@@ -193,7 +193,7 @@ class Arrival:
         if self._left:
             return False
         chunk, self._chunk = self._chunk, None
-        if not self.abandoned:  # else the chunk goes with this frame
+        if not self.cancelled:  # else the chunk goes with this frame
             self.chunks.append(chunk)
         self.read_nbytes = sum(c.numel() for c in self.chunks)
         return len(self.chunks) == len(layout.chunk_nbytes)
@@ -248,7 +248,7 @@ class Arrival:
                   "after add)", self.name, self.nbytes / 2**20,
                   time.perf_counter() - self._started)
 
-    def abandon(self, master: HostMaster | None = None) -> None:
+    def cancel(self, master: HostMaster | None = None) -> None:
         """Stop reading this master: nobody will load it (idempotent).  With `master` (its
         group leaves the scheduler), tensors on a weight file cut short are moved off its
         mapping first, with a warning unless a load raised the loss already (see [Note: a
@@ -260,7 +260,7 @@ class Arrival:
                     warnings.warn(loss.warning, RuntimeWarning, stacklevel=2)
                     self._loss = loss
                 loss.rescue(self._inventory, master, self._pointers_at_add)
-        self._reads.abandon(self)
+        self._reads.cancel(self)
 
     def _refuse_if_cut_short(self, master: HostMaster) -> None:
         """Raise the loss of a weight file cut short under the group (found now or before),
@@ -270,7 +270,7 @@ class Arrival:
             if loss is None:
                 return
             self._loss = loss
-        self._reads.abandon(self)  # its reads are of no use now
+        self._reads.cancel(self)  # its reads are of no use now
         self._loss.rescue(self._inventory, master, self._pointers_at_add)
         raise self._loss.error
 
@@ -493,7 +493,7 @@ class ReadBehind:
         arrival = Arrival(self, name, inventory, sources, files, transport=transport, pin=pin)
         master = HostMaster.arriving(inventory, arrival)
         # An undone add stops its reads; a weak reference: a committed arrival is dropped.
-        finalizer = weakref.finalize(master, self._abandon_if_alive, weakref.ref(arrival))
+        finalizer = weakref.finalize(master, self._cancel_if_alive, weakref.ref(arrival))
         finalizer.atexit = False
         locked(self._lock, self._enqueue, arrival)
         inventory.source_regions = None
@@ -505,14 +505,14 @@ class ReadBehind:
         """Read `arrival` next (after the chunk in flight), a worker running to do it."""
         locked(self._lock, self._to_front, arrival)
 
-    def abandon(self, arrival: Arrival) -> None:
+    def cancel(self, arrival: Arrival) -> None:
         """Stop reading `arrival` (nobody will load its master); idempotent."""
-        locked(self._lock, self._drop, arrival)
+        locked(self._lock, self._cancel_locked, arrival)
 
-    def _abandon_if_alive(self, arrival: weakref.ref) -> None:
+    def _cancel_if_alive(self, arrival: weakref.ref) -> None:
         arrival = arrival()
         if arrival is not None:
-            self.abandon(arrival)
+            self.cancel(arrival)
 
     # -- under the lock ------------------------------------------------------------------------
 
@@ -533,8 +533,8 @@ class ReadBehind:
             self._worker = worker
             worker.start()
 
-    def _drop(self, arrival: Arrival) -> None:
-        arrival.abandoned = True  # first: the worker skips it from now on
+    def _cancel_locked(self, arrival: Arrival) -> None:
+        arrival.cancelled = True  # first: the worker skips it from now on
         self._queue = [a for a in self._queue if a is not arrival]
         arrival.chunks = []  # the memory goes with the last reference (the chunk in flight)
         arrival.done.set()
@@ -543,7 +543,7 @@ class ReadBehind:
         """The arrival to read a chunk of, or None: this worker ends."""
         if self._worker is not threading.current_thread():
             return None  # replaced by another worker
-        self._queue = [a for a in self._queue if not a.abandoned]
+        self._queue = [a for a in self._queue if not a.cancelled]
         if not self._queue:
             self._worker = None
             return None
@@ -563,5 +563,5 @@ class ReadBehind:
                 except BaseException as error:  # kept for `complete`: a typed error there
                     arrival.fail(error)
                     finished = True
-                if finished or arrival.abandoned:
+                if finished or arrival.cancelled:
                     locked(self._lock, self._finished, arrival)

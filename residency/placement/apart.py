@@ -87,7 +87,7 @@ class PartsApart:
                 self._adoption.adopt(group, part)
         return written
 
-    def drop_unkept(self, group: Residency, plan: Plan) -> int:
+    def evict_unkept(self, group: Residency, plan: Plan) -> int:
         """Evict what of `group` (not current) the new `plan` does not keep: its parts apart and
         a kept own part that the plan moves or streams; returns the bytes written back."""
         written = 0

@@ -1,7 +1,7 @@
 """The device buffers a scheduler reuses across phases, and which one a group loads into.
 
     buffers = DeviceBuffers(transport)
-    storage = buffers.free_for(dit, current=encoder)    # the exclusive buffer the encoder is not in
+    storage = buffers.buffer_for(dit, current=encoder)    # the exclusive buffer the encoder is not in
     storage = buffers.make_room(dit)                    # a module-mode group frees layer mode's
 
 Fields (set once; their contents are `DeviceStorage`s, each the owner of its own bytes; used with the
@@ -54,7 +54,7 @@ class DeviceBuffers:
         """Bytes the buffers hold now."""
         return sum(storage.nbytes for storage in self.all)
 
-    def free_for(self, group: Residency, current: Residency | None) -> DeviceStorage:
+    def buffer_for(self, group: Residency, current: Residency | None) -> DeviceStorage:
         """The buffer `group`'s own part should load into: the last of its mode's buffers it
         loaded into, unless `current` uses that one."""
         own = self._own[group.plan.mode]
@@ -67,20 +67,20 @@ class DeviceBuffers:
     def make_room(self, group: Residency) -> DeviceStorage:
         """Free the buffers of the modes `group` is not in (see [Note: layer mode holds no buffer
         sized for another group]); returns the buffer it loads into while no group is current
-        (`free_for`)."""
+        (`buffer_for`)."""
         for mode, storages in self._of_mode.items():
             if mode != group.plan.mode:
                 for storage in storages:
                     if storage.buffer is not None:
                         storage.release()
-        return self.free_for(group, None)
+        return self.buffer_for(group, None)
 
     def forget(self, group: Residency) -> None:
         """Drop every buffer's cached views of `group` (its layout changed, or it is gone)."""
         for storage in {*self.all, group.device_storage} - {None}:
             storage.forget(group)
 
-    def free_all(self) -> None:
+    def release_all(self) -> None:
         """Free every buffer (``offload_all``, ``close``)."""
         for storage in self.all:
             storage.release()

@@ -465,7 +465,7 @@ class BlockStream:
         may have one: `SlotPlacement.may_prefetch`)."""
         if not self._slots.may_prefetch(self.parts[index]):
             return
-        slot = self._free_slot()
+        slot = self._slot_to_fill()
         if slot is None:
             return
         self._occupant[slot] = index
@@ -496,7 +496,7 @@ class BlockStream:
 
     def _load_on_demand(self, index: int) -> None:
         """Block `index` was not prefetched (run out of order): load it now."""
-        slot = self._free_slot()
+        slot = self._slot_to_fill()
         if slot is None:
             raise PhaseError(
                 f"group {self.name!r}: block {self.parts[index].name} was called while two other "
@@ -523,7 +523,7 @@ class BlockStream:
         self._record(index, "evict", slot, written)
         return written
 
-    def _free_slot(self) -> int | None:
+    def _slot_to_fill(self) -> int | None:
         """An empty slot, else one whose block is not running (that block is evicted, or its
         copy cancelled); None when both hold running blocks."""
         running = set(self._running.values())

@@ -138,19 +138,19 @@ class Placement:
         if nbytes:
             self._record(None, group, nbytes, 0, start, start)
 
-    def withdraw(self, group: Residency, *, evict: bool) -> None:
+    def remove(self, group: Residency, *, evict: bool) -> None:
         """Forget `group` and drop its views and storage.  With `evict`, what is on the device is
         evicted first (changes written back; tensors that no longer fit their place are kept as
         the user made them, on the host); without, its tensors keep viewing the device bytes."""
         if CHECKING:
             check_held(self._lock)
         try:
-            self._withdraw(group, evict)
+            self._remove(group, evict)
         except BaseException:  # see [Note: interrupts] in residency.scheduler.scheduler
             self.settle()
             raise
 
-    def _withdraw(self, group: Residency, evict: bool) -> None:
+    def _remove(self, group: Residency, evict: bool) -> None:
         self.cancel_prefetch()
         if evict:
             self._evict(group, repack=False)
@@ -262,7 +262,7 @@ class Placement:
             return False
         self.cancel_prefetch()
         try:
-            group.begin_load(self._free_storage(group), watch_edits=True, replaced=replaced)
+            group.begin_load(self._buffer_for(group), watch_edits=True, replaced=replaced)
         except DeviceMemoryError:  # no memory info to ask first: the allocator said no
             return False
         self.prefetched = group  # an interrupt before this line: `settle` cancels the copy
@@ -295,7 +295,7 @@ class Placement:
     def release_shared(self) -> None:
         if CHECKING:
             check_held(self._lock)
-        self._device_buffers.free_all()
+        self._device_buffers.release_all()
 
     def replan(self, group: Residency, plan: Plan) -> None:
         """Carry out a new `plan` for `group` (an auto scheduler's; no holders): the current
@@ -316,7 +316,7 @@ class Placement:
         self.cancel_prefetch()
         if self.current is not None:
             self.switch_to(None)
-        start, written = time.perf_counter(), self.apart.drop_unkept(group, plan)
+        start, written = time.perf_counter(), self.apart.evict_unkept(group, plan)
         if group.plan != plan:
             take_plan(group, plan, slots=self.slots, lock=self._lock, log=self._block_log)
         nbytes = self.apart.load_kept(group)
@@ -380,16 +380,16 @@ class Placement:
         self.cancel_prefetch()
         return group.load(storage, replaced=replaced)
 
-    def _free_storage(self, group: Residency) -> DeviceStorage:
+    def _buffer_for(self, group: Residency) -> DeviceStorage:
         """The shared buffer `group` should load into: its last one, unless the current group
         uses it."""
-        return self._device_buffers.free_for(group, self.current)
+        return self._device_buffers.buffer_for(group, self.current)
 
     def _room_for_prefetch(self, group: Residency) -> bool:
         """Whether the buffer `group` would be copied into fits beside everything already held
         (see `_room_beside`)."""
         limit = self.device_memory_limit if self.device_memory_limit is not None else self.budget
-        return _room_beside(self._free_storage(group), group, self.device_nbytes, limit,
+        return _room_beside(self._buffer_for(group), group, self.device_nbytes, limit,
                             self.device)
 
     def _record(self, previous: Residency | None, group: Residency | None, nbytes: int,

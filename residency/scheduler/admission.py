@@ -107,7 +107,7 @@ class Admission:
             group = self._pack_claimed(claim, plan, spec)
             return locked(self._lock, self._enroll, group, claim, aliases)
         except BaseException:
-            locked(self._lock, self._abandon, claim, group)
+            locked(self._lock, self._cancel, claim, group)
             raise
 
     def _reserve(self, claim: Claim) -> None:
@@ -118,11 +118,11 @@ class Admission:
             claim.name, self._registry.needs(claim.name, claim.policy, claim.device_need))
         self._registry.claim(claim)
 
-    def _abandon(self, claim: Claim, group: Residency | None) -> None:
+    def _cancel(self, claim: Claim, group: Residency | None) -> None:
         """Undo a registration that did not complete: its claim, the wrappers of its stream."""
         self._registry.release_claim(claim)
         if group is not None and group not in list(self._registry):
-            _abandon_reads(group)
+            _cancel_reads(group)
             for stream in group.streams:
                 stream.close()
 
@@ -158,7 +158,7 @@ class Admission:
             self._placement.admit(group)
             return group
         except BaseException:
-            self._placement.withdraw(group, evict=True)
+            self._placement.remove(group, evict=True)
             self._registry.unregister(group)
             raise
 
@@ -223,14 +223,14 @@ class Admission:
             return group  # removed already (an interrupted refresh's second try)
         self.check_not_in_a_phase(group, action)
         try:
-            self._placement.withdraw(group, evict=True)
+            self._placement.remove(group, evict=True)
             self._registry.unregister(group)
-            _abandon_reads(group)
+            _cancel_reads(group)
         except BaseException:  # rolled forward unless the eviction was refused
             if not group.is_resident or group.exclusive and self._placement.current is not group:
-                self._placement.withdraw(group, evict=False)
+                self._placement.remove(group, evict=False)
                 self._registry.unregister(group)
-                _abandon_reads(group)
+                _cancel_reads(group)
             raise
         return group
 
@@ -254,11 +254,11 @@ def sharded_load(node, ledger, name: str, weight_transfer: object) -> ShardedLoa
                        local_world=node.local_world_size, ledger=ledger)
 
 
-def _abandon_reads(group: Residency) -> None:
+def _cancel_reads(group: Residency) -> None:
     """A group that leaves before its first load: the reads of its masters still arriving
     (`residency.host.read_behind`) stop, and its tensors stay on their weight files."""
     for part in (group, *group.parts):
-        part.host_master.abandon_reads()
+        part.host_master.cancel_reads()
 
 
 def check_open(holds: Holds) -> None:

@@ -244,16 +244,16 @@ class Holds:
             # The common exit: the thread's only phase; give up the hold, forget the entry.
             frames.pop()
             phase.status = PhaseStatus.EXITED
-            self._drop_hold(entry)
+            self._release_hold(entry)
             return None
         needs = self.pop(entry, phase)
-        if frames and _drop_abandoned(entry):
+        if frames and _close_abandoned(entry):
             needs = entry.needs()
         if needs is entry.held:
             self.forget_if_idle(entry)
             return None
         if needs is None:
-            self.give_up(entry)
+            self.release_thread(entry)
             return None
         turn = self.move(entry, needs, restore_on_failure=False)
         self.forget_if_idle(entry)
@@ -266,7 +266,7 @@ class Holds:
             check_held(self._lock)
         frames = entry.frames
         if not frames or frames[-1][0] is not phase:  # unless phases inside were abandoned
-            if not (_drop_abandoned(entry) and frames and frames[-1][0] is phase):
+            if not (_close_abandoned(entry) and frames and frames[-1][0] is phase):
                 _refuse_exit(entry, phase)
         frames.pop()
         phase.status = PhaseStatus.EXITED
@@ -282,8 +282,8 @@ class Holds:
         for entry in list(self._threads.values()):
             if not entry.thread.is_alive():  # a thread that ended inside: `DeadlockError`
                 continue
-            if _drop_abandoned(entry) and not entry.frames and entry.held is not None:
-                self._drop_hold(entry)
+            if _close_abandoned(entry) and not entry.frames and entry.held is not None:
+                self._release_hold(entry)
 
     def settle(self, phase) -> Turn | None:
         """After an entry or exit of `phase` stopped half-way ([Note: interrupts], facade): close
@@ -296,7 +296,7 @@ class Holds:
         frames = entry.frames
         if frames and frames[-1][0] is phase:
             frames.pop()
-        _drop_abandoned(entry)
+        _close_abandoned(entry)
         if phase.status is _ACTIVE or phase.status is PhaseStatus.NEW:
             phase.status = PhaseStatus.EXITED
         while frames and frames[-1][0].status is PhaseStatus.LEAVING:
@@ -332,16 +332,16 @@ class Holds:
         entry.held = group
         self._threads[entry.thread] = entry
 
-    def give_up(self, entry: ThreadHolds) -> None:
+    def release_thread(self, entry: ThreadHolds) -> None:
         """`entry`'s thread holds nothing any more (no frame left: dropped); wake waiters."""
         if CHECKING:
             check_held(self._lock)
         if entry.held is not None:
-            self._drop_hold(entry)
+            self._release_hold(entry)
         elif not entry.frames:
             self._threads.pop(entry.thread, None)
 
-    def _drop_hold(self, entry: ThreadHolds) -> None:
+    def _release_hold(self, entry: ThreadHolds) -> None:
         if self._turns.learns:
             self._turns.left(entry.thread, entry.held, _monotonic())
         self._holder_count -= 1
@@ -371,7 +371,7 @@ class Holds:
             check_held(self._lock)
         previous = entry.held
         if previous is not None:
-            self.give_up(entry)
+            self.release_thread(entry)
         if needs is None:
             return None
         if previous is not None and self._turns.learns:
@@ -514,7 +514,7 @@ def _refuse_exit(entry: ThreadHolds, phase) -> None:
         )
 
 
-def _drop_abandoned(entry: ThreadHolds) -> bool:
+def _close_abandoned(entry: ThreadHolds) -> bool:
     """Close `entry`'s abandoned frames (see `Holds.collect_abandoned`); whether there were any."""
     dropped = {id(frame): frame for frame in entry.frames if _abandoned(frame)}
     if not dropped:
