@@ -106,7 +106,7 @@ class Site:
     """One ordering call site: the `place`-th call named `call` (1 = the first) in `function` (its
     classes and enclosing functions, dotted) of `file`.
 
-        Site("residency/placement/apart.py", "PartsApart.evict_unkept", "release", 2)
+        Site("residency/placement/buffers.py", "DeviceBuffers.make_room", "release", 2)
     """
 
     file: str
@@ -516,7 +516,7 @@ def groups(device, **options):
 # -- the sites the tests below remove ------------------------------------------------------------
 
 _TRANSPORT, _COMPONENT = "residency/device/transport.py", "residency/group/residency.py"
-_WRITE_BACK, _APART = "residency/group/write_back.py", "residency/placement/apart.py"
+_WRITE_BACK, _MOVER = "residency/group/write_back.py", "residency/placement/mover.py"
 _MEMORY, _BUFFERS = "residency/host/memory.py", "residency/placement/buffers.py"
 _PLACEMENT = "residency/placement/placement.py"
 
@@ -545,9 +545,9 @@ FINGERPRINT_DIGESTS = Site("residency/multirank/agreement.py", "_fingerprints", 
 REMOVE_RELEASE = Site(_PLACEMENT, "Placement._remove", "release")
 FREE_ALL_RELEASE = Site(_BUFFERS, "DeviceBuffers.release_all", "release")
 MAKE_ROOM_RELEASE = Site(_BUFFERS, "DeviceBuffers.make_room", "release")
-APART_EVICT_RELEASE = Site(_APART, "PartsApart.evict", "release")
-UNKEPT_PART_RELEASE = Site(_APART, "PartsApart.evict_unkept", "release", 1)
-UNKEPT_OWN_RELEASE = Site(_APART, "PartsApart.evict_unkept", "release", 2)
+#: One release for every part that leaves the device, whatever moved it out (a group leaving,
+#: a re-plan of a kept block or of a kept own part): each test below removes it.
+MOVE_OUT_RELEASE = Site(_MOVER, "PartMover.move_out", "release")
 OWN_STORAGE_RELEASE = Site(_PLACEMENT, "Placement._leave", "release")
 
 
@@ -1005,8 +1005,8 @@ def released_by_an_auto_plan(device, point, *, how: str) -> None:
 
 @pytest.mark.gpu
 def test_a_block_swapped_apart_frees_its_storage_when_its_group_leaves(device):
-    """apart.py:PartsApart.evict -> part.device_storage.release()."""
-    audit(lambda point: released_by_an_auto_plan(device, point, how="part"), APART_EVICT_RELEASE)
+    """mover.py:PartMover.move_out -> part.device_storage.release(), by PartsApart.evict."""
+    audit(lambda point: released_by_an_auto_plan(device, point, how="part"), MOVE_OUT_RELEASE)
 
 
 @pytest.mark.gpu
@@ -1017,16 +1017,17 @@ def test_an_own_part_in_a_storage_of_its_own_frees_it_when_its_group_leaves(devi
 
 @pytest.mark.gpu
 def test_a_re_plan_frees_the_storage_of_a_block_it_no_longer_keeps(device):
-    """apart.py:PartsApart.evict_unkept -> part.device_storage.release()."""
-    audit(lambda point: released_by_an_auto_plan(device, point, how="replan"),
-          UNKEPT_PART_RELEASE)
+    """mover.py:PartMover.move_out -> part.device_storage.release(), by
+    PartsApart.evict_unkept for a part apart."""
+    audit(lambda point: released_by_an_auto_plan(device, point, how="replan"), MOVE_OUT_RELEASE)
 
 
 @pytest.mark.gpu
 def test_a_re_plan_frees_the_storage_of_an_own_part_it_no_longer_keeps(device):
-    """apart.py:PartsApart.evict_unkept -> group.device_storage.release() (its second release)."""
+    """mover.py:PartMover.move_out -> part.device_storage.release(), by
+    PartsApart.evict_unkept for the group's own part."""
     audit(lambda point: released_by_an_auto_plan(device, point, how="replan_own"),
-          UNKEPT_OWN_RELEASE)
+          MOVE_OUT_RELEASE)
 
 
 def fresh_buffer_beside_an_alias(device, point) -> None:
@@ -1269,5 +1270,5 @@ def test_places_count_the_calls_of_a_name_in_one_function_in_source_order():
 
 @pytest.mark.fast
 def test_a_site_that_is_not_in_the_source_is_refused_by_name():
-    with pytest.raises(LookupError, match=r"PartsApart.evict_unkept `release` #3: no such call"):
-        removed_code(Site(_APART, "PartsApart.evict_unkept", "release", 3))
+    with pytest.raises(LookupError, match=r"PartMover.move_out `release` #2: no such call"):
+        removed_code(Site(_MOVER, "PartMover.move_out", "release", 2))

@@ -1,6 +1,6 @@
 """Parts placed whole apart from their group's own part: an auto plan's kept and swapped blocks.
 
-    kept = PartsApart(adoption, transport, buffers.all)
+    kept = PartsApart(mover, transport, buffers.all)
     nbytes = kept.load(dit, Where.SWAPPED)     # each swapped block into a storage of its own
     written = kept.evict(dit, Where.SWAPPED)   # back on their masters, what changed written back
 
@@ -9,8 +9,9 @@ An auto plan (`residency.auto.planner`) places each block of a group by itself
 residency: the group's next load moves only the rest), *swapped* ones move with the group's own
 part.  Each is a small `Residency` with its own host master (`Residency.apart`), as a streamed
 block is, so a new plan moves a block between kept, swapped and streamed without packing it
-again.  Each loads into a device storage of its own, released when the part is evicted; a part
-whose modules changed is re-packed through `Adoption` first, as a group is.
+again.  Each loads into a device storage of its own, released when the part is evicted; it moves
+in and out through the `PartMover` every part uses (`residency.placement.mover`: re-packed first
+when its modules changed, as a group is).
 
 [Note: a kept part outside its group's phase]
 A kept block's tensors view the device while its group is not current, as a resident-policy
@@ -25,12 +26,12 @@ Holds no state of its own (each part's state is its own); called with the schedu
 
 from __future__ import annotations
 
-from residency.placement.adoption import Adoption
 from residency.group.residency import Residency
 from residency.core.enums import ResidencyState
 from residency.host.memory import DeviceStorage
 from residency.group.plan import Plan, Where
 from residency.device.transport import Transport
+from residency.placement.mover import PartMover
 
 __all__ = ["PartsApart"]
 
@@ -39,9 +40,9 @@ class PartsApart:
     """Loads and evicts the parts a group's plan places whole apart from its own part (see the
     module docstring)."""
 
-    def __init__(self, adoption: Adoption, transport: Transport,
+    def __init__(self, mover: PartMover, transport: Transport,
                  shared: tuple[DeviceStorage, ...]) -> None:
-        self._adoption = adoption
+        self._mover = mover
         self._transport = transport
         #: The scheduler's reused buffers (a part streamed before may still name a slot).
         self._shared = shared
@@ -66,8 +67,7 @@ class PartsApart:
         nbytes = 0
         for part in _planned(group, where):
             if part.state is ResidencyState.OFFLOADED:
-                self._adoption.adopt(group, part)
-                nbytes += part.load(self.storage_of_its_own(part))
+                nbytes += self._mover.move_in(group, part, self.storage_of_its_own)
         return nbytes
 
     def evict(self, group: Residency, where: Where | None, *, repack: bool = True) -> int:
@@ -75,29 +75,18 @@ class PartsApart:
         device, writing back what changed, and free its storage; returns the bytes written.  A
         part re-typed on the device is re-packed at once unless `repack` is False (its group is
         being removed)."""
-        written = 0
-        for part in group.apart if where is None else _planned(group, where):
-            if part.state is ResidencyState.LOADING:
-                part.cancel_load()
-            if part.state is ResidencyState.RESIDENT:
-                written += part.evict()
-            if part.device_storage is not None and part.device_storage not in self._shared:
-                part.device_storage.release()
-            if part.left_misfits and repack:
-                self._adoption.adopt(group, part)
-        return written
+        parts = group.apart if where is None else _planned(group, where)
+        return sum(self._mover.move_out(group, part, repack=repack) for part in parts)
 
     def evict_unkept(self, group: Residency, plan: Plan) -> int:
         """Evict what of `group` (not current) the new `plan` does not keep: its parts apart and
         a kept own part that the plan moves or streams; returns the bytes written back."""
         written = 0
-        for part in group.apart:
+        for part in group.apart:  # a kept part's storage is its own: released
             if part.is_resident and plan.where.get(part.name) is not Where.KEPT:
-                written += part.evict()
-                part.device_storage.release()  # a kept part's storage is its own
-        if group.is_resident and plan.own.where is not Where.KEPT:
-            written += group.evict()
-            group.device_storage.release()
+                written += self._mover.move_out(group, part, repack=False)
+        if group.is_resident and plan.own.where is not Where.KEPT:  # kept: its own storage
+            written += self._mover.move_out(group, group, repack=False)
         return written
 
     def storage_of_its_own(self, part: Residency) -> DeviceStorage:

@@ -47,6 +47,7 @@ from torch.profiler import record_function
 
 from residency.placement.adoption import Adoption, check_budget
 from residency.placement.apart import PartsApart
+from residency.placement.mover import PartMover
 from residency.placement.buffers import DeviceBuffers
 from residency.group.residency import Residency
 from residency.core.enums import Policy, ResidencyState
@@ -88,9 +89,10 @@ class Placement:
         #: The scheduler's log: appended to here (under the lock); it has its own lock for readers.
         self._transitions = transitions
         #: The placement of streamed parts in the block slots (lent to every group's stream).
-        self.slots = SlotPlacement(buffers.block_slots, adoption)
+        mover = PartMover(adoption, buffers.all)
+        self.slots = SlotPlacement(buffers.block_slots, mover)
         #: The placement of parts placed whole apart from their own part (an auto plan's).
-        self.apart = PartsApart(adoption, transport, buffers.all)
+        self.apart = PartsApart(mover, transport, buffers.all)
         self._block_log = block_log
         self._planned: list[Residency] = []  # guarded by the lock
         self.current: Residency | None = None  # guarded by the lock

@@ -1,6 +1,6 @@
 """The block slots: the placement of streamed parts, asked by each layer-mode group's stream.
 
-    slots = SlotPlacement(buffers.block_slots, adoption)
+    slots = SlotPlacement(buffers.block_slots, mover)
     nbytes = slots.prefetch(block, 0)      # the block's copy issued into slot 0
     slots.park(block)                      # its tensors view slot 0 (False: copy abandoned)
     written = slots.evict(group, block)    # back on its master, what changed written back
@@ -10,7 +10,8 @@ A plan's streamed parts (`residency.group.plan`) pass through two reused device 
 and when is the stream's decision (`residency.placement.layers.BlockStream`, around each block's
 forward); carrying the move out is this file's: every transition of a streamed part's `Residency`
 happens here, as every transition of a group's own part happens in `residency.placement.placement`.
-A part whose modules changed is re-packed through the same `Adoption` a group is.
+A whole load and an eviction go through the `PartMover` every part uses
+(`residency.placement.mover`: a part whose modules changed is re-packed first, as a group is).
 
 Holds no state of its own (the slots are the buffers' and each part's state is its own), and is
 called with the scheduler lock held.
@@ -18,10 +19,10 @@ called with the scheduler lock held.
 
 from __future__ import annotations
 
-from residency.placement.adoption import Adoption
 from residency.group.residency import Residency
 from residency.core.enums import ResidencyState
 from residency.host.memory import DeviceStorage
+from residency.placement.mover import PartMover
 
 __all__ = ["SlotPlacement"]
 
@@ -30,10 +31,10 @@ class SlotPlacement:
     """Moves streamed parts into the two block slots and out of them (see the module
     docstring)."""
 
-    def __init__(self, slots: tuple[DeviceStorage, DeviceStorage], adoption: Adoption) -> None:
+    def __init__(self, slots: tuple[DeviceStorage, DeviceStorage], mover: PartMover) -> None:
         #: The two slots, in the order the streams number them (0 and 1).
         self.slots = slots
-        self._adoption = adoption
+        self._mover = mover
 
     def slot_of(self, block: Residency) -> int | None:
         """The slot `block` is in or being copied into; None when it is offloaded."""
@@ -74,17 +75,13 @@ class SlotPlacement:
     def load(self, group: Residency, block: Residency, slot: int) -> int:
         """Load `block` (one of `group`'s streamed parts) into `slot` now, re-packed first if
         its modules changed; returns the bytes copied."""
-        self._adoption.adopt(group, block)
-        return block.load(self.slots[slot])
+        return self._mover.move_in(group, block, lambda _: self.slots[slot])
 
     def evict(self, group: Residency, block: Residency, *, repack: bool = True) -> int:
         """Evict `block` from its slot, writing back what changed; returns the bytes written.
         A block re-typed in its slot is re-packed at once (so it views its master), unless
         `repack` is False (its group is being removed)."""
-        written = block.evict()
-        if block.left_misfits and repack:
-            self._adoption.adopt(group, block)
-        return written
+        return self._mover.move_out(group, block, repack=repack)
 
     def forget(self, blocks: list[Residency]) -> None:
         """Drop the slots' cached views of `blocks` (their group is gone)."""
