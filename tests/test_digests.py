@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 
 import pytest
 import torch
@@ -308,6 +309,31 @@ def test_the_one_pass_kernel_is_built_into_the_cache_once_and_a_failed_build_fal
             assert one_pass_sums() is None
             assert torch.equal(window_digests(buffer, SMALL), expected)
         assert "could not be built" in caplog.text and "false failed" in caplog.text
+    finally:
+        one_pass._loaded.cache_clear()
+
+
+@pytest.mark.fast
+def test_the_kernel_is_never_built_into_or_loaded_from_a_folder_others_may_write(
+        tmp_path, monkeypatch):
+    """A library loaded from the cache runs as this process: a cache folder that others may write
+    to is passed over for a temporary folder of this user's own, and with none such the torch path
+    digests instead."""
+    import tempfile
+
+    shared = tmp_path / "cache" / "residency"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert one_pass._cache_folder() == tmp_path / "tmp" / f"residency-{os.getuid()}"
+    (tmp_path / "tmp" / f"residency-{os.getuid()}").chmod(0o777)
+    with pytest.raises(OSError, match="writable by it alone"):
+        one_pass._cache_folder()
+    try:
+        one_pass._loaded.cache_clear()
+        assert one_pass_sums() is None and not list(shared.iterdir())
     finally:
         one_pass._loaded.cache_clear()
 

@@ -65,8 +65,9 @@ Both give the same digests.  On a CPU neither is used where a C compiler is foun
 kernel of `residency.device.one_pass` reads each word once, adding it to its row's sum and to its
 column's (which stay in L1), over all whole windows in one call on torch's intra-op thread count,
 with one join per call.  It is faster than either pair at one thread and at two, and bounded
-under load as the single pair is.  The torch pairs stay as its fallback.  (The same-run benchmark is benchmarks/test_change_detection.py; its
-figures, with machine and date, are in benchmarks/README.md, "Change detection".)  The
+under load as the single pair is; the torch pairs stay as its fallback.  (The same-run benchmark
+is benchmarks/test_change_detection.py; its figures, with machine and date, are in
+benchmarks/README.md, "Change detection".)  The
 digests take ``(rows + columns) * 8`` bytes per window: 0.9% of the buffer with the CPU layout,
 0.3% with the accelerator layout.  (Keeping a copy to ``torch.equal`` against would cost 100% of
 the memory and, on a CPU, more time than the copy itself.)

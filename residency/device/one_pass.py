@@ -177,14 +177,19 @@ def _built() -> Path:
 
 
 def _cache_folder() -> Path:
-    """The user's cache folder for residency, made if missing; a temporary one if not writable."""
+    """The user's cache folder for residency, made if missing; a temporary one where that cannot
+    be written.  A folder is used only when this user owns it and nobody else may write to it:
+    a library loaded from it runs as this process."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     for folder in (Path(base) / "residency",
                    Path(tempfile.gettempdir()) / f"residency-{os.getuid()}"):
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = folder.stat()
         except OSError:
             continue
-        if os.access(folder, os.W_OK):
+        if info.st_uid == os.getuid() and not info.st_mode & 0o022 and \
+                os.access(folder, os.W_OK):
             return folder
-    raise OSError("no writable cache folder for the one-pass kernel")
+    raise OSError("no cache folder of this user's own, writable by it alone, for the one-pass "
+                  "kernel (set XDG_CACHE_HOME to one)")

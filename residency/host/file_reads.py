@@ -186,8 +186,8 @@ def _any_in_a_file_mapping(addresses: list[int]) -> bool:
     except OSError:
         return True
     bounds = _RANGE.findall(" ".join(names))
-    if not bounds:
-        return False
+    if not bounds:  # every process maps files (its interpreter, libc): this listing says nothing
+        return True
     firsts, lasts = zip(*bounds)
     ranges = sorted(zip(map(int, firsts, itertools.repeat(16)),
                         map(int, lasts, itertools.repeat(16))))
