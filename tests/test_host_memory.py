@@ -72,6 +72,35 @@ def test_a_v1_limit_seen_from_another_namespace_is_read_at_the_mount_root(tmp_pa
 
 
 @pytest.mark.fast
+def test_reading_the_room_costs_no_python_line_per_cgroup_controller(tmp_path):
+    """Every pack reads the room; the interrupt sweeps interrupt its line events, so a Python
+    line per membership or per mount would multiply their points: the count is the same with
+    twelve v1 controllers mounted beside the memory one."""
+    from _interrupts import Interrupter
+
+    def line_events(controllers: list[str]) -> int:
+        memberships = [f"{i + 5}:{name}:/job" for i, name in enumerate(controllers)]
+        mounts = [f"{40 + i} 31 0:{40 + i} / /sys/fs/cgroup/{name} rw - cgroup cgroup rw,{name}"
+                  for i, name in enumerate(controllers)]
+        root = _tree(tmp_path / str(len(controllers)), {
+            "/proc/meminfo": MEMINFO,
+            "/proc/self/cgroup": "\n".join([*memberships, "4:memory:/job", "0::/"]) + "\n",
+            "/proc/self/mountinfo": "\n".join(
+                [*mounts, "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory"]) + "\n",
+            "/sys/fs/cgroup/memory/job/memory.limit_in_bytes": f"{2048 * MiB}\n",
+            "/sys/fs/cgroup/memory/job/memory.usage_in_bytes": f"{1024 * MiB}\n",
+        })
+        counter = Interrupter()
+        counter.run(lambda: host_memory(root))
+        assert host_memory(root).limit == 2048 * MiB
+        return counter.count
+
+    many = ["cpu", "cpuacct", "blkio", "devices", "freezer", "net_cls", "perf_event", "pids",
+            "hugetlb", "rdma", "cpuset", "misc"]
+    assert line_events(many) == line_events([])
+
+
+@pytest.mark.fast
 def test_the_room_names_its_source(tmp_path):
     assert HostMemory(meminfo_available=10).room() == (10, "MemAvailable")
     tight = HostMemory(meminfo_available=10, cgroup="/sys/fs/cgroup/job", limit=8, usage=2)

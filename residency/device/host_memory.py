@@ -20,6 +20,7 @@ check and the CPU's "free device memory" read the same figure.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import attrs
@@ -28,6 +29,15 @@ __all__ = ["HostMemory", "host_memory"]
 
 #: A cgroup v1 limit at or above this is "no limit" (the kernel writes 2**63 rounded to a page).
 _UNLIMITED = 2**62
+#: /proc/self/cgroup: the unified (v2) hierarchy's line, and a v1 line naming the memory
+#: controller; the group's path is captured.
+_V2_MEMBER = re.compile(r"^0::(.*)$", re.M)
+_V1_MEMBER = re.compile(r"^\d+:(?:[^:\n]*,)?memory(?:,[^:\n]*)?:(.*)$", re.M)
+#: /proc/self/mountinfo: the root and mount point of a cgroup2 mount, and of a v1 cgroup mount
+#: of the memory controller (named in its super options).
+_V2_MOUNT = re.compile(r"^\S+ \S+ \S+ (\S+) (\S+) [^\n]*? - cgroup2 \S+ \S+$", re.M)
+_V1_MOUNT = re.compile(
+    r"^\S+ \S+ \S+ (\S+) (\S+) [^\n]*? - cgroup \S+ (?:\S*,)?memory(?:,\S*)?$", re.M)
 
 
 @attrs.frozen(kw_only=True)
@@ -110,29 +120,20 @@ def _limited_cgroups(root: Path):
 
 
 def _cgroup_directories(root: Path):
-    """The process's memory cgroup directory in each hierarchy that can limit memory."""
+    """The process's memory cgroup directory in each hierarchy that can limit memory.  The two
+    files are matched in C (regular expressions): every registration reads them, and the
+    interrupt sweeps count each Python line it runs."""
     try:
-        memberships = (root / "proc" / "self" / "cgroup").read_text().splitlines()
-        mounts = (root / "proc" / "self" / "mountinfo").read_text().splitlines()
+        memberships = (root / "proc" / "self" / "cgroup").read_text()
+        mounts = (root / "proc" / "self" / "mountinfo").read_text()
     except OSError:
         return
-    paths = {}
-    for line in memberships:
-        number, controllers, path = line.split(":", 2)
-        if number == "0" and controllers == "":
-            paths[2] = path
-        elif "memory" in controllers.split(","):
-            paths[1] = path
-    for mount in mounts:
-        fields, _, tail = mount.partition(" - ")
-        fields, tail = fields.split(), tail.split()
-        if len(fields) < 5 or len(tail) < 3:
-            continue
-        version = 2 if tail[0] == "cgroup2" else 1 if (
-            tail[0] == "cgroup" and "memory" in tail[2].split(",")) else None
-        if version is None or version not in paths:
-            continue
-        mounted_root, mount_point = fields[3], root / fields[4].lstrip("/")
+    paths = {version: found[-1] for version, found in (
+        (2, _V2_MEMBER.findall(memberships)), (1, _V1_MEMBER.findall(memberships))) if found}
+    found = [(2, mount) for mount in _V2_MOUNT.findall(mounts) if 2 in paths] + \
+        [(1, mount) for mount in _V1_MOUNT.findall(mounts) if 1 in paths]
+    for version, (mounted_root, mount_point) in found:
+        mount_point = root / mount_point.lstrip("/")
         inside = os.path.relpath(paths[version], mounted_root)
         directory = mount_point / inside if not inside.startswith("..") else mount_point
         yield (directory if directory.is_dir() else mount_point), version
