@@ -8,8 +8,9 @@ torch has no reduction that yields two partitions of the same words, so digestin
 reads every word twice ([Note: the cost, and why rows and columns] in `residency.device.digests`).
 This kernel reads each row once: it adds the row into its row sum and, word by word, into the
 window's column sums, which stay in the core's L1 (128 words with the CPU layout).  One call
-digests a whole buffer, on as many threads as torch's intra-op pool has (the windows split
-evenly, the calling thread takes the first share; one join per call, never a region per window).
+digests a whole buffer, on as many threads as torch's intra-op pool has, each with at least four
+windows to sum (the windows split evenly, the calling thread takes the first share; one join per
+call, never a region per window).
 The sums wrap modulo 2**64 like torch's int64 sums (unsigned arithmetic in C), so the digests are
 the same bits as the torch path's, which stays the fallback.
 
@@ -83,6 +84,7 @@ static void *run_share(void *share) {
 }
 
 #define MOST_THREADS 64
+#define LEAST_WINDOWS_PER_THREAD 4
 
 void residency_row_column_sums(const uint64_t *data, int64_t windows, int64_t rows,
                                int64_t cols, uint64_t *out, int threads) {
@@ -90,7 +92,8 @@ void residency_row_column_sums(const uint64_t *data, int64_t windows, int64_t ro
     pthread_t ids[MOST_THREADS];
     int started[MOST_THREADS];
     if (threads > MOST_THREADS) threads = MOST_THREADS;
-    if (threads > windows) threads = (int)windows;
+    if (threads > windows / LEAST_WINDOWS_PER_THREAD)
+        threads = (int)(windows / LEAST_WINDOWS_PER_THREAD);
     if (threads < 1) threads = 1;
     for (int t = 0; t < threads; ++t) {
         shares[t] = (share_t){data, out, windows * t / threads, windows * (t + 1) / threads,
