@@ -5,15 +5,21 @@ requests (issue 46).
     python -m benchmarks.serving --device sim --out benchmarks/results/    # SIMULATED, ~5 min
 
 A request runs the phases of a Wan2.2-shaped pipeline: the text encoder once, then `STEPS`
-high-noise and `STEPS` low-noise expert steps (`GROUPS`: Linear layers, `PASSES` passes), each in
-its own ``with scheduler.resident(...)``, its stream synchronised at the step's end (as a sampler reading
+high-noise and `STEPS` low-noise expert steps (`GROUPS`: Linear layers), each in its own
+``with scheduler.resident(...)``, its stream synchronised at the step's end (as a sampler reading
 its progress does), `HOST_WORK` seconds of host work between steps.  `concurrency` clients each
-run requests back to back (a closed loop) until `REQUESTS` are done.  Per point: phase changes and
-bytes per request, throughput, p50/p99 latency, every output compared bit for bit with the first
-run's (the same request alone, under arrival order).
+run requests back to back (a closed loop) until `REQUESTS` are done; client k starts k /
+concurrency of a lone request's time after the first, so that the requests in flight are at
+different phases, as independent arrivals leave them (started together, closed-loop clients move in
+lockstep, and any order serves lockstep clients in batches).  Per point: phase changes and bytes
+per request, throughput, p50/p99 latency, every output compared bit for bit with the first run's
+(the same request alone, under arrival order).
 
-On the simulated device (``--device sim``: tests/simdevice, compute on one stream as a GPU runs one
-DiT step at a time) the copy rate is set three ways, so that r = swap seconds / step seconds is
+A step's compute: on the CPU, `PASSES` passes through the group's layers (real work); on the
+simulated device (``--device sim``: tests/simdevice, compute on one stream as a GPU runs one DiT
+step at a time), one pass and a busy kernel of `STEP_BUSY` seconds, so that the host dispatches a
+step in a fraction of its device time, as a GPU server does (each simulated op costs the host about
+half a millisecond).  The copy rate is set three ways, so that r = swap seconds / step seconds is
 about 0.4 (an H100 with Wan2.2), 1 and 4; r, the step and the swap are measured in the run.  The
 goals at 8 requests: group order's phase changes per request at most 1/3 of arrival order's; its
 throughput over arrival order's at least 90% of (steps + swaps_arrival * r) / (steps + swaps_group
@@ -40,9 +46,12 @@ from benchmarks.machine import describe_machine
 GROUPS = (("text_encoder", 6), ("high", 12), ("low", 12))
 WIDTH, BATCH = 256, 8
 STEPS = 5
-#: Passes through a group's layers per step: a step's device time several times a swap's fixed
-#: cost (the simulated device sleeps per queued op, the digests' ops included).
+#: Passes through a group's layers per step on the CPU (real compute).
 PASSES = 4
+#: On the simulated device, a step is one pass and a busy kernel of this many seconds: its device
+#: time several times a swap's fixed cost (the device sleeps `COMPUTE_DELAY` per queued op, the
+#: digests' included) and several times the host's dispatch of it.
+STEP_BUSY = 0.03
 HOST_WORK = 0.002
 REQUESTS = 40
 CONCURRENCY = (1, 4, 8)
@@ -74,6 +83,7 @@ class Pipeline:
         from residency import Scheduler
 
         self.device = device
+        self.simulated = device.type != "cpu"
         self.models = _models()
         self.scheduler = Scheduler(device, order=order)
         for name, model in self.models.items():
@@ -81,8 +91,12 @@ class Pipeline:
 
     def step(self, name: str, x: torch.Tensor) -> torch.Tensor:
         with self.scheduler.resident(name), torch.no_grad():
-            for _ in range(PASSES):
+            for _ in range(1 if self.simulated else PASSES):
                 x = self.models[name](x)
+            if self.simulated:
+                from benchmarks import simulator
+
+                simulator.busy(STEP_BUSY)
             _sync_stream(self.device)
         return x
 
@@ -103,7 +117,9 @@ def _sync_stream(device: torch.device) -> None:
 def serve(device: torch.device, order: str, concurrency: int, inputs) -> dict:
     """`concurrency` closed-loop clients run `inputs` as requests; the figures of the point."""
     pipeline = Pipeline(device, order)
+    began = time.perf_counter()
     pipeline.request(inputs[0])  # warm: every group loaded once, every buffer allocated
+    stagger = (time.perf_counter() - began) / concurrency
     log = pipeline.scheduler.transitions
     count, nbytes = log.count, log.nbytes
     outputs: dict[int, torch.Tensor] = {}
@@ -111,7 +127,8 @@ def serve(device: torch.device, order: str, concurrency: int, inputs) -> dict:
     pending = list(range(len(inputs)))
     lock = threading.Lock()
 
-    def client() -> None:
+    def client(k: int) -> None:
+        time.sleep(k * stagger)
         while True:
             with lock:
                 if not pending:
@@ -123,7 +140,7 @@ def serve(device: torch.device, order: str, concurrency: int, inputs) -> dict:
                 latencies.append(time.perf_counter() - began)
 
     began = time.perf_counter()
-    clients = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(concurrency)]
     for thread in clients:
         thread.start()
     for thread in clients:
@@ -138,7 +155,7 @@ def serve(device: torch.device, order: str, concurrency: int, inputs) -> dict:
         "phase_changes": changes, "changes_per_request": changes / len(inputs),
         "bytes_per_request": moved / len(inputs), "throughput_rps": len(inputs) / wall,
         "p50_s": statistics.median(ordered), "p99_s": _p99(ordered),
-        "wall_s": wall, "outputs": outputs,
+        "wall_s": wall, "stagger_s": stagger, "outputs": outputs,
     }
 
 
@@ -280,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run_device(device, "cpu"))
     result = {"machine": describe_machine(), "load_average": list(_load_average()),
               "label": label, "requests_per_point": REQUESTS, "steps_per_request": len(_steps()),
-              "host_work_s": HOST_WORK, "runs": runs}
+              "host_work_s": HOST_WORK, "passes_per_step": 1 if args.device == "sim" else PASSES,
+              "step_busy_s": STEP_BUSY if args.device == "sim" else 0.0,
+              "compute_delay_s": COMPUTE_DELAY if args.device == "sim" else 0.0, "runs": runs}
     name = f"serving-{args.device}"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     skipped = plot(result, args.out / f"{name}.png")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["LABEL", "controls", "host_syncs", "is_simulated", "load", "timing"]
+__all__ = ["LABEL", "busy", "controls", "host_syncs", "is_simulated", "load", "timing"]
 
 _TESTS = Path(__file__).resolve().parent.parent / "tests"
 #: What every simulated figure is quoted with.
@@ -77,6 +77,12 @@ def timing(*, copy_bandwidth: float, compute_delay: float) -> Iterator[None]:
 #: How much faster a copy within the device runs than one over the host link: an H200's HBM3e
 #: (4.8 TB/s, a copy reads and writes: ~2.4 TB/s) against PCIe Gen5 x16 (~55 GB/s pinned) is ~40x.
 DEVICE_COPY_RATIO = 40
+
+
+def busy(seconds: float) -> None:
+    """Queue a kernel that keeps the current stream busy for `seconds` (``simdevice.busy``, as
+    ``torch.cuda._sleep`` spins for cycles): a model step's compute in one launch."""
+    _simdevice().busy(seconds)
 
 
 def host_syncs() -> int:

@@ -201,6 +201,29 @@ def test_events_query_synchronize_and_time():
 
 @sim_check("""
         stream = torch.accelerator.current_stream()
+        start, end = torch.Event("sim", enable_timing=True), torch.Event("sim", enable_timing=True)
+        with simdevice.count_host_syncs() as counted:
+            with simdevice.hold(stream):
+                start.record(stream)
+                simdevice.busy(0.05)
+                end.record(stream)
+                assert not end.query() and not stream.query()   # queued, the host did not wait
+        assert counted[0] == 0
+        end.synchronize()
+        assert start.elapsed_time(end) >= 45.0
+        try:
+            simdevice.busy(-1.0)
+        except RuntimeError as refused:
+            assert "busy seconds must be finite and >= 0" in str(refused)
+        else:
+            raise AssertionError("a negative busy time was queued")
+    """)
+def test_a_busy_kernel_keeps_its_stream_busy_without_a_host_wait():
+    pass
+
+
+@sim_check("""
+        stream = torch.accelerator.current_stream()
         host = torch.ones(2**20, dtype=torch.uint8).pin_memory()
         on_device = host.to(sim)
         def timed(copy) -> float:

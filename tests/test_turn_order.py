@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from residency import ConfigError, OffloadConfig, Scheduler, TurnOrder, WaitStats
-from residency.options.order import DEFAULT_MAX_WAIT, as_turn_order
+from residency.options.order import AUTO_MAX_WAIT, AUTO_STEPS, as_turn_order
 from residency.scheduler.holds import Ticket
 from residency.scheduler.turns import FIRST_WINDOW, ArrivalTurns, GroupTurns, turns_for
 
@@ -29,7 +29,7 @@ BOUND = 30.0
 
 
 def test_the_accepted_forms_of_order():
-    assert as_turn_order(None) == TurnOrder(by="group", max_wait=DEFAULT_MAX_WAIT)
+    assert as_turn_order(None) == TurnOrder(by="group", max_wait=None)  # learned
     assert as_turn_order("arrival") == TurnOrder(by="arrival")
     assert as_turn_order("group").by == "group"
     assert as_turn_order({"by": "group", "max_wait": 0.25}) == TurnOrder(by="group", max_wait=0.25)
@@ -37,7 +37,8 @@ def test_the_accepted_forms_of_order():
     given = TurnOrder(by="group", max_wait=0)
     assert as_turn_order(given) is given
     assert TurnOrder.from_dict(given.to_dict()) == given
-    assert math.isfinite(DEFAULT_MAX_WAIT) and DEFAULT_MAX_WAIT > 0
+    assert TurnOrder.from_dict({"by": "group", "max_wait": None}) == TurnOrder()
+    assert all(math.isfinite(bound) and bound > 0 for bound in AUTO_MAX_WAIT)
 
 
 @pytest.mark.parametrize("value, says", [
@@ -206,6 +207,32 @@ def test_a_waiter_passed_over_for_max_wait_goes_next():
     assert not turns.may_proceed(queue, crowd[0], A, False, 0.2)  # c has more, but b aged
     assert turns.may_proceed(queue, old, A, False, 0.2)
     assert old.choice.reason == "waited past max_wait"
+
+
+def test_the_default_max_wait_is_learned_from_the_devices_pace():
+    """Unless given, the bound is `AUTO_STEPS` times the median interval between two departures
+    from one group, within `AUTO_MAX_WAIT`; an interval across a change of group is no pace."""
+    turns = GroupTurns(max_wait=None)
+    assert turns.max_wait_now() == AUTO_MAX_WAIT[0]            # nothing measured yet
+    for when in (0.0, 0.1, 0.2, 0.3):
+        turns.left(ME, A, when)
+    turns.left(ME, B, 5.0)                                      # another group: no pace
+    turns.left(ME, B, 5.1)
+    bound = turns.max_wait_now()
+    assert bound == pytest.approx(AUTO_STEPS * 0.1)
+    old, joiner = ticket(B, since=6.0), ticket(A, since=6.1)
+    assert turns.may_proceed([old, joiner], joiner, A, True, 6.0 + bound - 0.01)  # b not aged
+    assert not turns.may_proceed([old, joiner], joiner, A, True, 6.0 + bound + 1e-6)
+    for when in range(40):                                      # slow steps: capped
+        turns.left(ME, A, 10.0 + 10 * when)
+    assert turns.max_wait_now() == AUTO_MAX_WAIT[1]
+    for when in range(40):                                      # sub-millisecond steps: floored
+        turns.left(ME, A, 500.0 + 1e-4 * when)
+    assert turns.max_wait_now() == AUTO_MAX_WAIT[0]
+    given = GroupTurns(max_wait=0.2)
+    for when in (0.0, 0.1, 0.2):
+        given.left(ME, A, when)
+    assert given.max_wait_now() == 0.2                          # a given bound is kept
 
 
 def test_turns_for_builds_the_order_asked_for():

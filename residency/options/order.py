@@ -10,10 +10,14 @@ requests that need the group on the device go together and share its load, and t
 the most waiting work goes next (`residency.scheduler.turns` says how).  ``max_wait`` bounds how
 long any waiter is passed over: once a thread has waited that long, its group goes next.
 
-``order=None`` (the default) is group order with ``max_wait`` `DEFAULT_MAX_WAIT`: one thread
-alone is served exactly as first come (nobody else to wait for), and with several requests the
-measured phase changes per request drop several-fold at no cost to the tail
-(benchmarks/README.md, "Many requests").  A scheduler with a ``process_group`` defaults to
+``order=None`` (the default) is group order with ``max_wait`` learned (``max_wait=None``): a
+fixed number of seconds is either too short for long steps (a waiter ages in under one step of
+the group on the device, and every turn then ends after one step of each holder) or too long for
+short ones, so the default bound is `AUTO_STEPS` times the pace of the device - the median time
+between two departures from one group, measured by the turns - within `AUTO_MAX_WAIT`.  One
+thread alone is served exactly as first come (nobody else to wait for), and with several
+requests the measured phase changes per request drop severalfold with a tail no worse than
+first come's (benchmarks/README.md, "Many requests").  A scheduler with a ``process_group`` defaults to
 arrival order: its ranks must switch groups in the same order, and group order decides from
 each rank's own threads' timing (``order="group"`` there is refused).
 """
@@ -27,16 +31,19 @@ import attrs
 
 from residency.core.errors import ConfigError
 
-__all__ = ["DEFAULT_MAX_WAIT", "ORDERS", "TurnOrder", "as_turn_order"]
+__all__ = ["AUTO_MAX_WAIT", "AUTO_STEPS", "ORDERS", "TurnOrder", "as_turn_order"]
 
 #: The orders of turns: by group (requests share phase changes) or by arrival (first come).
 ORDERS = ("group", "arrival")
-#: How long group order lets a waiter be passed over, in seconds, unless told otherwise: about a
-#: module-mode swap of a large DiT over PCIe, so a waiter never pays more than one extra swap.
-DEFAULT_MAX_WAIT = 0.5
+#: Under the learned default, a waiter is passed over for at most this many of the device's paces
+#: (steps of the group on the device): enough for the requests of a turn to finish their runs of
+#: steps (8 requests x 5 steps in benchmarks/serving.py), so that they share the group's load.
+AUTO_STEPS = 64
+#: The learned bound's limits in seconds: before any pace is measured it is the lower one.
+AUTO_MAX_WAIT = (0.5, 60.0)
 _KEYS = ("by", "max_wait")
 _FORMS = ('"group", "arrival", {"by": "group", "max_wait": <seconds>}, {"by": "arrival"} or '
-          "None (the default: group order)")
+          "None (the default: group order, max_wait learned)")
 
 
 def _check_by(_instance: object, _attribute: object, value: object) -> None:
@@ -45,11 +52,14 @@ def _check_by(_instance: object, _attribute: object, value: object) -> None:
 
 
 def _check_max_wait(_instance: object, _attribute: object, value: object) -> None:
+    if value is None:
+        return
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or not math.isfinite(value) or value < 0):
         raise ConfigError(
             f"order 'max_wait' is {value!r}; give a finite number of seconds >= 0 (how long a "
-            f"waiter may be passed over; default {DEFAULT_MAX_WAIT})")
+            f"waiter may be passed over) or leave it out (learned: {AUTO_STEPS} steps of the "
+            f"device, {AUTO_MAX_WAIT[0]:g}-{AUTO_MAX_WAIT[1]:g} s)")
 
 
 @attrs.frozen(kw_only=True)
@@ -59,13 +69,17 @@ class TurnOrder:
 
         TurnOrder(by="group", max_wait=0.25)
         Scheduler("cuda", order=TurnOrder(by="arrival"))
+
+    ``max_wait=None`` (the default) is learned: `AUTO_STEPS` steps of the device, measured,
+    within `AUTO_MAX_WAIT` seconds (the module's docstring says why).
     """
 
     #: "group": waiters of the group on the device join it, then the group with the most
     #: waiting work goes next; "arrival": first come, first served.
     by: str = attrs.field(default="group", validator=_check_by)
-    #: Seconds a waiter may be passed over under group order before its group goes next.
-    max_wait: float = attrs.field(default=DEFAULT_MAX_WAIT, validator=_check_max_wait)
+    #: Seconds a waiter may be passed over under group order before its group goes next; None:
+    #: learned from the device's pace.
+    max_wait: float | None = attrs.field(default=None, validator=_check_max_wait)
 
     @classmethod
     def from_dict(cls, data: Mapping) -> TurnOrder:

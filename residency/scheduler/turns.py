@@ -12,7 +12,9 @@ bytes and calls nothing: the holds tell it when a thread leaves a group (`left`)
 Requests that run the same phases share phase changes when the waiters of one group go
 together.  The rules, in the order they are checked for a ticket of `group`:
 
-1. A waiter passed over for ``max_wait`` seconds is *aged*: the oldest waiter (the queue's
+1. A waiter passed over for ``max_wait`` seconds is *aged* (unless given, ``max_wait`` is
+   learned: `AUTO_STEPS` times the device's *pace*, the median of the last `PACES` intervals
+   between two departures from one group, within `AUTO_MAX_WAIT`): the oldest waiter (the queue's
    first ticket) once aged decides.  While it is aged and of another group, no ticket joins the
    current group: its holders drain, then the aged ticket's group goes next.  So no waiter waits
    much more than ``max_wait`` plus the current holders' phases (starvation freedom).
@@ -32,17 +34,18 @@ single request is served exactly as first come.  Under arrival order the rules a
 nobody queued earlier for another group, and the group is current or the ticket is first and
 nobody holds.
 
-State (`GroupTurns`' ``_left`` and ``_gaps``) is guarded by the scheduler's lock: the holds are
+State (`GroupTurns`' ``_left``, ``_gaps``, ``_paces``, ``_last_left`` and ``_waited``) is guarded by the scheduler's lock: the holds are
 its one caller, with the lock held.  Both maps are weak in the thread, so a thread that ended
 takes its entries with it.
 """
 
 from __future__ import annotations
 
+import collections
 import weakref
 
 from residency.group.records import TurnChoice
-from residency.options.order import TurnOrder
+from residency.options.order import AUTO_MAX_WAIT, AUTO_STEPS, TurnOrder
 
 __all__ = ["ArrivalTurns", "GroupTurns", "turns_for"]
 
@@ -51,6 +54,8 @@ __all__ = ["ArrivalTurns", "GroupTurns", "turns_for"]
 FIRST_WINDOW = 0.02
 #: Slack added to twice a learned gap (seconds).
 WINDOW_SLACK = 0.001
+#: Intervals between departures from one group the learned ``max_wait`` takes its median of.
+PACES = 31
 
 
 class ArrivalTurns:
@@ -93,8 +98,15 @@ class GroupTurns:
     name = "group"
     learns = True
 
-    def __init__(self, max_wait: float) -> None:
+    def __init__(self, max_wait: float | None) -> None:
+        #: The bound given, or None: learned (`max_wait_now`).
         self.max_wait = max_wait
+        #: The last intervals between two departures from the same group (seconds).
+        self._paces: collections.deque = collections.deque(maxlen=PACES)  # guarded by the lock
+        #: (group, when) of the last departure from any group; None before the first.
+        self._last_left: tuple | None = None  # guarded by the lock
+        #: The bound in force: `max_wait`, or learned at each departure.
+        self._waited = AUTO_MAX_WAIT[0] if max_wait is None else max_wait  # guarded by the lock
         #: thread -> (the group it last gave up, when), until it asks for a group again.
         self._left: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # guarded by the lock
         #: thread -> {group name: its last gap before asking for that group again, or None when
@@ -102,8 +114,18 @@ class GroupTurns:
         self._gaps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # guarded by the lock
 
     def left(self, thread, group, now: float) -> None:
-        """`thread` gave up its hold of `group` at `now`."""
+        """`thread` gave up its hold of `group` at `now`: learn the device's pace from it."""
         self._left[thread] = (group, now)
+        if self._last_left is not None and self._last_left[0] is group:
+            self._paces.append(now - self._last_left[1])
+            if self.max_wait is None:
+                pace = sorted(self._paces)[len(self._paces) // 2]
+                self._waited = min(AUTO_MAX_WAIT[1], max(AUTO_MAX_WAIT[0], AUTO_STEPS * pace))
+        self._last_left = (group, now)
+
+    def max_wait_now(self) -> float:
+        """The longest a waiter is passed over now (seconds): `max_wait`, or learned."""
+        return self._waited
 
     def asked(self, thread, group, now: float) -> None:
         """`thread` asks for `group` at `now`: learn its gap (or that it moved on), and stop
@@ -115,7 +137,7 @@ class GroupTurns:
 
     def may_proceed(self, queue, ticket, current, held: bool, now: float) -> bool:
         oldest = queue[0]
-        aged = now - oldest.since >= self.max_wait
+        aged = now - oldest.since >= self._waited
         if ticket.group is current:
             return not aged or oldest.group is current
         if held:
@@ -136,7 +158,7 @@ class GroupTurns:
         return windows closing, or the oldest waiter ageing."""
         moments = [self._lingers(current, now)]
         if queue:
-            moments.append(queue[0].since + self.max_wait)
+            moments.append(queue[0].since + self._waited)
         later = [moment - now for moment in moments if moment > now]
         return min(later, default=float("inf"))
 
@@ -144,9 +166,9 @@ class GroupTurns:
         """How long `thread` is waited for after leaving `group` (seconds)."""
         gaps = self._gaps.get(thread, {})
         if group.name not in gaps:
-            return min(self.max_wait, FIRST_WINDOW)
+            return min(self._waited, FIRST_WINDOW)
         gap = gaps[group.name]
-        return 0.0 if gap is None else min(self.max_wait, 2 * gap + WINDOW_SLACK)
+        return 0.0 if gap is None else min(self._waited, 2 * gap + WINDOW_SLACK)
 
     def _lingers(self, current, now: float) -> float:
         """Until when the current group waits for threads that just left it (0.0: nobody)."""

@@ -41,6 +41,7 @@ __all__ = [
     "waiting_threads",
     "pinned_bytes",
     "is_device_pointer",
+    "busy",
 ]
 
 _HERE = Path(__file__).resolve().parent
@@ -204,6 +205,16 @@ def hold(stream: torch.Stream) -> Iterator[None]:
         yield
     finally:
         _ext().set_held(stream.stream_id, False)
+
+
+def busy(seconds: float) -> None:
+    """Queue a kernel that keeps the current stream busy for `seconds` and touches no memory, as
+    ``torch.cuda._sleep`` does for cycles: a model step's compute in one launch, so that the host's
+    dispatch of it stays far shorter than the device's time, as on a GPU.  The host does not wait::
+
+    simdevice.busy(0.03)          # the current stream runs 30 ms of "compute"
+    """
+    _ext().busy(float(seconds))
 
 
 def is_device_pointer(address: int) -> bool:

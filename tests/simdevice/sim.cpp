@@ -19,6 +19,7 @@
 // (item(), nonzero, equal, ...). The synchronous mode's own waits after each op are not counted: they are
 // the simulator's mode, not the program's. This matches what CUDA's sync-debug mode reports.
 
+#include <cmath>
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/CachingHostAllocator.h>
@@ -1177,6 +1178,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_cpu_kernels", &route_cpu_kernels);
   m.def("set_held", [](int64_t stream_id, bool held) { stream_by_id(stream_id)->set_held(held); });
   m.def("synchronize", [] { synchronize_device(true); });
+  // A kernel that keeps the current stream busy for `seconds` and touches no memory (as
+  // torch.cuda._sleep spins for cycles): a step's compute in one launch, the host not waiting.
+  m.def("busy", [](double seconds) {
+    TORCH_CHECK(seconds >= 0 && std::isfinite(seconds), "sim: busy seconds must be finite and >= 0");
+    launch([] {}, seconds);
+  });
   m.def("empty_cache", [] { g_device_allocator.emptyCache({0, 0}); });
   m.def("is_device_pointer", [](int64_t p) { return g_device_allocator.owns(reinterpret_cast<void*>(p)); });
 }
