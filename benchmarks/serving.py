@@ -1,8 +1,8 @@
 """Many requests on one pipeline: both orders of turns side by side, at 1, 4 and 8 concurrent
 requests (issue 46).
 
-    python -m benchmarks.serving --device cpu --out benchmarks/results/    # ~20 s on 2 cores
-    python -m benchmarks.serving --device sim --out benchmarks/results/    # SIMULATED, ~5 min
+    python -m benchmarks.serving --device cpu --out benchmarks/results/    # ~1 min on 2 cores
+    python -m benchmarks.serving --device sim --out benchmarks/results/    # SIMULATED, ~7 min
 
 A request runs the phases of a Wan2.2-shaped pipeline: the text encoder once, then `STEPS`
 high-noise and `STEPS` low-noise expert steps (`GROUPS`: Linear layers), each in its own
