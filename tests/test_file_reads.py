@@ -175,6 +175,34 @@ def test_looking_for_files_costs_no_python_line_per_mapping_of_the_process(tmp_p
             mapping.close()
 
 
+@pytest.mark.fast
+def test_a_pack_looks_at_the_mappings_once_and_reads_the_hosts_room_once(monkeypatch):
+    """A private pack of a model in plain memory (one chunk) asks the process's file mappings
+    once for both its questions (is a file cut short under a region; which regions can be read
+    from their files) and reads the host's room once (`check_host_room`: the first chunk is not
+    checked again).  Each look costs a listing of /proc/self/map_files and each reading the
+    cgroup files: they were most of a small `add`."""
+    import residency.device.host_memory as host_memory_module
+    from residency import Scheduler
+    from residency.host import file_reads, memory, packing
+
+    looks, readings = [], []
+    real_look, real_reading = file_reads._file_mappings, host_memory_module.host_memory
+    monkeypatch.setattr(file_reads, "_file_mappings",
+                        lambda sources: looks.append(1) or real_look(sources))
+    for module in (packing, memory):
+        monkeypatch.setattr(module, "host_memory",
+                            lambda *root: readings.append(1) or real_reading(*root))
+    scheduler = Scheduler("cpu")
+    model = torch.nn.Linear(64, 64)
+    expected = model(torch.ones(2, 64))
+    scheduler.add("a", model)
+    assert (len(looks), len(readings)) == (1, 1)
+    with scheduler.resident("a"):
+        assert torch.equal(model(torch.ones(2, 64)), expected)
+    scheduler.close()
+
+
 # -- from_pretrained under residency: the same pipeline as the plain one -------------------------
 
 ALL = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}

@@ -91,8 +91,8 @@ from residency.core.errors import WeightFileError
 
 __all__ = [
     "FileReader", "FileSource", "Loss", "MappedRegion", "PIECE_NBYTES", "READ_THREADS",
-    "copy_mapped", "find_file_sources", "find_loss", "find_mapped_regions", "replaced",
-    "tensor_end",
+    "copy_mapped", "find_file_sources", "find_loss", "find_mapped_regions", "look_up_files",
+    "replaced", "tensor_end",
 ]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -347,6 +347,33 @@ def find_mapped_regions(
     sizes: dict[tuple, int | None] = {}
     return [None if source is None else _mapped_region(found, *source, length, sizes)
             for source, length in zip(sources, nbytes)]
+
+
+def look_up_files(
+    sources: Sequence[tuple[torch.UntypedStorage, int]], nbytes: Sequence[int]
+) -> tuple[list[MappedRegion | None], list[FileSource | None]]:
+    """`find_mapped_regions` and `find_file_sources` of the same regions from one look at the
+    process's mappings (a pack asks both: is a file cut short under a region, and which regions
+    can be read from their files).
+
+        mapped, files = look_up_files(inventory.source_regions, inventory.layout.region_nbytes)
+    """
+    try:
+        found = _file_mappings(sources)
+    except OSError:
+        return [None] * len(nbytes), [None] * len(nbytes)
+    try:
+        sizes: dict[tuple, int | None] = {}
+        mapped = [_mapped_region(found, *source, length, sizes)
+                  for source, length in zip(sources, nbytes)]
+        try:
+            files = [found.source(storage, first, length)
+                     for (storage, first), length in zip(sources, nbytes)]
+        except OSError:
+            files = [None] * len(nbytes)
+        return mapped, files
+    finally:
+        found.close()
 
 
 def _mapped_region(found: _Finder, storage: torch.UntypedStorage, first: int, nbytes: int,

@@ -45,7 +45,7 @@ import torch
 
 from residency.core.errors import WeightFileError
 from residency.host.file_reads import (
-    FileReader, FileSource, find_file_sources, find_loss, find_mapped_regions,
+    FileReader, FileSource, find_loss, find_mapped_regions, look_up_files,
 )
 from residency.core.locks import in_context
 from residency.modules.tensors import Inventory, data_ptrs, make_views, repoint
@@ -186,6 +186,7 @@ class HostMaster:
         pin: bool,
         into: torch.Tensor | None = None,
         files: Sequence[FileSource | None] | None = None,
+        room_checked: bool = False,
     ) -> HostMaster:
         """Copy the inventory's tensors into a new master, chunk by chunk, re-pointing as it goes.
 
@@ -195,14 +196,19 @@ class HostMaster:
         `into` (a uint8 host buffer of ``layout.contiguous_nbytes``: a node-shared segment) holds
         the chunks, laid out as in device storage, instead of memory allocated per chunk.
         `files`: each region's `FileSource` or None, when the caller has found them already
-        (`find_file_sources` of the inventory's sources: found here when not given).
+        (`find_file_sources` of the inventory's sources: found here when not given, from the
+        same look at the mappings as the check for cut files).  `room_checked`: the caller has
+        just checked the process's room for the whole master (`check_host_room`), so the first
+        chunk's allocation does not read it again.
         """
         layout = inventory.layout
         sources = inventory.source_regions
         assert sources is not None, "an inventory is packed once"
-        refuse_cut_files(inventory)
         if files is None:
-            files = find_file_sources(sources, layout.region_nbytes)
+            mapped, files = look_up_files(sources, layout.region_nbytes)
+            refuse_cut_files(inventory, mapped)
+        else:
+            refuse_cut_files(inventory)
         chunks: list[torch.Tensor] = []
         views: list[torch.Tensor | None] = [None] * inventory.tensor_count
         verb = "reading" if any(files) else "pinning" if pin else "packing"
@@ -210,7 +216,8 @@ class HostMaster:
         with FileReader() as reader:
             for chunk_index, nbytes in enumerate(layout.chunk_nbytes):
                 if into is None:
-                    chunk, pin = allocate_chunk(transport, nbytes, pin)
+                    chunk, pin = allocate_chunk(transport, nbytes, pin,
+                                                room_checked=room_checked and not chunks)
                 else:
                     base = layout.chunk_base[chunk_index]
                     chunk = into[base : base + nbytes]
@@ -409,16 +416,18 @@ class Progress:
             sys.stderr.write(f" done in {seconds:.1f} s\n")
 
 
-def refuse_cut_files(inventory: Inventory) -> None:
+def refuse_cut_files(inventory: Inventory, mapped: list | None = None) -> None:
     """Refuse to pack `inventory` when a weight file its tensors view was cut short under them
     (see [Note: a mapping whose file was cut short] in residency/host/file_reads.py): a
     `WeightFileError` naming the file and the tensors lost, before any byte is read; nothing
-    changes.
+    changes.  `mapped`: its regions' `find_mapped_regions`, when the caller looked already.
 
         refuse_cut_files(inventory)    # HostMaster.pack, ReadBehind.master_for
     """
     sources = inventory.source_regions
-    loss = find_loss(inventory, find_mapped_regions(sources, inventory.layout.region_nbytes))
+    if mapped is None:
+        mapped = find_mapped_regions(sources, inventory.layout.region_nbytes)
+    loss = find_loss(inventory, mapped)
     if loss is not None:
         raise WeightFileError(
             f"{loss.files} since the tensors were loaded from it: {loss.tensors} lie past "
@@ -429,16 +438,18 @@ def refuse_cut_files(inventory: Inventory) -> None:
 
 
 @torch.inference_mode(False)
-def allocate_chunk(transport: Transport, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+def allocate_chunk(transport: Transport, nbytes: int, pin: bool, *,
+                   room_checked: bool = False) -> tuple[torch.Tensor, bool]:
     """A host chunk; falls back to pageable memory with one warning when pinning fails.
 
     Always a normal tensor, even when registration runs under ``torch.inference_mode()``: the
     master is written again (write-back) long after that mode has ended.  A chunk that would pass
     the process's memory cgroup limit is refused with `MemoryError` before it is allocated
-    ([Note: the limit that kills] in `residency.device.host_memory`).
+    ([Note: the limit that kills] in `residency.device.host_memory`), unless `room_checked`: the
+    caller has just checked the room for at least `nbytes` (`check_host_room`).
     """
-    memory = host_memory()
-    room = memory.cgroup_room
+    memory = None if room_checked else host_memory()
+    room = None if memory is None else memory.cgroup_room
     if room is not None and nbytes > room:
         raise MemoryError(
             f"a chunk of {nbytes / 2**20:.1f} MiB would pass this process's memory cgroup limit "

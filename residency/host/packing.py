@@ -207,7 +207,8 @@ class Packer:
         file sources when found already (else `HostMaster.pack` finds them)."""
         check_host_room(name, inventory.layout.nbytes)
         try:
-            master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory, files=files)
+            master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory, files=files,
+                                     room_checked=True)
         except MemoryError as error:
             nbytes = inventory.layout.nbytes
             raise HostMemoryError(
