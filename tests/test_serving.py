@@ -165,11 +165,12 @@ def test_a_waiter_for_another_group_gets_its_turn_while_others_keep_re_entering(
     for thread in loopers:
         thread.join(BOUND)
     assert still_looping and waited < 1.5, (waited, counted)
-    last = scheduler.transitions[-2 if scheduler.current == "a" else -1]
-    assert last.to_group == "b" or any(
-        r.to_group == "b" and r.reason == "waited past max_wait" for r in scheduler.transitions)
-    assert [r.reason for r in scheduler.transitions if r.to_group == "b"] == [
-        "waited past max_wait"]
+    # "b" goes once, by ageing - or as the most waiting work if the three loopers were all out of
+    # their phases past their return windows at once (each a millisecond: three threads
+    # descheduled together on a loaded machine).  Starvation is what the bound above catches.
+    reasons = [r.reason for r in scheduler.transitions if r.to_group == "b"]
+    assert len(reasons) == 1 and reasons[0] in ("waited past max_wait", "most waiting work"), (
+        reasons)
     scheduler.close()
 
 

@@ -34,7 +34,7 @@ single request is served exactly as first come.  Under arrival order the rules a
 nobody queued earlier for another group, and the group is current or the ticket is first and
 nobody holds.
 
-State (`GroupTurns`' ``_left``, ``_gaps``, ``_paces``, ``_last_left`` and ``_waited``) is guarded by the scheduler's lock: the holds are
+State (`GroupTurns`' ``_left``, ``_gaps``, ``_paces``, ``_last_left`` and ``_learned``) is guarded by the scheduler's lock: the holds are
 its one caller, with the lock held.  Both maps are weak in the thread, so a thread that ended
 takes its entries with it.
 """
@@ -105,8 +105,9 @@ class GroupTurns:
         self._paces: collections.deque = collections.deque(maxlen=PACES)  # guarded by the lock
         #: (group, when) of the last departure from any group; None before the first.
         self._last_left: tuple | None = None  # guarded by the lock
-        #: The bound in force: `max_wait`, or learned at each departure.
-        self._waited = AUTO_MAX_WAIT[0] if max_wait is None else max_wait  # guarded by the lock
+        #: The learned bound, or None until a decision needs it after a new pace (a departure
+        #: only records its pace: leaving a phase stays a few stores, see `max_wait_now`).
+        self._learned: float | None = None  # guarded by the lock
         #: thread -> (the group it last gave up, when), until it asks for a group again.
         self._left: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # guarded by the lock
         #: thread -> {group name: its last gap before asking for that group again, or None when
@@ -115,17 +116,22 @@ class GroupTurns:
 
     def left(self, thread, group, now: float) -> None:
         """`thread` gave up its hold of `group` at `now`: learn the device's pace from it."""
-        self._left[thread] = (group, now)
-        if self._last_left is not None and self._last_left[0] is group:
-            self._paces.append(now - self._last_left[1])
-            if self.max_wait is None:
-                pace = sorted(self._paces)[len(self._paces) // 2]
-                self._waited = min(AUTO_MAX_WAIT[1], max(AUTO_MAX_WAIT[0], AUTO_STEPS * pace))
-        self._last_left = (group, now)
+        left = self._left[thread] = (group, now)
+        last, self._last_left = self._last_left, left
+        if last is not None and last[0] is group:
+            self._paces.append(now - last[1])
+            self._learned = None
 
     def max_wait_now(self) -> float:
-        """The longest a waiter is passed over now (seconds): `max_wait`, or learned."""
-        return self._waited
+        """The longest a waiter is passed over now (seconds): `max_wait`, or learned from the
+        median pace (computed here, when a decision needs it, not at each departure)."""
+        if self.max_wait is not None:
+            return self.max_wait
+        if self._learned is None:
+            paces = sorted(self._paces)
+            pace = paces[len(paces) // 2] if paces else 0.0
+            self._learned = min(AUTO_MAX_WAIT[1], max(AUTO_MAX_WAIT[0], AUTO_STEPS * pace))
+        return self._learned
 
     def asked(self, thread, group, now: float) -> None:
         """`thread` asks for `group` at `now`: learn its gap (or that it moved on), and stop
@@ -137,7 +143,7 @@ class GroupTurns:
 
     def may_proceed(self, queue, ticket, current, held: bool, now: float) -> bool:
         oldest = queue[0]
-        aged = now - oldest.since >= self._waited
+        aged = now - oldest.since >= self.max_wait_now()
         if ticket.group is current:
             return not aged or oldest.group is current
         if held:
@@ -158,7 +164,7 @@ class GroupTurns:
         return windows closing, or the oldest waiter ageing."""
         moments = [self._lingers(current, now)]
         if queue:
-            moments.append(queue[0].since + self._waited)
+            moments.append(queue[0].since + self.max_wait_now())
         later = [moment - now for moment in moments if moment > now]
         return min(later, default=float("inf"))
 
@@ -166,9 +172,9 @@ class GroupTurns:
         """How long `thread` is waited for after leaving `group` (seconds)."""
         gaps = self._gaps.get(thread, {})
         if group.name not in gaps:
-            return min(self._waited, FIRST_WINDOW)
+            return min(self.max_wait_now(), FIRST_WINDOW)
         gap = gaps[group.name]
-        return 0.0 if gap is None else min(self._waited, 2 * gap + WINDOW_SLACK)
+        return 0.0 if gap is None else min(self.max_wait_now(), 2 * gap + WINDOW_SLACK)
 
     def _lingers(self, current, now: float) -> float:
         """Until when the current group waits for threads that just left it (0.0: nobody)."""
