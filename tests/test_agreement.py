@@ -8,6 +8,7 @@ Fingerprints, layouts and refusals that need no group run in this process.
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -427,8 +428,8 @@ def _absent_worker(rank: int, world_size: int, args) -> dict:
     ledger.enter("text_encoder")
     if rank == 1:  # skips "dit", busy elsewhere past the timeout, then leaves the ledger
         time.sleep(args["away"])
-        if args["exit"]:
-            return {"left": True}  # the process exits: the connection closes
+        if args["exit"]:  # the process ends at once, reporting nothing: its connections close
+            os._exit(0)  # (a rank that reports waits for its peers: tests/_dist.py)
         return {"finish": _outcome(ledger.finish)}
     out = {"enter": _outcome(lambda: ledger.enter("dit").point)}
     out["after"] = _outcome(lambda: ledger.enter("vae"))
@@ -454,15 +455,16 @@ def test_a_rank_that_skips_a_phase_and_stays_away_ends_in_an_error_on_every_rank
     finish = away["finish"]
     assert finish["raised"] == "CollectiveError", away
     assert finish["seconds"] < SHORT.total_seconds() + 1, finish
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 60  # nobody hangs (run_world's own bound is 20 s a world)
 
 
 def test_a_rank_that_skips_a_phase_and_exits_makes_the_others_raise_at_once(tmp_path):
     args = {"away": 0.0, "linger": 0.0, "exit": True}
     waiting, away = run_world(_absent_worker, 2, tmp_path, timeout=20, args=args)
-    assert away == {"left": True}
+    assert away is None  # it ended without a result
     assert waiting["enter"]["raised"] == "CollectiveError", waiting
-    assert waiting["enter"]["seconds"] < SHORT.total_seconds() + 0.5
+    # At once: the closed connection ends the wait, not the group's timeout.
+    assert waiting["enter"]["seconds"] < SHORT.total_seconds(), waiting
     assert "died or did not arrive" in waiting["enter"]["message"]
 
 

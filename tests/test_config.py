@@ -4,7 +4,7 @@ import json
 
 import attrs
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from residency.options.budget import AutoOptions
@@ -214,6 +214,7 @@ def _config_dicts(draw):
     return data
 
 
+@settings(deadline=None)  # no per-example time limit: a stall on a loaded machine is no failure
 @given(_config_dicts())
 def test_to_dict_from_dict_and_json_round_trip(data):
     config = OffloadConfig.from_dict(data)

@@ -57,7 +57,7 @@ def test_a_command_past_its_timeout_is_killed_and_the_next_one_runs(tmp_path):
     sleeper.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
                        "time.sleep(60)\n")
     with pytest.raises(subprocess.TimeoutExpired):
-        run_python([str(sleeper)], timeout=2, preload=("json",))
+        run_python([str(sleeper)], timeout=5, preload=("json",))  # time to write its pid
     pid, deadline = int(pid_file.read_text()), time.monotonic() + 30
     while _alive(pid) and time.monotonic() < deadline:  # SIGKILL is delivered asynchronously
         time.sleep(0.05)

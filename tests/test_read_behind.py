@@ -13,6 +13,7 @@ without timing anything.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,6 +37,17 @@ ALL = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
 @pytest.fixture(scope="module")
 def saved(saved_wan22) -> Path:
     return saved_wan22
+
+
+def _inside(thread_id: int, function: str, file_name: str) -> bool:
+    """Whether thread `thread_id` is running `function` of a file named `file_name` now."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == function and code.co_filename.endswith(file_name):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Gate:
@@ -368,7 +380,15 @@ def test_a_phase_waiting_for_its_reads_says_how_far_they_are(saved, monkeypatch,
     monkeypatch.setattr(memory, "PROGRESS_THRESHOLD", 1)
     gate = Gate("transformer_2")
     _, scheduler = two_experts(saved, monkeypatch, gate)
-    threading.Timer(0.3, gate.open, ["transformer_2"]).start()
+    waiter = threading.get_ident()
+
+    def open_once_waiting():  # once this thread waits in the phase (no timer: under load the
+        deadline = time.monotonic() + 30  # reads could end before the phase began to wait)
+        while time.monotonic() < deadline and not _inside(waiter, "_wait", "read_behind.py"):
+            time.sleep(0.005)
+        gate.open("transformer_2")
+
+    threading.Thread(target=open_once_waiting, daemon=True).start()
     with caplog.at_level(logging.INFO, logger="residency"):
         with scheduler.resident("transformer_2"):
             pass

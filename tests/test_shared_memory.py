@@ -259,7 +259,7 @@ def test_a_rank_killed_at_any_stage_leaves_no_segment_and_the_others_raise(
             assert "look for the first error in the other ranks' logs" in result["message"]
         assert result["seconds"] < TIMEOUT.total_seconds(), result
     _assert_no_segment_left(survivors)
-    assert time.monotonic() - started < 25
+    assert time.monotonic() - started < 60  # nobody hangs (run_world bounds each world: 30 s)
 
 
 def test_a_rank_that_never_arrives_makes_the_others_raise_within_the_timeout(tmp_path):
@@ -267,7 +267,7 @@ def test_a_rank_that_never_arrives_makes_the_others_raise_within_the_timeout(tmp
     args = {"sleeper": 1, "stage": "created", "sleep": 3.5, "timeout": 2}
     results = run_world(_hang_worker, 2, tmp_path, timeout=30, args=args)
     assert results[0]["raised"] == "RegistrationError", results[0]
-    assert 1.5 < results[0]["seconds"] < 4.5, results[0]
+    assert 1.5 < results[0]["seconds"] < 4 * args["timeout"], results[0]  # the timeout, no hang
     assert "did not arrive within the group's timeout" in results[0]["message"]
     _assert_no_segment_left(results)
 

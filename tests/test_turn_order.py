@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -255,7 +256,8 @@ def _two_groups(order):
 @pytest.mark.parametrize("order, reason", [("group", "most waiting work"),
                                            ("arrival", "first come")])
 def test_a_transition_says_which_order_chose_it_and_why(order, reason):
-    scheduler = _two_groups(order)
+    # A long max_wait: the waiter must not age while a loaded machine delays the holder's exit.
+    scheduler = _two_groups({"by": "group", "max_wait": 60.0} if order == "group" else order)
     inside, release = threading.Event(), threading.Event()
 
     def hold_a():
@@ -273,7 +275,9 @@ def test_a_transition_says_which_order_chose_it_and_why(order, reason):
 
     waiter = threading.Thread(target=enter_b, daemon=True)
     waiter.start()
-    while scheduler.waits.get("b") is None:  # it has asked (bounded by the join below)
+    deadline = time.monotonic() + BOUND
+    while scheduler.waits.get("b") is None:  # it has asked
+        assert time.monotonic() < deadline, "the waiter never asked for b"
         threading.Event().wait(0.001)
     release.set()
     holder.join(BOUND)
