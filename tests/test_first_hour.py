@@ -6,10 +6,12 @@ and the host-memory hint in units."""
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -135,20 +137,41 @@ def test_help_lists_the_interrupted_status(capsys):
     assert "130  interrupted (Ctrl-C)" in capsys.readouterr().out
 
 
+def _lines_of(stream) -> queue.Queue:
+    """`stream`'s lines, read on a daemon thread into a queue, then None at its end."""
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
 def test_ctrl_c_on_two_ranks_prints_one_line_and_leaves_no_segment():
     before = set(os.listdir("/dev/shm"))
     job = subprocess.Popen([sys.executable, "-m", "residency", "--nproc", "2", "--size", "small",
                             "--steps", "100000", "--no-check"], cwd=ROOT, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines = _lines_of(job.stderr)  # read on a thread: a silent job cannot block the test
     seen, deadline = [], time.monotonic() + 240
-    while time.monotonic() < deadline:
-        line = job.stderr.readline()
-        seen.append(line)
-        if "run with offloading: step 3/" in line or not line:
+    while not any("run with offloading: step 3/" in line for line in seen):
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
             break
+        if line is None:  # the job ended
+            break
+        seen.append(line)
     assert any("run with offloading: step 3/" in line for line in seen), "".join(seen)[-3000:]
     job.send_signal(signal.SIGINT)
-    _, err = job.communicate(timeout=120)
+    job.wait(timeout=120)
+    rest = [lines.get(timeout=30)]  # every line after step 3, to the end of the pipe (None)
+    while rest[-1] is not None:
+        rest.append(lines.get(timeout=30))
+    err = "".join(rest[:-1])
     assert job.returncode == 130
     after = [line for line in err.splitlines() if "run with offloading: step" not in line]
     assert after == ["python -m residency: interrupted (Ctrl-C); exit status 130"], err[-3000:]
