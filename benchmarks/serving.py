@@ -18,8 +18,8 @@ per request, throughput, p50/p99 latency, every output compared bit for bit with
 A step's compute: on the CPU, `PASSES` passes through the group's layers (real work); on the
 simulated device (``--device sim``: tests/simdevice, compute on one stream as a GPU runs one DiT
 step at a time), one pass and a busy kernel of `STEP_BUSY` seconds, so that the host dispatches a
-step in a fraction of its device time, as a GPU server does (each simulated op costs the host about
-half a millisecond).  The copy rate is set three ways, so that r = swap seconds / step seconds is
+step in a fraction of its device time, as a GPU server does (each simulated op costs the host most
+of a millisecond of CPU).  The copy rate is set three ways, so that r = swap seconds / step seconds is
 about 0.4 (an H100 with Wan2.2), 1 and 4; r, the step and the swap are measured in the run.  The
 goals at 8 requests: group order's phase changes per request at most 1/3 of arrival order's; its
 throughput over arrival order's at least 90% of (steps + swaps_arrival * r) / (steps + swaps_group

@@ -17,9 +17,9 @@ short ones, so the default bound is `AUTO_STEPS` times the pace of the device - 
 between two departures from one group, measured by the turns - within `AUTO_MAX_WAIT`.  One
 thread alone is served exactly as first come (nobody else to wait for), and with several
 requests the measured phase changes per request drop severalfold with a tail no worse than
-first come's (benchmarks/README.md, "Many requests").  A scheduler with a ``process_group`` defaults to
-arrival order: its ranks must switch groups in the same order, and group order decides from
-each rank's own threads' timing (``order="group"`` there is refused).
+first come's at 8 requests (benchmarks/README.md, "Many requests").  A scheduler with a
+``process_group`` defaults to arrival order: its ranks must switch groups in the same order, and
+group order decides from each rank's own threads' timing (``order="group"`` there is refused).
 """
 
 from __future__ import annotations

@@ -34,9 +34,9 @@ single request is served exactly as first come.  Under arrival order the rules a
 nobody queued earlier for another group, and the group is current or the ticket is first and
 nobody holds.
 
-State (`GroupTurns`' ``_left``, ``_gaps``, ``_paces``, ``_last_left`` and ``_learned``) is guarded by the scheduler's lock: the holds are
-its one caller, with the lock held.  Both maps are weak in the thread, so a thread that ended
-takes its entries with it.
+State (`GroupTurns`' ``_left``, ``_gaps``, ``_paces``, ``_last_left`` and ``_learned``) is
+guarded by the scheduler's lock: the holds are its one caller, with the lock held.  The two maps
+(``_left``, ``_gaps``) are weak in the thread, so a thread that ended takes its entries with it.
 """
 
 from __future__ import annotations
