@@ -210,30 +210,33 @@ def test_a_waiter_passed_over_for_max_wait_goes_next():
     assert old.choice.reason == "waited past max_wait"
 
 
-def test_the_default_max_wait_is_learned_from_the_devices_pace():
+def test_the_default_max_wait_is_learned_from_the_current_groups_pace():
     """Unless given, the bound is `AUTO_STEPS` times the median interval between two departures
-    from one group, within `AUTO_MAX_WAIT`; an interval across a change of group is no pace."""
+    from the group on the device (its holders are what a waiter waits for), within
+    `AUTO_MAX_WAIT`; an interval across a change of group is no pace."""
     turns = GroupTurns(max_wait=None)
-    assert turns.max_wait_now() == AUTO_MAX_WAIT[0]            # nothing measured yet
+    assert turns.max_wait_now(A) == turns.max_wait_now(None) == AUTO_MAX_WAIT[0]  # unmeasured
     for when in (0.0, 0.1, 0.2, 0.3):
         turns.left(ME, A, when)
     turns.left(ME, B, 5.0)                                      # another group: no pace
-    turns.left(ME, B, 5.1)
-    bound = turns.max_wait_now()
+    for when in range(10):                                      # b's steps are short
+        turns.left(ME, B, 5.1 + 0.001 * when)
+    bound = turns.max_wait_now(A)
     assert bound == pytest.approx(AUTO_STEPS * 0.1)
+    assert turns.max_wait_now(B) == AUTO_MAX_WAIT[0]            # b's own pace: floored
     old, joiner = ticket(B, since=6.0), ticket(A, since=6.1)
     assert turns.may_proceed([old, joiner], joiner, A, True, 6.0 + bound - 0.01)  # b not aged
     assert not turns.may_proceed([old, joiner], joiner, A, True, 6.0 + bound + 1e-6)
     for when in range(40):                                      # slow steps: capped
         turns.left(ME, A, 10.0 + 10 * when)
-    assert turns.max_wait_now() == AUTO_MAX_WAIT[1]
+    assert turns.max_wait_now(A) == AUTO_MAX_WAIT[1]
     for when in range(40):                                      # sub-millisecond steps: floored
         turns.left(ME, A, 500.0 + 1e-4 * when)
-    assert turns.max_wait_now() == AUTO_MAX_WAIT[0]
+    assert turns.max_wait_now(A) == AUTO_MAX_WAIT[0]
     given = GroupTurns(max_wait=0.2)
     for when in (0.0, 0.1, 0.2):
         given.left(ME, A, when)
-    assert given.max_wait_now() == 0.2                          # a given bound is kept
+    assert given.max_wait_now(A) == 0.2                         # a given bound is kept
 
 
 def test_turns_for_builds_the_order_asked_for():

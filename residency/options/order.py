@@ -13,8 +13,9 @@ long any waiter is passed over: once a thread has waited that long, its group go
 ``order=None`` (the default) is group order with ``max_wait`` learned (``max_wait=None``): a
 fixed number of seconds is either too short for long steps (a waiter ages in under one step of
 the group on the device, and every turn then ends after one step of each holder) or too long for
-short ones, so the default bound is `AUTO_STEPS` times the pace of the device - the median time
-between two departures from one group, measured by the turns - within `AUTO_MAX_WAIT`.  One
+short ones, so the default bound is `AUTO_STEPS` times the pace of the group on the device - the
+median time between two departures from it, measured by the turns - within `AUTO_MAX_WAIT` (its
+own pace: a group of short phases, VAE tiles say, does not shorten a DiT's bound).  One
 thread alone is served exactly as first come (nobody else to wait for), and with several
 requests the measured phase changes per request drop severalfold with a tail no worse than
 first come's at 8 requests (benchmarks/README.md, "Many requests").  A scheduler with a
@@ -35,8 +36,8 @@ __all__ = ["AUTO_MAX_WAIT", "AUTO_STEPS", "ORDERS", "TurnOrder", "as_turn_order"
 
 #: The orders of turns: by group (requests share phase changes) or by arrival (first come).
 ORDERS = ("group", "arrival")
-#: Under the learned default, a waiter is passed over for at most this many of the device's paces
-#: (steps of the group on the device): enough for the requests of a turn to finish their runs of
+#: Under the learned default, a waiter is passed over for at most this many paces of the group on
+#: the device (its steps): enough for the requests of a turn to finish their runs of
 #: steps (8 requests x 5 steps in benchmarks/serving.py), so that they share the group's load.
 AUTO_STEPS = 64
 #: The learned bound's limits in seconds: before any pace is measured it is the lower one.
@@ -78,7 +79,7 @@ class TurnOrder:
     #: waiting work goes next; "arrival": first come, first served.
     by: str = attrs.field(default="group", validator=_check_by)
     #: Seconds a waiter may be passed over under group order before its group goes next; None:
-    #: learned from the device's pace.
+    #: learned from the pace of the group on the device.
     max_wait: float | None = attrs.field(default=None, validator=_check_max_wait)
 
     @classmethod

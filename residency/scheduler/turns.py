@@ -13,8 +13,8 @@ Requests that run the same phases share phase changes when the waiters of one gr
 together.  The rules, in the order they are checked for a ticket of `group`:
 
 1. A waiter passed over for ``max_wait`` seconds is *aged* (unless given, ``max_wait`` is
-   learned: `AUTO_STEPS` times the device's *pace*, the median of the last `PACES` intervals
-   between two departures from one group, within `AUTO_MAX_WAIT`): the oldest waiter (the queue's
+   learned: `AUTO_STEPS` times the current group's *pace*, the median of the last `PACES`
+   intervals between two departures from it, within `AUTO_MAX_WAIT`): the oldest waiter (the queue's
    first ticket) once aged decides.  While it is aged and of another group, no ticket joins the
    current group: its holders drain, then the aged ticket's group goes next.  So no waiter waits
    much more than ``max_wait`` plus the current holders' phases (starvation freedom).
@@ -101,13 +101,13 @@ class GroupTurns:
     def __init__(self, max_wait: float | None) -> None:
         #: The bound given, or None: learned (`max_wait_now`).
         self.max_wait = max_wait
-        #: The last intervals between two departures from the same group (seconds).
-        self._paces: collections.deque = collections.deque(maxlen=PACES)  # guarded by the lock
+        #: group name -> its last `PACES` intervals between two departures from it (seconds).
+        self._paces: dict[str, collections.deque] = {}  # guarded by the lock
         #: (group, when) of the last departure from any group; None before the first.
         self._last_left: tuple | None = None  # guarded by the lock
-        #: The learned bound, or None until a decision needs it after a new pace (a departure
-        #: only records its pace: leaving a phase stays a few stores, see `max_wait_now`).
-        self._learned: float | None = None  # guarded by the lock
+        #: group name -> its learned bound, until its next pace (a departure only records its
+        #: pace: leaving a phase stays a few stores; `max_wait_now` takes the median).
+        self._learned: dict[str, float] = {}  # guarded by the lock
         #: thread -> (the group it last gave up, when), until it asks for a group again.
         self._left: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # guarded by the lock
         #: thread -> {group name: its last gap before asking for that group again, or None when
@@ -119,19 +119,27 @@ class GroupTurns:
         left = self._left[thread] = (group, now)
         last, self._last_left = self._last_left, left
         if last is not None and last[0] is group:
-            self._paces.append(now - last[1])
-            self._learned = None
+            paces = self._paces.get(group.name)
+            if paces is None:
+                paces = self._paces[group.name] = collections.deque(maxlen=PACES)
+            paces.append(now - last[1])
+            self._learned.pop(group.name, None)
 
-    def max_wait_now(self) -> float:
-        """The longest a waiter is passed over now (seconds): `max_wait`, or learned from the
-        median pace (computed here, when a decision needs it, not at each departure)."""
+    def max_wait_now(self, current) -> float:
+        """The longest a waiter is passed over while `current` (a group or None) is on the
+        device (seconds): `max_wait`, or learned from `current`'s median pace - its holders are
+        what the waiter waits for - computed when a decision needs it, not at each departure."""
         if self.max_wait is not None:
             return self.max_wait
-        if self._learned is None:
-            paces = sorted(self._paces)
+        if current is None:
+            return AUTO_MAX_WAIT[0]
+        learned = self._learned.get(current.name)
+        if learned is None:
+            paces = sorted(self._paces.get(current.name, ()))
             pace = paces[len(paces) // 2] if paces else 0.0
-            self._learned = min(AUTO_MAX_WAIT[1], max(AUTO_MAX_WAIT[0], AUTO_STEPS * pace))
-        return self._learned
+            learned = min(AUTO_MAX_WAIT[1], max(AUTO_MAX_WAIT[0], AUTO_STEPS * pace))
+            self._learned[current.name] = learned
+        return learned
 
     def asked(self, thread, group, now: float) -> None:
         """`thread` asks for `group` at `now`: learn its gap (or that it moved on), and stop
@@ -143,7 +151,7 @@ class GroupTurns:
 
     def may_proceed(self, queue, ticket, current, held: bool, now: float) -> bool:
         oldest = queue[0]
-        aged = now - oldest.since >= self.max_wait_now()
+        aged = now - oldest.since >= self.max_wait_now(current)
         if ticket.group is current:
             return not aged or oldest.group is current
         if held:
@@ -164,7 +172,7 @@ class GroupTurns:
         return windows closing, or the oldest waiter ageing."""
         moments = [self._lingers(current, now)]
         if queue:
-            moments.append(queue[0].since + self.max_wait_now())
+            moments.append(queue[0].since + self.max_wait_now(current))
         later = [moment - now for moment in moments if moment > now]
         return min(later, default=float("inf"))
 
@@ -172,9 +180,9 @@ class GroupTurns:
         """How long `thread` is waited for after leaving `group` (seconds)."""
         gaps = self._gaps.get(thread, {})
         if group.name not in gaps:
-            return min(self.max_wait_now(), FIRST_WINDOW)
+            return min(self.max_wait_now(group), FIRST_WINDOW)
         gap = gaps[group.name]
-        return 0.0 if gap is None else min(self.max_wait_now(), 2 * gap + WINDOW_SLACK)
+        return 0.0 if gap is None else min(self.max_wait_now(group), 2 * gap + WINDOW_SLACK)
 
     def _lingers(self, current, now: float) -> float:
         """Until when the current group waits for threads that just left it (0.0: nobody)."""
