@@ -32,8 +32,8 @@ it checks that a call is not needed, not that one is.
 
 [Note: a second child for the long CPU tests]
 On two cores the accelerator child leaves the second core idle for most of the run.  Tests marked
-``beside`` (the long interrupt sweeps: CPU-bound, one thread's worth of Python, fixtures cheap to
-set up) run in a second child, ``python -m pytest --accelerator=none ...`` with the parent's
+``beside`` (the long interrupt sweeps, and the cold-start benchmark's run at the tiny scale:
+CPU-bound, fixtures cheap to set up) run in a second child, ``python -m pytest --accelerator=none ...`` with the parent's
 ``--sweep`` and ``--soak``, reported the same way; torch keeps its default threads there, so the
 code paths swept are the CPU tests' own.  It starts the moment the accelerator child ends (at
 once without one): three processes on two cores slowed every test, and the thread tests most.

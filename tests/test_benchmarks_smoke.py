@@ -367,6 +367,7 @@ def test_the_commit_comparison_checks_its_arguments_before_running(tmp_path, cap
     assert "--rounds must be at least 2" in capsys.readouterr().err
 
 
+@pytest.mark.beside  # the parent's longest test: in the second child the two cores finish together
 def test_cold_start_runs_its_cases_at_the_tiny_scale(tmp_path):
     """Issue 23's benchmark, the cases whose rows say where the masters live, beside the floor:
     each case runs in its child, the outputs are the same bytes, the warm restart maps its cache
