@@ -176,12 +176,15 @@ def test_looking_for_files_costs_no_python_line_per_mapping_of_the_process(tmp_p
 
 
 @pytest.mark.fast
-def test_a_pack_looks_at_the_mappings_once_and_reads_the_hosts_room_once(monkeypatch):
+@pytest.mark.parametrize("background_reads", [False, True])
+def test_a_pack_looks_at_the_mappings_once_and_reads_the_hosts_room_once(monkeypatch,
+                                                                         background_reads):
     """A private pack of a model in plain memory (one chunk) asks the process's file mappings
     once for both its questions (is a file cut short under a region; which regions can be read
     from their files) and reads the host's room once (`check_host_room`: the first chunk is not
     checked again).  Each look costs a listing of /proc/self/map_files and each reading the
-    cgroup files: they were most of a small `add`."""
+    cgroup files: they were most of a small `add`.  With reads behind, the look that finds no
+    file to read behind is the one that checks for cut files."""
     import residency.device.host_memory as host_memory_module
     from residency import Scheduler
     from residency.host import file_reads, memory, packing
@@ -193,7 +196,7 @@ def test_a_pack_looks_at_the_mappings_once_and_reads_the_hosts_room_once(monkeyp
     for module in (packing, memory):
         monkeypatch.setattr(module, "host_memory",
                             lambda *root: readings.append(1) or real_reading(*root))
-    scheduler = Scheduler("cpu")
+    scheduler = Scheduler("cpu", host={"background_reads": background_reads})
     model = torch.nn.Linear(64, 64)
     expected = model(torch.ones(2, 64))
     scheduler.add("a", model)

@@ -154,13 +154,12 @@ def find_file_sources(
     """
     try:
         found = _file_mappings(sources)
-        try:
-            return [found.source(storage, first, length)
-                    for (storage, first), length in zip(sources, nbytes)]
-        finally:
-            found.close()
     except OSError:
         return [None] * len(nbytes)
+    try:
+        return _sources_in(found, sources, nbytes)
+    finally:
+        found.close()
 
 
 def _file_mappings(sources: Sequence[tuple[torch.UntypedStorage, int] | None]) -> _Finder:
@@ -344,9 +343,7 @@ def find_mapped_regions(
         found = _file_mappings(sources)
     except OSError:
         return [None] * len(nbytes)
-    sizes: dict[tuple, int | None] = {}
-    return [None if source is None else _mapped_region(found, *source, length, sizes)
-            for source, length in zip(sources, nbytes)]
+    return _regions_in(found, sources, nbytes)
 
 
 def look_up_files(
@@ -363,17 +360,25 @@ def look_up_files(
     except OSError:
         return [None] * len(nbytes), [None] * len(nbytes)
     try:
-        sizes: dict[tuple, int | None] = {}
-        mapped = [_mapped_region(found, *source, length, sizes)
-                  for source, length in zip(sources, nbytes)]
-        try:
-            files = [found.source(storage, first, length)
-                     for (storage, first), length in zip(sources, nbytes)]
-        except OSError:
-            files = [None] * len(nbytes)
-        return mapped, files
+        return _regions_in(found, sources, nbytes), _sources_in(found, sources, nbytes)
     finally:
         found.close()
+
+
+def _sources_in(found: _Finder, sources, nbytes) -> list[FileSource | None]:
+    """Each region's `FileSource` in the mappings `found` (all None when one cannot be read)."""
+    try:
+        return [found.source(storage, first, length)
+                for (storage, first), length in zip(sources, nbytes)]
+    except OSError:
+        return [None] * len(nbytes)
+
+
+def _regions_in(found: _Finder, sources, nbytes) -> list[MappedRegion | None]:
+    """Each region's `MappedRegion` in the mappings `found` (None: no file's, or no region)."""
+    sizes: dict[tuple, int | None] = {}
+    return [None if source is None else _mapped_region(found, *source, length, sizes)
+            for source, length in zip(sources, nbytes)]
 
 
 def _mapped_region(found: _Finder, storage: torch.UntypedStorage, first: int, nbytes: int,

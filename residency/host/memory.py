@@ -186,6 +186,7 @@ class HostMaster:
         pin: bool,
         into: torch.Tensor | None = None,
         files: Sequence[FileSource | None] | None = None,
+        mapped: list | None = None,
         room_checked: bool = False,
     ) -> HostMaster:
         """Copy the inventory's tensors into a new master, chunk by chunk, re-pointing as it goes.
@@ -197,18 +198,17 @@ class HostMaster:
         the chunks, laid out as in device storage, instead of memory allocated per chunk.
         `files`: each region's `FileSource` or None, when the caller has found them already
         (`find_file_sources` of the inventory's sources: found here when not given, from the
-        same look at the mappings as the check for cut files).  `room_checked`: the caller has
-        just checked the process's room for the whole master (`check_host_room`), so the first
-        chunk's allocation does not read it again.
+        same look at the mappings as the check for cut files); `mapped`: their
+        `find_mapped_regions`, when the caller found them with the files.  `room_checked`: the
+        caller has just checked the process's room for the whole master (`check_host_room`), so
+        the first chunk's allocation does not read it again.
         """
         layout = inventory.layout
         sources = inventory.source_regions
         assert sources is not None, "an inventory is packed once"
         if files is None:
             mapped, files = look_up_files(sources, layout.region_nbytes)
-            refuse_cut_files(inventory, mapped)
-        else:
-            refuse_cut_files(inventory)
+        refuse_cut_files(inventory, mapped)
         chunks: list[torch.Tensor] = []
         views: list[torch.Tensor | None] = [None] * inventory.tensor_count
         verb = "reading" if any(files) else "pinning" if pin else "packing"

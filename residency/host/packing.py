@@ -64,7 +64,7 @@ from torch import nn
 
 from residency.multirank.agreement import compare_weights, describe_tensors
 from residency.core.errors import HostMemoryError, RegistrationError
-from residency.host.file_reads import find_file_sources
+from residency.host.file_reads import find_file_sources, look_up_files
 from residency.options.host_options import HostOptions
 from residency.host.host_tier import HostTier
 from residency.host.master_cache import (
@@ -160,7 +160,7 @@ class Packer:
             spilled = self._spill_past_room(name, inventory)
             if spilled is not None:
                 return spilled
-        files = cached = None
+        files = mapped = cached = None
         if self._caching(inventory):
             files = self._file_sources(inventory)
             cached = self._cache_entry(name, inventory, files)
@@ -169,14 +169,14 @@ class Packer:
             if mapped is not None:
                 return mapped
         elif self.host.background_reads and inventory.wrappers is None:
-            if files is None:
-                files = find_file_sources(inventory.source_regions,
-                                          inventory.layout.region_nbytes)
+            if files is None:  # one look at the mappings serves the cut-file check too
+                mapped, files = look_up_files(inventory.source_regions,
+                                              inventory.layout.region_nbytes)
             if any(files):  # see [Note: reading behind the first phase]
                 check_host_room(name, inventory.layout.nbytes)
                 return self._reads.master_for(name, inventory, files, self._transport,
-                                              pin=self.pin_memory)
-        master = self._pack_private(name, inventory, files)
+                                              pin=self.pin_memory, mapped=mapped)
+        master = self._pack_private(name, inventory, files, mapped)
         if cached is not None and write_master(cached[0], cached[1], inventory.layout,
                                                master.chunks):
             _log.info("group %r: host master written to the warm-restart cache %s", name,
@@ -202,13 +202,14 @@ class Packer:
                          self.host.spill_directory)
         return self._spill_tier.pack(name, inventory, self._transport)
 
-    def _pack_private(self, name: str, inventory: Inventory, files) -> HostMaster:
-        """A master of this process's own memory, pinned when it can be; `files`: the regions'
-        file sources when found already (else `HostMaster.pack` finds them)."""
+    def _pack_private(self, name: str, inventory: Inventory, files, mapped) -> HostMaster:
+        """A master of this process's own memory, pinned when it can be; `files` and `mapped`:
+        the regions' file sources and mappings when found already (else `HostMaster.pack` finds
+        them)."""
         check_host_room(name, inventory.layout.nbytes)
         try:
             master = HostMaster.pack(inventory, self._transport, pin=self.pin_memory, files=files,
-                                     room_checked=True)
+                                     mapped=mapped, room_checked=True)
         except MemoryError as error:
             nbytes = inventory.layout.nbytes
             raise HostMemoryError(

@@ -484,12 +484,13 @@ class ReadBehind:
         self._worker: threading.Thread | None = None
 
     def master_for(self, name: str, inventory: Inventory, files: Sequence[FileSource | None],
-                   transport: Transport, *, pin: bool) -> HostMaster:
+                   transport: Transport, *, pin: bool, mapped: list | None = None) -> HostMaster:
         """A master of group `name` whose bytes arrive behind (`files`: each region's source,
-        found by the caller); returns at once, the tensors left as they are."""
+        found by the caller; `mapped`: their mappings, when found in the same look); returns at
+        once, the tensors left as they are."""
         sources = inventory.source_regions
         assert sources is not None, "an inventory is packed once"
-        refuse_cut_files(inventory)
+        refuse_cut_files(inventory, mapped)
         arrival = Arrival(self, name, inventory, sources, files, transport=transport, pin=pin)
         master = HostMaster.arriving(inventory, arrival)
         # An undone add stops its reads; a weak reference: a committed arrival is dropped.
