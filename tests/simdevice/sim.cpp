@@ -32,7 +32,7 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
-#include <torch/extension.h>
+#include <torch/python.h>
 #include <torch/library.h>
 
 #include <pthread.h>
