@@ -7,8 +7,8 @@ under a watchdog: the owners agree (`consistent`); every group can be entered ag
 bit-identically (`torch.equal`) with its never-offloaded twin; an edit made inside a phase before
 the interrupted step is on the host after ``close``.  A phase change with an edit, a phase exit
 and entering while another thread holds are swept at every point; the rest at a fixed stride and,
-for those in `EVERY_LINE`, at each line's first and last execution (every point with ``pytest
---sweep=full``; see `_interrupts.points_to_interrupt`).  The phase change and the layer-mode step
+for those in `EVERY_LINE`, at each line's first execution (and last, with ``pytest
+--sweep=lines``; every point with ``--sweep=full``; see `_interrupts.points_to_interrupt`).  The phase change and the layer-mode step
 are swept on the accelerator too.  Two threads: a second thread waits for (or holds)
 another group while the first is interrupted.  Last, a bounded soak with real SIGINTs.
 """
@@ -41,7 +41,7 @@ from _interrupts import (
 )
 
 #: The strides of the sweeps that do not interrupt every point (``--sweep=full``: all).  Those
-#: in `EVERY_LINE` also interrupt each line at its first and last execution; the others are too
+#: in `EVERY_LINE` also interrupt each line at its first execution; the others are too
 #: costly for CI that way (thousands of points at 50-150 ms each, more on the simulated
 #: accelerator) and keep to their stride.
 STRIDES = {"registration-module": 7, "registration-resident": 50, "registration-layers": 13,
@@ -56,7 +56,7 @@ def stride():
 
 
 def lines(operation: str | None) -> bool:
-    """Whether the sweep of `operation` interrupts every line at its first and last execution."""
+    """Whether the sweep of `operation` interrupts every line at its first execution."""
     return operation is None or operation in EVERY_LINE
 
 
@@ -172,7 +172,7 @@ def test_phase_change_with_an_edit():
 @pytest.mark.gpu
 def test_phase_change_with_an_edit_on_an_accelerator(stride):
     """As above on the accelerator (copy stream, events, device digests): each line at its first
-    and last execution, and every 20th point (~90 ms a point on the simulated device, in the
+    execution, and every 20th point (~90 ms a point on the simulated device, in the
     accelerator child that runs beside the CPU tests)."""
     device = torch.accelerator.current_accelerator()
     assert sweep(_edited_then_in("a", device=device), _change, World.check,
@@ -219,7 +219,7 @@ def test_layer_mode_step(stride):
 @pytest.mark.gpu
 def test_layer_mode_step_on_an_accelerator(stride):
     """As above on the accelerator: two block slots, the copy stream one block ahead; each line
-    at its first and last execution, and every 60th point."""
+    at its first execution, and every 60th point."""
     device = torch.accelerator.current_accelerator()
     assert sweep(_edited_then_in("t", layered=True, device=device), _step, World.check,
                  stride=stride("accelerator-step")) > 200
