@@ -21,10 +21,10 @@ from _flow import import_closure, trace
 from _interrupts import tiny_dit
 
 DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
-#: The most crossings between files one phase change may make: the turns (holds, which ask the
-#: order of turns and count the entry), the device (placement) and the grant of the hold, each
-#: asked by the gate; parts apart only when a group has them.
-MOST_CROSSINGS = 30
+#: The most crossings between files one phase change may make: the turns (the holds, with the
+#: order of turns and the wait log in the same file), the device (placement, with its buffers)
+#: and the grant of the hold, each asked by the gate; parts apart only when a group has them.
+MOST_CROSSINGS = 25
 
 
 def _phase_change() -> tuple[Scheduler, object]:

@@ -106,7 +106,7 @@ class Site:
     """One ordering call site: the `place`-th call named `call` (1 = the first) in `function` (its
     classes and enclosing functions, dotted) of `file`.
 
-        Site("residency/placement/buffers.py", "DeviceBuffers.make_room", "release", 2)
+        Site("residency/placement/placement.py", "DeviceBuffers.make_room", "release", 2)
     """
 
     file: str
@@ -517,8 +517,7 @@ def groups(device, **options):
 
 _TRANSPORT, _COMPONENT = "residency/device/transport.py", "residency/group/residency.py"
 _WRITE_BACK, _MOVER = "residency/group/write_back.py", "residency/placement/mover.py"
-_MEMORY, _BUFFERS = "residency/host/memory.py", "residency/placement/buffers.py"
-_PLACEMENT = "residency/placement/placement.py"
+_MEMORY, _PLACEMENT = "residency/host/memory.py", "residency/placement/placement.py"
 
 LOAD_EVENT_WAIT = Site(_TRANSPORT, "Completion.wait", "wait_event")
 COPY_EVENT_SYNCHRONIZE = Site(_TRANSPORT, "Completion.synchronize", "synchronize")
@@ -543,8 +542,8 @@ CHANGED_FLAGS = Site("residency/device/digests.py", "ChangeDetector.changed_wind
                      stale=False)
 FINGERPRINT_DIGESTS = Site("residency/multirank/agreement.py", "_fingerprints", "cpu", stale=0)
 REMOVE_RELEASE = Site(_PLACEMENT, "Placement._remove", "release")
-FREE_ALL_RELEASE = Site(_BUFFERS, "DeviceBuffers.release_all", "release")
-MAKE_ROOM_RELEASE = Site(_BUFFERS, "DeviceBuffers.make_room", "release")
+FREE_ALL_RELEASE = Site(_PLACEMENT, "DeviceBuffers.release_all", "release")
+MAKE_ROOM_RELEASE = Site(_PLACEMENT, "DeviceBuffers.make_room", "release")
 #: One release for every part that leaves the device, whatever moved it out (a group leaving,
 #: a re-plan of a kept block or of a kept own part): each test below removes it.
 MOVE_OUT_RELEASE = Site(_MOVER, "PartMover.move_out", "release")
@@ -955,13 +954,13 @@ def test_removing_a_resident_group_frees_its_buffer(device):
 
 @pytest.mark.gpu
 def test_offload_all_frees_the_shared_buffers(device):
-    """buffers.py:DeviceBuffers.release_all -> storage.release() (offload_all)."""
+    """placement.py:DeviceBuffers.release_all -> storage.release() (offload_all)."""
     audit(lambda point: released_by(device, point, how="release_shared"), FREE_ALL_RELEASE)
 
 
 @pytest.mark.gpu
 def test_a_layer_phase_frees_the_module_mode_buffers(device):
-    """buffers.py:DeviceBuffers.make_room -> storage.release()."""
+    """placement.py:DeviceBuffers.make_room -> storage.release()."""
     audit(lambda point: released_by(device, point, how="other_mode"), MAKE_ROOM_RELEASE)
 
 

@@ -17,8 +17,7 @@ from torch import nn
 
 from residency import ConfigError, OffloadConfig, Scheduler, TurnOrder, WaitStats
 from residency.options.order import AUTO_MAX_WAIT, AUTO_STEPS, as_turn_order
-from residency.scheduler.holds import Ticket
-from residency.scheduler.turns import FIRST_WINDOW, ArrivalTurns, GroupTurns, turns_for
+from residency.scheduler.holds import FIRST_WINDOW, ArrivalTurns, GroupTurns, Ticket, turns_for
 
 pytestmark = pytest.mark.fast
 

@@ -154,10 +154,10 @@ class Plan:
     #: Whether any part streams (layer mode).
     streams: bool = attrs.field(init=False, eq=False, repr=False)
     #: ``"layer"`` when parts stream, else ``"module"``: which of the reused buffers the own part
-    #: loads into (`residency.placement.buffers`: a phase holds only its mode's buffers).
+    #: loads into (`residency.placement.placement.DeviceBuffers`: a phase holds only its mode's buffers).
     mode: str = attrs.field(init=False, eq=False, repr=False)
     #: Whether the group may be copied beside the current one before its phase (see [Note:
-    #: layer mode holds no buffer sized for another group] in `residency.placement.buffers`): its
+    #: layer mode holds no buffer sized for another group] in `residency.placement.placement`): its
     #: own part is swapped and is all that moves.
     prefetchable: bool = attrs.field(init=False, eq=False, repr=False)
     #: Whether every byte of the group stays on the device: its phases move nothing.

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import threading
 import json
-import math
 import statistics
 import time
 from collections.abc import Iterable, Iterator
@@ -28,7 +27,6 @@ __all__ = [
     "TransitionLog",
     "TransitionRecord",
     "TurnChoice",
-    "WaitLog",
     "WaitStats",
     "chrome_trace",
     "summarize",
@@ -39,7 +37,7 @@ __all__ = [
 class TurnChoice:
     """Why a waiting thread's group was made current: the `order` of turns ("group",
     "arrival"), the `reason` ("first come", "most waiting work", "waited past max_wait") and how
-    many threads were `waiting` then, it included (`residency.scheduler.turns`)."""
+    many threads were `waiting` then, it included (`residency.scheduler.holds`)."""
 
     order: str
     reason: str
@@ -298,57 +296,6 @@ class WaitStats:
     p99: float
     #: Longest wait kept, in seconds.
     max: float
-
-
-class WaitLog:
-    """Per group, phase entries counted and the newest `limit` waits for a turn, in seconds.
-
-    Written by the holds (under the scheduler's lock) and read by anyone: its own small lock
-    makes a reader's `summary` a snapshot.
-    """
-
-    def __init__(self, limit: int = 10_000) -> None:
-        self._lock = threading.Lock()
-        self._limit = limit
-        self._entries: dict[str, int] = {}  # guarded by self._lock
-        self._waits: dict[str, collections.deque] = {}  # guarded by self._lock
-        self._counts: dict[str, int] = {}  # waits ever made, per group; guarded by self._lock
-
-    def entered(self, name: str) -> None:
-        """A phase of group `name` was entered."""
-        with self._lock: self._entries[name] = self._entries.get(name, 0) + 1  # noqa: E701
-
-    def waited(self, name: str, seconds: float) -> None:
-        """An entry of group `name` waited `seconds` for its turn."""
-        locked(self._lock, self._add_wait, name, seconds)
-
-    def _add_wait(self, name: str, seconds: float) -> None:
-        kept = self._waits.get(name)
-        if kept is None:
-            kept = self._waits[name] = collections.deque(maxlen=self._limit)
-        kept.append(seconds)
-        self._counts[name] = self._counts.get(name, 0) + 1
-
-    def summary(self) -> dict[str, WaitStats]:
-        """Each group's `WaitStats`, groups in the order they were first entered."""
-        return locked(self._lock, self._summary)
-
-    def _summary(self) -> dict[str, WaitStats]:
-        stats = {}
-        for name, entries in self._entries.items():
-            kept = sorted(self._waits.get(name, ()))
-            stats[name] = WaitStats(
-                entries=entries, waits=self._counts.get(name, 0),
-                p50=_rank(kept, 0.5), p99=_rank(kept, 0.99), max=kept[-1] if kept else 0.0)
-        return stats
-
-
-def _rank(ordered: list[float], fraction: float) -> float:
-    """The nearest-rank percentile of sorted `ordered` (0.0 when empty)."""
-    if not ordered:
-        return 0.0
-    index = math.ceil(len(ordered) * fraction) - 1
-    return ordered[min(max(index, 0), len(ordered) - 1)]
 
 
 def summarize(records: Iterable[TransitionRecord]) -> dict:

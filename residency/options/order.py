@@ -7,7 +7,7 @@
 Many requests on one pipeline run the same phases (encoder, experts, VAE) on their own threads.
 First come, first served makes every request pay every phase change; served by group, the
 requests that need the group on the device go together and share its load, and the group with
-the most waiting work goes next (`residency.scheduler.turns` says how).  ``max_wait`` bounds how
+the most waiting work goes next (`residency.scheduler.holds` says how).  ``max_wait`` bounds how
 long any waiter is passed over: once a thread has waited that long, its group goes next.
 
 ``order=None`` (the default) is group order with ``max_wait`` learned (``max_wait=None``): a

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from residency.placement.buffers import DeviceBuffers
 from residency.group.residency import Residency
 from residency.core.enums import Policy
 from residency.core.errors import RegistrationError
 from residency.host.packing import Packer
 from residency.group.registry import Claim, Registry, owned_modules, repacked_claim
 from residency.multirank.sharded import ShardedLoad
+
+if TYPE_CHECKING:  # placement imports this module
+    from residency.placement.placement import DeviceBuffers
 
 __all__ = ["Adoption", "check_budget", "why_shared"]
 

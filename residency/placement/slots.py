@@ -6,7 +6,7 @@
     written = slots.evict(group, block)    # back on its master, what changed written back
 
 A plan's streamed parts (`residency.group.plan`) pass through two reused device buffers, the
-*slots* (`residency.placement.buffers.DeviceBuffers.block_slots`).  Which block goes into which slot
+*slots* (`residency.placement.placement.DeviceBuffers.block_slots`).  Which block goes into which slot
 and when is the stream's decision (`residency.placement.layers.BlockStream`, around each block's
 forward); carrying the move out is this file's: every transition of a streamed part's `Residency`
 happens here, as every transition of a group's own part happens in `residency.placement.placement`.

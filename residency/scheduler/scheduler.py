@@ -60,12 +60,11 @@ from residency.group.arguments import parse_device, parse_policy
 from residency.modules.blocks import ModelBlocks
 from residency.auto.auto import AutoPlan, AutoPlanner
 from residency.options.budget import AutoOptions
-from residency.placement.buffers import DeviceBuffers
 from residency.group.residency import Residency
 from residency.pipelines.discovery import scheduler_from_pipeline
 from residency.core.enums import PhaseStatus, Policy
 from residency.core.errors import ConfigError, PhaseError
-from residency.scheduler.holds import Holds, Turn, note_failed_return
+from residency.scheduler.holds import Holds, Turn, WaitLog, note_failed_return, turns_for
 from residency.options.host_options import HostOptions
 from residency.placement.layers import as_model_blocks, auto_blocks, streamed_modules
 from residency.core.locks import locked, new_lock
@@ -73,11 +72,10 @@ from residency.group.no_offload import NoOffload
 from residency.multirank.node import node_view
 from residency.host.memory import HostUsage
 from residency.host.packing import Packer
-from residency.placement.placement import Placement
-from residency.group.records import BlockLog, CallLog, CallRecord, TransitionLog, WaitLog, WaitStats
+from residency.placement.placement import DeviceBuffers, Placement
+from residency.group.records import BlockLog, CallLog, CallRecord, TransitionLog, WaitStats
 from residency.group.calls import Call, Calls
 from residency.options.order import TurnOrder, as_turn_order
-from residency.scheduler.turns import turns_for
 from residency.group.registry import Registry
 from residency.modules.tensors import DEFAULT_CHUNK_NBYTES
 from residency.device.transport import Transport, transport_for
