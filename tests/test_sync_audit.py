@@ -516,7 +516,7 @@ def groups(device, **options):
 # -- the sites the tests below remove ------------------------------------------------------------
 
 _TRANSPORT, _COMPONENT = "residency/device/transport.py", "residency/group/residency.py"
-_WRITE_BACK, _MOVER = "residency/group/write_back.py", "residency/placement/mover.py"
+_MOVER = "residency/placement/mover.py"
 _MEMORY, _PLACEMENT = "residency/host/memory.py", "residency/placement/placement.py"
 
 LOAD_EVENT_WAIT = Site(_TRANSPORT, "Completion.wait", "wait_event")
@@ -534,10 +534,10 @@ EVICTION_RETIRE = Site(_COMPONENT, "Residency._leave_device", "retire")
 MISFIT_TO_HOST = Site(_COMPONENT, "Residency.evict", "to")
 CANCEL_SYNCHRONIZE = Site(_COMPONENT, "Residency.cancel_load", "synchronize")
 CANCEL_RETIRE = Site(_COMPONENT, "Residency.cancel_load", "retire")
-WRITE_BACK_SYNCHRONIZE = Site(_WRITE_BACK, "_copy_to_master", "synchronize")
-SAME_BYTES_FLAGS = Site(_WRITE_BACK, "_same_bytes", "tolist", stale=True)
+WRITE_BACK_SYNCHRONIZE = Site(_TRANSPORT, "Transport.to_host_synchronized", "synchronize")
+SAME_BYTES_FLAGS = Site(_COMPONENT, "_same_bytes", "tolist", stale=True)
 #: 0: the bytes of the user's new tensor (zeros, whatever words they are read as).
-SAME_BYTES_ON_HOST = Site(_WRITE_BACK, "_same_bytes", "cpu", 2, stale=0)
+SAME_BYTES_ON_HOST = Site(_COMPONENT, "_same_bytes", "cpu", 2, stale=0)
 CHANGED_FLAGS = Site("residency/device/digests.py", "ChangeDetector.changed_windows", "tolist",
                      stale=False)
 FINGERPRINT_DIGESTS = Site("residency/multirank/agreement.py", "_fingerprints", "cpu", stale=0)
@@ -702,14 +702,14 @@ def edit_then_read_master(device, point, *, detect_edits: bool, hold: str) -> No
 
 @pytest.mark.gpu
 def test_the_host_waits_for_written_back_chunks(device):
-    """write_back.py:_copy_to_master -> to_host(...).synchronize(), for chunks."""
+    """residency.py:_copy_to_master -> transport.py:Transport.to_host_synchronized, for chunks."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=True, hold="copy"),
           WRITE_BACK_SYNCHRONIZE)
 
 
 @pytest.mark.gpu
 def test_the_host_waits_for_written_back_tensors(device):
-    """write_back.py:_copy_to_master -> to_host(...).synchronize(), for tensors."""
+    """residency.py:_copy_to_master -> transport.py:Transport.to_host_synchronized, for tensors."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=False, hold="copy"),
           WRITE_BACK_SYNCHRONIZE)
 
@@ -800,7 +800,7 @@ def test_device_storage_release_forwards_to_the_transport(device):
 
 @pytest.mark.gpu
 def test_a_replaced_tensor_is_compared_after_it_was_made(device):
-    """write_back.py:_same_bytes -> .tolist() (an implicit host wait)."""
+    """residency.py:_same_bytes -> .tolist() (an implicit host wait)."""
     def scenario(point):
         with groups(device, detect_edits=False) as g:
             g.run("b")
@@ -1100,7 +1100,7 @@ def replaced_on_the_host_then_compared(device, point) -> None:
 
 @pytest.mark.gpu
 def test_a_tensor_moved_to_the_host_is_compared_after_the_device_bytes_were_made(device):
-    """write_back.py:_same_bytes -> the device view's .cpu() (its second `cpu`; an implicit host
+    """residency.py:_same_bytes -> the device view's .cpu() (its second `cpu`; an implicit host
     wait).  Removed, the host compares with whatever the pinned memory held: here bytes equal to
     the new tensor's, so the change is taken for none."""
     audit(lambda point: replaced_on_the_host_then_compared(device, point), SAME_BYTES_ON_HOST)

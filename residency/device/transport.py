@@ -89,6 +89,11 @@ class Transport:
     def to_host(self, pairs: CopyPairs) -> Completion:
         raise NotImplementedError
 
+    def to_host_synchronized(self, pairs: CopyPairs) -> None:
+        """Copy to the host and block the host until the bytes are there: for a caller that
+        reads them next (a write-back: the master may be read at once)."""
+        self.to_host(pairs).synchronize()
+
     def retire(self, storage: torch.Tensor) -> None:
         """Mark the point after which compute no longer reads `storage` (see the note above)."""
 
