@@ -86,6 +86,7 @@ def test_the_budgets_give_the_shapes_the_sweeps_need():
 
 
 @pytest.mark.parametrize("budget", [PARTLY_KEPT, STREAMING], ids=["partly-kept", "streaming"])
+@pytest.mark.beside
 def test_a_phase_change_under_an_auto_plan(budget, stride):
     """Leave the edited, partly kept (or streaming) "t" for "a", run, come back: interrupted at
     every line (every 7th in CI), nothing is lost and the owners agree."""

@@ -436,6 +436,7 @@ def test_on_an_accelerator_a_master_read_behind_is_pinned_and_exact(saved: Path)
 SWEEP_STRIDE = int(os.environ.get("READ_BEHIND_STRIDE", 29))
 
 
+@pytest.mark.beside
 def test_an_interrupt_anywhere_in_a_first_load_keeps_the_weights(saved: Path):
     # Not marked `beside`: run in the parent, which otherwise waits for the second child.
     from diffusers import WanTransformer3DModel

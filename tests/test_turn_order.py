@@ -7,9 +7,11 @@ events, every wait bounded.  Many requests under load: tests/test_serving.py.
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -17,7 +19,9 @@ from torch import nn
 
 from residency import ConfigError, OffloadConfig, Scheduler, TurnOrder, WaitStats
 from residency.options.order import AUTO_MAX_WAIT, AUTO_STEPS, as_turn_order
-from residency.scheduler.holds import FIRST_WINDOW, ArrivalTurns, GroupTurns, Ticket, turns_for
+from residency.scheduler.holds import (
+    FIRST_WINDOW, ArrivalTurns, GroupTurns, ThreadHolds, Ticket, turns_for,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -100,19 +104,20 @@ class Group:
 
 
 A, B, C = Group("a"), Group("b"), Group("c")
-ME = threading.current_thread()
+ME = ThreadHolds(threading.current_thread())  # this thread's entry, as the holds keep it
 
 
-def ticket(group, since=0.0, thread=ME):
+def ticket(group, since=0.0, thread=ME.thread):
     return Ticket(group, thread, since)
 
 
 def other_thread():
-    """A live thread other than this one (parked on an event until the test ends)."""
+    """The entry of a live thread other than this one (parked on an event until the test
+    ends), and the event that ends it."""
     done = threading.Event()
     thread = threading.Thread(target=done.wait, args=(BOUND,), daemon=True)
     thread.start()
-    return thread, done
+    return ThreadHolds(thread), done
 
 
 def test_arrival_order_is_first_come_first_served():
@@ -190,9 +195,26 @@ def test_a_thread_that_ended_is_not_waited_for():
     ended = threading.Thread(target=lambda: None)
     ended.start()
     ended.join(BOUND)
-    turns.left(ended, A, 0.0)
+    turns.left(ThreadHolds(ended), A, 0.0)
     waiting = ticket(B, 0.0)
     assert turns.may_proceed([waiting], waiting, A, False, 0.001)
+
+
+def test_group_order_keeps_no_thread_that_ended_alive():
+    """A server's request threads end; what group order learned of them goes with them, even
+    when no decision ever looks at them (nobody waits): its memory stays the live threads'."""
+    turns = GroupTurns(max_wait=1.0)
+    gone = []
+    for step in range(300):  # more than a few sweeps' worth
+        ended = threading.Thread(target=lambda: None)
+        ended.start()
+        ended.join(BOUND)
+        gone.append(weakref.ref(ended))
+        turns.left(ThreadHolds(ended), A, float(step))
+        del ended
+    gc.collect()
+    kept = [ref for ref in gone if ref() is not None]
+    assert len(kept) <= 64, f"{len(kept)} of 300 ended threads are still referenced"
 
 
 def test_a_waiter_passed_over_for_max_wait_goes_next():

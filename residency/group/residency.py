@@ -487,7 +487,7 @@ def _detector_for(detector: ChangeDetector | None, detect_edits: bool,
     return detector
 
 
-# -- write-back --------------------------------------------------------------------------------------
+# -- write-back ------------------------------------------------------------------------------------
 
 
 @attrs.frozen(kw_only=True)

@@ -6,9 +6,9 @@ current group, the queue (`Holds`), and the order of turns that decides which wa
     holds = Holds(lock, placement, registry, wait_timeout=None, turns=order, waits=WaitLog())
     joined = holds.join(phase)    # its group, or a Turn: made current, then `grant`ed
 
-It waits and never moves bytes: the order of turns only answers "may this ticket go now?" and
-"when could the answer change without anyone leaving?", and learns when threads leave a group
-(`left`) or ask for one (`asked`), told by the holds under the scheduler's lock.
+The order of turns only answers "may this ticket go now?" and "when could the answer change
+without anyone leaving?", and learns when threads leave a group (`left`) or ask for one
+(`asked`), told by the holds under the scheduler's lock.  Nothing here moves bytes.
 
 [Note: holds, nesting and threads]
 A thread *holds* the group of its innermost open phase.  A group can only be evicted when nobody
@@ -80,9 +80,10 @@ One thread alone never lingers for itself (asking for another group ends its own
 single request is served exactly as first come.  Under arrival order a ticket goes when nobody
 queued earlier for another group, and its group is current or it is first and nobody holds.
 
-State (`GroupTurns`' ``_left``, ``_gaps``, ``_paces``, ``_last_left`` and ``_learned``) is
-guarded by the scheduler's lock: the holds are its one caller, with the lock held.  The two maps
-(``_left``, ``_gaps``) are weak in the thread, so a thread that ended takes its entries with it.
+State (`GroupTurns`' ``_leavers``, ``_paces``, ``_last_group``, ``_last_at`` and ``_learned``,
+and each thread entry's `Returns`) is guarded by the scheduler's lock: the holds are its one
+caller, with the lock held.  A thread's own gaps live on its entry (``ThreadHolds.returns``), so
+leaving and asking again - every denoising step - are a few stores, no lookup keyed by thread.
 
 Calls go down from here, and the holds never move bytes: when a thread's turn comes they hand
 back a `Turn`; the gate (`residency.scheduler.scheduler.PhaseGate`) has the placement make its
@@ -99,7 +100,6 @@ import math
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 
 from residency.group.residency import Residency
@@ -128,7 +128,7 @@ _ACTIVE = PhaseStatus.ACTIVE
 class ThreadHolds:
     """One thread's frames and hold."""
 
-    __slots__ = ("thread", "frames", "held")
+    __slots__ = ("thread", "frames", "held", "returns")
 
     def __init__(self, thread: threading.Thread) -> None:
         self.thread = thread
@@ -136,10 +136,26 @@ class ThreadHolds:
         #: A phase's ``status`` is written here only.
         self.frames: list[tuple[object, Residency | None]] = []
         self.held: Residency | None = None
+        #: What group order learned of the thread's returns (`Returns`, written by `GroupTurns`
+        #: only), or None.  On the entry, which lives as long as its thread: nothing to look up.
+        self.returns: Returns | None = None
 
     def needs(self) -> Residency | None:
         """The exclusive group the innermost frame needs (None outside every phase)."""
         return self.frames[-1][1] if self.frames else None
+
+
+class Returns:
+    """What group order learned of one thread: the group it last gave up and when (`left`:
+    None once it asked for a group again), and per group name its last gap before asking for
+    that group again (None: it went to another group instead)."""
+
+    __slots__ = ("at", "gaps", "left")
+
+    def __init__(self) -> None:
+        self.left = None
+        self.at = 0.0
+        self.gaps: dict[str, float | None] = {}
 
 
 class Ticket:
@@ -256,7 +272,7 @@ class Holds:
         group, held = phase.group, entry.held
         self.waits.entered(group.name)
         if held is None and self._turns.learns and group.exclusive:
-            self._turns.asked(entry.thread, group, _monotonic())
+            self._turns.asked(entry, group, _monotonic())
         if held is group or (held is None and not self._queue and group.exclusive
                              and group is self._placement.current):  # (a held group is exclusive)
             if held is None:
@@ -385,7 +401,7 @@ class Holds:
 
     def _release_hold(self, entry: ThreadHolds) -> None:
         if self._turns.learns:
-            self._turns.left(entry.thread, entry.held, _monotonic())
+            self._turns.left(entry, entry.held, _monotonic())
         self._holder_count -= 1
         entry.held = None
         if not entry.frames:
@@ -417,7 +433,7 @@ class Holds:
         if needs is None:
             return None
         if previous is not None and self._turns.learns:
-            self._turns.asked(entry.thread, needs, _monotonic())
+            self._turns.asked(entry, needs, _monotonic())
         if needs is self._placement.current and not self._queue:  # at once: nobody waits
             self.take(entry, needs)
             return None
@@ -600,26 +616,29 @@ def _depth_of(entry: ThreadHolds, phase) -> int:
     )
 
 
-# -- the wait log -----------------------------------------------------------------------------------
+# -- the wait log ----------------------------------------------------------------------------------
 
 
 class WaitLog:
     """Per group, phase entries counted and the newest `limit` waits for a turn, in seconds.
 
-    Written by the holds (under the scheduler's lock) and read by anyone: its own small lock
-    makes a reader's `summary` a snapshot.
+    Written by the holds alone, under the scheduler's lock, and read by anyone: its own small
+    lock makes a reader's `summary` a snapshot of the waits.  The entries, counted on every
+    phase entry (a denoising step's re-entry too), take no lock of their own: their one writer
+    holds the scheduler's, and a reader copies the map in one C-level call (`dict.copy`, atomic
+    under the GIL) after reading the waits, so it never sees more waits than entries.
     """
 
     def __init__(self, limit: int = 10_000) -> None:
         self._lock = threading.Lock()
         self._limit = limit
-        self._entries: dict[str, int] = {}  # guarded by self._lock
+        self._entries: dict[str, int] = {}  # written under the scheduler's lock
         self._waits: dict[str, collections.deque] = {}  # guarded by self._lock
         self._counts: dict[str, int] = {}  # waits ever made, per group; guarded by self._lock
 
     def entered(self, name: str) -> None:
-        """A phase of group `name` was entered."""
-        with self._lock: self._entries[name] = self._entries.get(name, 0) + 1  # noqa: E701
+        """A phase of group `name` was entered (the scheduler's lock held)."""
+        self._entries[name] = self._entries.get(name, 0) + 1
 
     def waited(self, name: str, seconds: float) -> None:
         """An entry of group `name` waited `seconds` for its turn."""
@@ -637,11 +656,13 @@ class WaitLog:
         return locked(self._lock, self._summary)
 
     def _summary(self) -> dict[str, WaitStats]:
+        waits = {name: sorted(kept) for name, kept in self._waits.items()}
+        counts = dict(self._counts)
         stats = {}
-        for name, entries in self._entries.items():
-            kept = sorted(self._waits.get(name, ()))
+        for name, entries in self._entries.copy().items():  # after the waits: see the docstring
+            kept = waits.get(name, [])
             stats[name] = WaitStats(
-                entries=entries, waits=self._counts.get(name, 0),
+                entries=entries, waits=counts.get(name, 0),
                 p50=_rank(kept, 0.5), p99=_rank(kept, 0.99), max=kept[-1] if kept else 0.0)
         return stats
 
@@ -654,8 +675,7 @@ def _rank(ordered: list[float], fraction: float) -> float:
     return ordered[min(max(index, 0), len(ordered) - 1)]
 
 
-
-# -- the order of turns ([Note: group order]) ---------------------------------------------------
+# -- the order of turns ([Note: group order]) ------------------------------------------------------
 
 
 #: The return window of a thread not yet seen coming back (seconds; capped by ``max_wait``): a
@@ -665,6 +685,8 @@ FIRST_WINDOW = 0.02
 WINDOW_SLACK = 0.001
 #: Intervals between departures from one group the learned ``max_wait`` takes its median of.
 PACES = 31
+#: How many leavers group order keeps before it first drops those whose thread ended.
+_SWEEP_LEAVERS = 64
 
 
 class ArrivalTurns:
@@ -692,10 +714,10 @@ class ArrivalTurns:
         """Seconds until an answer may change with nobody leaving or asking: never."""
         return float("inf")
 
-    def left(self, thread, group, now: float) -> None:
+    def left(self, entry: ThreadHolds, group, now: float) -> None:
         pass
 
-    def asked(self, thread, group, now: float) -> None:
+    def asked(self, entry: ThreadHolds, group, now: float) -> None:
         pass
 
 
@@ -712,27 +734,34 @@ class GroupTurns:
         self.max_wait = max_wait
         #: group name -> its last `PACES` intervals between two departures from it (seconds).
         self._paces: dict[str, collections.deque] = {}  # guarded by the lock
-        #: (group, when) of the last departure from any group; None before the first.
-        self._last_left: tuple | None = None  # guarded by the lock
+        #: The group of the last departure from any group (None before the first), and when.
+        self._last_group, self._last_at = None, 0.0  # guarded by the lock
         #: group name -> its learned bound, until its next pace (a departure only records its
         #: pace: leaving a phase stays a few stores; `max_wait_now` takes the median).
         self._learned: dict[str, float] = {}  # guarded by the lock
-        #: thread -> (the group it last gave up, when), until it asks for a group again.
-        self._left: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # guarded by the lock
-        #: thread -> {group name: its last gap before asking for that group again, or None when
-        #: it went to another group instead}.
-        self._gaps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # guarded by the lock
+        #: The entries (`ThreadHolds`) whose thread gave up a group and has not asked for one
+        #: since (a dict used as an ordered set).  Those of ended threads are dropped when a
+        #: decision meets them (`_lingers`) or when the set has doubled since the last sweep.
+        self._leavers: dict[ThreadHolds, None] = {}  # guarded by the lock
+        self._sweep_at = _SWEEP_LEAVERS  # guarded by the lock
 
-    def left(self, thread, group, now: float) -> None:
-        """`thread` gave up its hold of `group` at `now`: learn the device's pace from it."""
-        left = self._left[thread] = (group, now)
-        last, self._last_left = self._last_left, left
-        if last is not None and last[0] is group:
+    def left(self, entry: ThreadHolds, group, now: float) -> None:
+        """`entry`'s thread gave up its hold of `group` at `now`: expect it back for a moment,
+        and learn the device's pace from it."""
+        returns = entry.returns
+        if returns is None:
+            returns = entry.returns = Returns()
+        returns.left, returns.at = group, now
+        self._leavers[entry] = None
+        if self._last_group is group:
             paces = self._paces.get(group.name)
             if paces is None:
                 paces = self._paces[group.name] = collections.deque(maxlen=PACES)
-            paces.append(now - last[1])
+            paces.append(now - self._last_at)
             self._learned.pop(group.name, None)
+        self._last_group, self._last_at = group, now
+        if len(self._leavers) >= self._sweep_at:
+            self._drop_ended()
 
     def max_wait_now(self, current) -> float:
         """The longest a waiter is passed over while `current` (a group or None) is on the
@@ -750,13 +779,15 @@ class GroupTurns:
             self._learned[current.name] = learned
         return learned
 
-    def asked(self, thread, group, now: float) -> None:
-        """`thread` asks for `group` at `now`: learn its gap (or that it moved on), and stop
-        expecting it back where it was."""
-        last = self._left.pop(thread, None)
-        if last is not None:
-            gaps = self._gaps.setdefault(thread, {})
-            gaps[last[0].name] = now - last[1] if last[0] is group else None
+    def asked(self, entry: ThreadHolds, group, now: float) -> None:
+        """`entry`'s thread asks for `group` at `now`: learn its gap (or that it moved on), and
+        stop expecting it back where it was."""
+        returns = entry.returns
+        if returns is None or returns.left is None:
+            return
+        returns.gaps[returns.left.name] = now - returns.at if returns.left is group else None
+        returns.left = None
+        self._leavers.pop(entry, None)
 
     def may_proceed(self, queue, ticket, current, held: bool, now: float) -> bool:
         oldest = queue[0]
@@ -785,9 +816,9 @@ class GroupTurns:
         later = [moment - now for moment in moments if moment > now]
         return min(later, default=float("inf"))
 
-    def window(self, thread, group) -> float:
-        """How long `thread` is waited for after leaving `group` (seconds)."""
-        gaps = self._gaps.get(thread, {})
+    def window(self, entry: ThreadHolds, group) -> float:
+        """How long `entry`'s thread is waited for after leaving `group` (seconds)."""
+        gaps = entry.returns.gaps if entry.returns is not None else {}
         if group.name not in gaps:
             return min(self.max_wait_now(group), FIRST_WINDOW)
         gap = gaps[group.name]
@@ -798,10 +829,19 @@ class GroupTurns:
         if current is None:
             return 0.0
         until = 0.0
-        for thread, (group, at) in list(self._left.items()):
-            if group is current and thread.is_alive():
-                until = max(until, at + self.window(thread, group))
+        for entry in list(self._leavers):
+            if not entry.thread.is_alive():
+                del self._leavers[entry]
+            elif entry.returns.left is current:
+                until = max(until, entry.returns.at + self.window(entry, current))
         return until
+
+    def _drop_ended(self) -> None:
+        """Forget the leavers whose thread ended (a server's finished request threads), so the
+        set stays the size of the live threads that left a group."""
+        for entry in [e for e in self._leavers if not e.thread.is_alive()]:
+            del self._leavers[entry]
+        self._sweep_at = max(_SWEEP_LEAVERS, 2 * len(self._leavers))
 
 
 def _most_waiting(queue):
