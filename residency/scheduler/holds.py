@@ -80,8 +80,8 @@ One thread alone never lingers for itself (asking for another group ends its own
 single request is served exactly as first come.  Under arrival order a ticket goes when nobody
 queued earlier for another group, and its group is current or it is first and nobody holds.
 
-State (`GroupTurns`' ``_leavers``, ``_paces``, ``_last_group``, ``_last_at`` and ``_learned``,
-and each thread entry's `Returns`) is guarded by the scheduler's lock: the holds are its one
+State (`GroupTurns`' ``_leavers``, ``_paces``, ``_last_group`` and ``_last_at``, each group's
+`Pace` and each thread entry's `Returns`) is guarded by the scheduler's lock: the holds are its one
 caller, with the lock held.  A thread's own gaps live on its entry (``ThreadHolds.returns``), so
 leaving and asking again - every denoising step - are a few stores, no lookup keyed by thread.
 
@@ -143,6 +143,18 @@ class ThreadHolds:
     def needs(self) -> Residency | None:
         """The exclusive group the innermost frame needs (None outside every phase)."""
         return self.frames[-1][1] if self.frames else None
+
+
+class Pace:
+    """One group's pace on the device (group order's own): its last `PACES` intervals between
+    two departures from it, and the bound learned from them until the next one (a departure
+    only records its interval: `GroupTurns.max_wait_now` takes the median when asked)."""
+
+    __slots__ = ("bound", "intervals")
+
+    def __init__(self) -> None:
+        self.intervals: collections.deque = collections.deque(maxlen=PACES)
+        self.bound: float | None = None
 
 
 class Returns:
@@ -732,15 +744,13 @@ class GroupTurns:
     def __init__(self, max_wait: float | None) -> None:
         #: The bound given, or None: learned (`max_wait_now`).
         self.max_wait = max_wait
-        #: group name -> its last `PACES` intervals between two departures from it (seconds).
-        self._paces: dict[str, collections.deque] = {}  # guarded by the lock
+        #: group name -> its `Pace`: the intervals between two departures from it.
+        self._paces: dict[str, Pace] = {}  # guarded by the lock
         #: The group of the last departure from any group (None before the first), and when.
         self._last_group, self._last_at = None, 0.0  # guarded by the lock
-        #: group name -> its learned bound, until its next pace (a departure only records its
-        #: pace: leaving a phase stays a few stores; `max_wait_now` takes the median).
-        self._learned: dict[str, float] = {}  # guarded by the lock
-        #: The entries (`ThreadHolds`) whose thread gave up a group and has not asked for one
-        #: since (a dict used as an ordered set).  Those of ended threads are dropped when a
+        #: The entries (`ThreadHolds`) of every thread that ever gave up a group (a dict used
+        #: as an ordered set, an entry added once, when its `Returns` is made); a decision reads
+        #: which of them left the current group.  Those of ended threads are dropped when a
         #: decision meets them (`_lingers`) or when the set has doubled since the last sweep.
         self._leavers: dict[ThreadHolds, None] = {}  # guarded by the lock
         self._sweep_at = _SWEEP_LEAVERS  # guarded by the lock
@@ -751,17 +761,17 @@ class GroupTurns:
         returns = entry.returns
         if returns is None:
             returns = entry.returns = Returns()
+            self._leavers[entry] = None
+            if len(self._leavers) >= self._sweep_at:
+                self._drop_ended()
         returns.left, returns.at = group, now
-        self._leavers[entry] = None
         if self._last_group is group:
-            paces = self._paces.get(group.name)
-            if paces is None:
-                paces = self._paces[group.name] = collections.deque(maxlen=PACES)
-            paces.append(now - self._last_at)
-            self._learned.pop(group.name, None)
+            pace = self._paces.get(group.name)
+            if pace is None:
+                pace = self._paces[group.name] = Pace()
+            pace.intervals.append(now - self._last_at)
+            pace.bound = None
         self._last_group, self._last_at = group, now
-        if len(self._leavers) >= self._sweep_at:
-            self._drop_ended()
 
     def max_wait_now(self, current) -> float:
         """The longest a waiter is passed over while `current` (a group or None) is on the
@@ -771,13 +781,14 @@ class GroupTurns:
             return self.max_wait
         if current is None:
             return AUTO_MAX_WAIT[0]
-        learned = self._learned.get(current.name)
-        if learned is None:
-            paces = sorted(self._paces.get(current.name, ()))
-            pace = paces[len(paces) // 2] if paces else 0.0
-            learned = min(AUTO_MAX_WAIT[1], max(AUTO_MAX_WAIT[0], AUTO_STEPS * pace))
-            self._learned[current.name] = learned
-        return learned
+        pace = self._paces.get(current.name)
+        if pace is None:
+            return AUTO_MAX_WAIT[0]
+        if pace.bound is None:
+            intervals = sorted(pace.intervals)
+            median = intervals[len(intervals) // 2]
+            pace.bound = min(AUTO_MAX_WAIT[1], max(AUTO_MAX_WAIT[0], AUTO_STEPS * median))
+        return pace.bound
 
     def asked(self, entry: ThreadHolds, group, now: float) -> None:
         """`entry`'s thread asks for `group` at `now`: learn its gap (or that it moved on), and
@@ -787,7 +798,6 @@ class GroupTurns:
             return
         returns.gaps[returns.left.name] = now - returns.at if returns.left is group else None
         returns.left = None
-        self._leavers.pop(entry, None)
 
     def may_proceed(self, queue, ticket, current, held: bool, now: float) -> bool:
         oldest = queue[0]
@@ -830,9 +840,11 @@ class GroupTurns:
             return 0.0
         until = 0.0
         for entry in list(self._leavers):
+            if entry.returns.left is not current:
+                continue
             if not entry.thread.is_alive():
                 del self._leavers[entry]
-            elif entry.returns.left is current:
+            else:
                 until = max(until, entry.returns.at + self.window(entry, current))
         return until
 
