@@ -38,8 +38,8 @@ into.
     storage = buffers.buffer_for(dit, current=encoder)    # the exclusive buffer the encoder is not in
     storage = buffers.make_room(dit)                    # a module-mode group frees layer mode's
 
-Fields (set once; their contents are `DeviceStorage`s, each the owner of its own bytes; used with the
-scheduler lock held, by `residency.placement.placement` and `residency.placement.adoption` only):
+Its fields (set once; their contents are `DeviceStorage`s, each the owner of its own bytes; used
+with the scheduler lock held, by `Placement` and `residency.placement.adoption` only):
 
 * ``exclusive``: the two buffers module-mode exclusive groups share.  The first is always used; the
   second only once a prefetch needs room beside the current group.
@@ -55,7 +55,6 @@ group's part + two slots.  So a layer-mode group becoming current releases the e
 becoming current releases the layer buffer and the slots.  Phases of one mode reuse that mode's
 buffers (Wan2.2's two experts take turns in the same layer buffer and slots); a switch between
 modes costs a free and an allocation, never a copy more.
-
 
 Which storage a group's tensors view is the group's own fact (`Residency.device_storage`, written
 when a load finishes); placement reads it to choose a buffer.

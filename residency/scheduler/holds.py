@@ -145,31 +145,6 @@ class ThreadHolds:
         return self.frames[-1][1] if self.frames else None
 
 
-class Pace:
-    """One group's pace on the device (group order's own): its last `PACES` intervals between
-    two departures from it, and the bound learned from them until the next one (a departure
-    only records its interval: `GroupTurns.max_wait_now` takes the median when asked)."""
-
-    __slots__ = ("bound", "intervals")
-
-    def __init__(self) -> None:
-        self.intervals: collections.deque = collections.deque(maxlen=PACES)
-        self.bound: float | None = None
-
-
-class Returns:
-    """What group order learned of one thread: the group it last gave up and when (`left`:
-    None once it asked for a group again), and per group name its last gap before asking for
-    that group again (None: it went to another group instead)."""
-
-    __slots__ = ("at", "gaps", "left")
-
-    def __init__(self) -> None:
-        self.left = None
-        self.at = 0.0
-        self.gaps: dict[str, float | None] = {}
-
-
 class Ticket:
     """A thread's place in the queue for `group`, taken at `since` (monotonic seconds); its
     `choice` is set by the order of turns when its turn means a switch."""
@@ -699,6 +674,31 @@ WINDOW_SLACK = 0.001
 PACES = 31
 #: How many leavers group order keeps before it first drops those whose thread ended.
 _SWEEP_LEAVERS = 64
+
+
+class Pace:
+    """One group's pace on the device (group order's own): its last `PACES` intervals between
+    two departures from it, and the bound learned from them until the next one (a departure
+    only records its interval: `GroupTurns.max_wait_now` takes the median when asked)."""
+
+    __slots__ = ("bound", "intervals")
+
+    def __init__(self) -> None:
+        self.intervals: collections.deque = collections.deque(maxlen=PACES)
+        self.bound: float | None = None
+
+
+class Returns:
+    """What group order learned of one thread: the group it last gave up and when (`left`:
+    None once it asked for a group again), and per group name its last gap before asking for
+    that group again (None: it went to another group instead)."""
+
+    __slots__ = ("at", "gaps", "left")
+
+    def __init__(self) -> None:
+        self.left = None
+        self.at = 0.0
+        self.gaps: dict[str, float | None] = {}
 
 
 class ArrivalTurns:
