@@ -64,7 +64,7 @@ from torch import nn
 
 from residency.multirank.agreement import compare_weights, describe_tensors
 from residency.core.errors import HostMemoryError, RegistrationError
-from residency.host.file_reads import find_file_sources, look_up_files
+from residency.host.file_reads import look_up_files
 from residency.options.host_options import HostOptions
 from residency.host.host_tier import HostTier
 from residency.host.master_cache import (
@@ -162,12 +162,12 @@ class Packer:
                 return spilled
         files = mapped = cached = None
         if self._caching(inventory):
-            files = self._file_sources(inventory)
+            mapped, files = self._look_up_files(inventory)
             cached = self._cache_entry(name, inventory, files)
         if cached is not None:
-            mapped = self._map_cached(name, inventory, *cached)
-            if mapped is not None:
-                return mapped
+            from_cache = self._map_cached(name, inventory, *cached)
+            if from_cache is not None:
+                return from_cache
         elif self.host.background_reads and inventory.wrappers is None:
             if files is None:  # one look at the mappings serves the cut-file check too
                 mapped, files = look_up_files(inventory.source_regions,
@@ -230,13 +230,14 @@ class Packer:
             return False
         return self._cache_ready(directory)
 
-    def _file_sources(self, inventory: Inventory) -> list:
-        """Each region's weight file (`find_file_sources`); regions read from the cache
-        directory itself count as none (a cache is never keyed by another cache)."""
-        sources = find_file_sources(inventory.source_regions, inventory.layout.region_nbytes)
+    def _look_up_files(self, inventory: Inventory) -> tuple[list, list]:
+        """Each region's mapping and weight file (`look_up_files`: one look at the mappings
+        serves the cut-file check and the cache's key); regions read from the cache directory
+        itself count as no file (a cache is never keyed by another cache)."""
+        mapped, sources = look_up_files(inventory.source_regions, inventory.layout.region_nbytes)
         inside = os.path.realpath(self.host.cache_directory) + os.sep
-        return [None if s is not None and os.path.realpath(s.path).startswith(inside) else s
-                for s in sources]
+        return mapped, [None if s is not None and os.path.realpath(s.path).startswith(inside)
+                        else s for s in sources]
 
     def _cache_entry(self, name: str, inventory: Inventory, files: list
                      ) -> tuple[Path, str] | None:
