@@ -451,6 +451,34 @@ def test_views_are_metadata_only():
 
 
 @sim_check("""
+        # The same op again and again: the Meta results are reused ([Note: the Meta results cache]
+        # in sim.cpp); shapes, strides, in place, out= and a shape a host tensor decides stay right.
+        g = torch.Generator().manual_seed(0)
+        for rows in (3, 5, 3, 5):
+            host = torch.randn(rows, 8, generator=g)
+            x = host.to(sim)
+            for _ in range(2):
+                y = torch.nn.functional.layer_norm(x, (8,))
+                assert y.shape == (rows, 8) and y.stride() == (8, 1)
+                assert torch.equal(y.cpu(), torch.nn.functional.layer_norm(host, (8,)))
+                t = x.t().contiguous().t()          # column-major: the same sizes, other strides
+                assert (t * 2).stride() == t.stride() and torch.equal((t * 2).cpu(), host * 2)
+            out = torch.empty(0, device=sim)
+            torch.add(x, 1.0, out=out)               # out= resized by the Meta kernel
+            assert out.shape == (rows, 8) and torch.equal(out.cpu(), host + 1.0)
+            z = x.clone()
+            assert z.mul_(3.0) is z and torch.equal(z.cpu(), host * 3.0)
+            for keep in (rows - 1, 1, rows - 1):    # a host mask decides the shape
+                mask = torch.arange(rows) < keep
+                assert torch.equal(x[mask].cpu(), host[mask])
+            assert torch.equal(torch.add(x, 1.0, alpha=2).cpu(), host + 2.0)
+            assert torch.equal(torch.add(x, 1.0, alpha=3).cpu(), host + 3.0)
+    """)
+def test_an_op_run_again_gets_its_shapes_right_from_reused_meta_results():
+    pass
+
+
+@sim_check("""
         weight = torch.nn.Parameter(torch.randn(16, 8))
         kept = weight.detach().clone()
         on_device = weight.data.to(sim)

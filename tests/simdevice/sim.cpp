@@ -20,6 +20,7 @@
 // the simulator's mode, not the program's. This matches what CUDA's sync-debug mode reports.
 
 #include <cmath>
+#include <cstring>
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/CachingHostAllocator.h>
@@ -884,7 +885,8 @@ bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& 
 // ---------------------------------------------------------------------------------------------------
 // The boxed CPU fallback.
 // [Note: the fallback] For an op without a sim kernel: (1) run its Meta kernel on meta copies of the
-// arguments to learn the outputs' shapes and dtypes (and resize out= arguments as the op would);
+// arguments to learn the outputs' shapes and dtypes (and resize out= arguments as the op would), or
+// reuse what it returned for the same metadata ([Note: the Meta results cache]);
 // (2) allocate sim outputs; (3) queue the CPU kernel on the current stream over CPU aliases of the sim
 // bytes, copying functional results into the outputs. Returns that alias an input are that input (in
 // place / out=) or a view of it (metadata only, nothing queued). An op without a Meta kernel, or one
@@ -996,6 +998,91 @@ void sync_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack, cons
   }
 }
 
+// [Note: the Meta results cache] Many Meta kernels are Python (torch._refs decompositions: a LayerNorm's
+// takes milliseconds, the CPU kernel it stands before microseconds). A Meta kernel's returns depend only on
+// its arguments' metadata when every tensor argument is a sim tensor (a host tensor's values may decide a
+// shape: boolean indexing) and there is one (a factory op also reads global defaults): then the returns
+// and the resized out= arguments of the first call are kept, keyed by the op and each argument's dtype,
+// sizes and strides (the meta copies start at offset 0, so the offset cannot matter) or exact value, and
+// later calls with the same key reuse them. Only their metadata is read. A Meta kernel that raised is
+// kept too (its op then runs on the stream while the host waits, as before). An argument of another
+// kind (a generator, say) is not keyed: that call runs its Meta kernel as before.
+struct MetaResult {
+  bool ok;
+  torch::jit::Stack meta_args;  // after the call: out= arguments resized
+  torch::jit::Stack returns;
+};
+
+// Appends `v`'s key to `key`; false for an argument the cache does not key.
+bool key_of(const c10::IValue& v, std::string& key) {
+  auto tensor = [&key](const at::Tensor& t) {
+    if (!t.defined()) { key += "u;"; return true; }
+    if (!is_sim(t)) return false;
+    key += std::to_string(int(t.scalar_type()));
+    for (int64_t d : t.sizes()) key += "," + std::to_string(d);
+    key += "/";
+    for (int64_t d : t.strides()) key += "," + std::to_string(d);
+    key += ";";
+    return true;
+  };
+  if (v.isTensor()) return tensor(v.toTensor());
+  if (v.isNone()) { key += "n;"; return true; }
+  if (v.isBool() || v.isInt()) { key += "i" + std::to_string(v.isBool() ? int64_t(v.toBool()) : v.toInt()) + ";"; return true; }
+  if (v.isDouble()) {
+    double d = v.toDouble();
+    int64_t bits;
+    std::memcpy(&bits, &d, sizeof bits);
+    key += "d" + std::to_string(bits) + ";";
+    return true;
+  }
+  if (v.isString()) { key += "s" + v.toStringRef() + ";"; return true; }
+  if (v.isDevice()) { key += "v" + v.toDevice().str() + ";"; return true; }
+  if (v.isList()) {
+    key += "[";
+    for (const c10::IValue& e : v.toListRef())
+      if (!key_of(e, key)) return false;
+    key += "];";
+    return true;
+  }
+  return false;
+}
+
+std::mutex g_meta_mu;
+std::unordered_map<std::string, MetaResult> g_meta_results;  // guarded by g_meta_mu
+constexpr size_t kMetaResultsKept = 8192;                    // past it, the cache starts over
+
+// The Meta results of `op` on `meta_args` (run, or reused: [Note: the Meta results cache]).
+MetaResult meta_results(const c10::OperatorHandle& op, const torch::jit::Stack& args) {
+  const auto& schema = op.schema();
+  std::string key = schema.operator_name().name + "." + schema.operator_name().overload_name + "(";
+  bool keyed = false;
+  for (const c10::IValue& v : args) {
+    keyed = keyed || v.isTensor() || v.isTensorList();
+    if (!key_of(v, key)) { keyed = false; break; }
+  }
+  if (keyed) {
+    std::lock_guard<std::mutex> lock(g_meta_mu);
+    auto found = g_meta_results.find(key);
+    if (found != g_meta_results.end()) return found->second;
+  }
+  MetaResult result{returns_only_tensors(schema), {}, {}};
+  for (const c10::IValue& v : args) result.meta_args.push_back(map_tensors(v, to_meta));
+  result.returns = result.meta_args;
+  if (result.ok) {
+    try {
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &result.returns);
+    } catch (const std::exception&) {  // c10::Error, or a Python meta kernel's exception
+      result.ok = false;  // no Meta kernel, or data-dependent output shapes
+    }
+  }
+  if (keyed) {
+    std::lock_guard<std::mutex> lock(g_meta_mu);
+    if (g_meta_results.size() >= kMetaResultsKept) g_meta_results.clear();
+    g_meta_results.emplace(std::move(key), result);
+  }
+  return result;
+}
+
 // Ops whose CPU kernel reads only metadata (shapes, dtypes): run on the host, no device work, no wait.
 bool reads_only_metadata(const c10::OperatorName& name) {
   static const std::set<std::string> names = {"aten::_fused_sdp_choice", "aten::is_same_size",
@@ -1016,18 +1103,10 @@ void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   static const bool trace = std::getenv("SIMDEVICE_TRACE") != nullptr;  // print each op the fallback runs
   if (trace) fprintf(stderr, "sim fallback: %s\n", schema.operator_name().name.c_str());
 
-  torch::jit::Stack meta_args;  // kept: the Meta kernel resizes out= arguments in place
-  for (const c10::IValue& v : args) meta_args.push_back(map_tensors(v, to_meta));
-  torch::jit::Stack meta = meta_args;  // after the call: the Meta kernel's returns
-  bool meta_ok = returns_only_tensors(schema);
-  if (meta_ok) {
-    try {
-      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta);
-    } catch (const std::exception&) {  // c10::Error, or a Python meta kernel's exception
-      meta_ok = false;  // no Meta kernel, or data-dependent output shapes
-    }
-  }
-  if (!meta_ok) return sync_fallback(op, stack, args);
+  const MetaResult found = meta_results(op, args);
+  if (!found.ok) return sync_fallback(op, stack, args);
+  const torch::jit::Stack& meta_args = found.meta_args;  // out= arguments as the op resizes them
+  const torch::jit::Stack& meta = found.returns;
 
   // out= arguments the Meta kernel resized: resize the sim tensors the same way before aliasing them.
   for (size_t i = 0; i < n_args; ++i) {
