@@ -1,6 +1,6 @@
 """Injecting a KeyboardInterrupt at every line of the library's own code (issue 20).
 
-    points = sweep(build_world, operation, check, stride=1)   # count, then inject at every point
+    points = sweep(build_world, operation, check)   # count, then inject at each line it runs
 
 `Interrupter` is a ``sys.settrace`` function that counts the line events of code in the package's
 own files (``residency/``) and raises `KeyboardInterrupt` from the trace
@@ -11,15 +11,15 @@ modules with the interrupt at that point, catches it, and runs the checks under 
 (`bounded`): a later phase that waits forever is a failure, not a hung test.
 
 Which points (`points_to_interrupt`), by the run's ``--sweep`` option: ``full`` takes every point;
-``ci`` (the default) takes every `stride`-th point the caller gives and, unless the sweep says
-``every_line=False``, the first execution of each distinct (file, line) the operation executes -
-so a regression on any one line (two statements of a state change split by a new line, say) is
-caught without the full sweep; ``lines`` takes the stride and each line's first *and last*
-execution (a loop's line interrupted with the loop nearly done, too) in every sweep, those that
-say ``every_line=False`` (too costly for CI) included.  The last executions are a quarter of a
-layer-mode step's points in CI (1,134 against 845): they stay out of CI's ten minutes.  Each
-sweep prints how many points and distinct lines the operation has, how many it interrupted, and
-how many lines it missed.
+``ci`` (the default) takes the first execution of each distinct (file, line) the operation
+executes - so a regression on any one line (two statements of a state change split by a new
+line, say) is caught without the full sweep - or, in a sweep that says ``every_line=False`` (too
+costly for CI that way), every `stride`-th point the caller gives; ``lines`` takes the stride
+and each line's first *and last* execution (a loop's line interrupted with the loop nearly done,
+too) in every sweep.  The stride and the last executions are the later passes through loops:
+they add about half again to a layer-mode step's CI points, and stay out of CI's ten minutes.
+Each sweep prints how many points and distinct lines the operation has, how many it
+interrupted, and how many lines it missed.
 
 `consistent(scheduler)` reads the owners' own state (holds, registry, placement, each group and
 its block stream) and lists every disagreement: the one checker every interrupt test uses.
@@ -183,9 +183,9 @@ def sweep(
     """Count `operation`'s points on `build()`, then interrupt it at each chosen point of a
     fresh `build()`, run `after(world)` on this thread (what the caller's own ``with`` would do
     next), then `check(world)` under the watchdog.  Returns the number of points;
-    raises an AssertionError listing the first `limit` failing points.  Which points: every
-    `stride`-th and, with `every_line`, each line's first execution (and under ``--sweep=lines``
-    its last; the module docstring, `points_to_interrupt`)."""
+    raises an AssertionError listing the first `limit` failing points.  Which points: in CI,
+    with `every_line`, each line's first execution, else every `stride`-th (under
+    ``--sweep=lines`` both, and each line's last; the module docstring, `points_to_interrupt`)."""
     world = build()
     counter = Interrupter()
     counter.run(lambda: operation(world))
@@ -219,25 +219,23 @@ def sweep(
 
 def points_to_interrupt(counter: Interrupter, stride: int, every_line: bool = True) -> list[int]:
     """The points a sweep interrupts, after `counter` counted the operation: all of them under
-    ``--sweep=full``; else every `stride`-th and, with `every_line`, the first point of each
-    distinct (file, line) in `counter.lines`; under ``--sweep=lines``, in every sweep, each
-    line's first and last point.
+    ``--sweep=full``; under ``--sweep=ci``, the first point of each distinct (file, line) in
+    `counter.lines` with `every_line`, else every `stride`-th; under ``--sweep=lines``, in every
+    sweep, every `stride`-th and each line's first and last point.
 
         points_to_interrupt(counter, 7, every_line=False)   # [1, 8, 15, ...]
     """
     if full_sweep():
         return list(range(1, counter.count + 1))
-    points = set(range(1, counter.count + 1, stride))
-    if every_line or _sweep == "lines":
-        first: dict[tuple[str, int], int] = {}
-        last: dict[tuple[str, int], int] = {}
-        for point, line in enumerate(counter.lines, start=1):
-            first.setdefault(line, point)
-            last[line] = point
-        points |= set(first.values())
-        if _sweep == "lines":
-            points |= set(last.values())
-    return sorted(points)
+    first: dict[tuple[str, int], int] = {}
+    last: dict[tuple[str, int], int] = {}
+    for point, line in enumerate(counter.lines, start=1):
+        first.setdefault(line, point)
+        last[line] = point
+    strided = set(range(1, counter.count + 1, stride))
+    if _sweep == "lines":
+        return sorted(strided | set(first.values()) | set(last.values()))
+    return sorted(first.values()) if every_line else sorted(strided)
 
 
 # -- the one consistency checker -------------------------------------------------------------------

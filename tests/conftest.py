@@ -25,12 +25,12 @@ from residency.device.transport import CpuTransport
 def pytest_addoption(parser):
     parser.addoption("--soak", action="store_true", help="run the full-length soak tests")
     parser.addoption("--sweep", choices=SWEEPS, default="ci",
-                     help="how far the sweeps go: 'ci' (the default) interrupts each operation "
-                          "at a stride and, in most sweeps, each line at its first execution, "
-                          "and repeats each synchronisation-audit row 2 times; 'lines' "
-                          "interrupts each line at its first and last execution in every "
-                          "sweep; 'full' interrupts "
-                          "every point and repeats each audit row 20 times")
+                     help="how far the sweeps go: 'ci' (the default) interrupts each line at its "
+                          "first execution (a few costly sweeps: every stride-th point "
+                          "instead), and repeats each synchronisation-audit row 2 times; "
+                          "'lines' interrupts every sweep at its stride and each line at its "
+                          "first and last execution; 'full' interrupts every point and "
+                          "repeats each audit row 20 times")
     _accelerator.add_options(parser)
 
 

@@ -415,8 +415,8 @@ def test_a_short_read_says_the_file_was_truncated(tmp_path: Path, no_earlier_rea
 
 # -- interrupts: the weights survive a KeyboardInterrupt anywhere in a pack with file reads ------
 
-#: Interrupt every n-th point of the sweep, and each line at its first execution
-#: (FILE_READS_SWEEP_STRIDE=1: every point).
+#: CI interrupts each line of the sweep at its first execution; ``--sweep=lines`` every n-th
+#: point too (FILE_READS_SWEEP_STRIDE=1: every point).
 SWEEP_STRIDE = int(os.environ.get("FILE_READS_SWEEP_STRIDE", 20))
 
 

@@ -410,5 +410,5 @@ def test_an_interrupt_anywhere_in_a_phase_change_leaves_the_tier_and_weights_sou
                         assert tier.paged_nbytes() <= tier.paging_room
         scheduler.close()
 
-    points = sweep(build, operation, check, stride=20)  # and every line at its first execution
+    points = sweep(build, operation, check, stride=20)  # CI: each line at its first execution
     assert points > 50

@@ -5,11 +5,12 @@ own code while the operation runs on fresh tiny models, then repeats it on fresh
 KeyboardInterrupt raised from a ``sys.settrace`` callback at each point, catches it, and checks,
 under a watchdog: the owners agree (`consistent`); every group can be entered again and computes
 bit-identically (`torch.equal`) with its never-offloaded twin; an edit made inside a phase before
-the interrupted step is on the host after ``close``.  A phase change with an edit, a phase exit
-and entering while another thread holds are swept at every point; the rest at a fixed stride and,
-for those in `EVERY_LINE`, at each line's first execution (and last, with ``pytest
---sweep=lines``; every point with ``--sweep=full``; see `_interrupts.points_to_interrupt`).  The phase change and the layer-mode step
-are swept on the accelerator too.  Two threads: a second thread waits for (or holds)
+the interrupted step is on the host after ``close``.  In CI a phase change with an edit, a phase
+exit, entering while another thread holds and the sweeps in `EVERY_LINE` interrupt each line at
+its first execution; the rest keep to a fixed stride (``pytest --sweep=lines``: every sweep at
+its stride and each line's first and last execution; ``--sweep=full``: every point; see
+`_interrupts.points_to_interrupt`).  The phase change and the layer-mode step are swept on the
+accelerator too.  Two threads: a second thread waits for (or holds)
 another group while the first is interrupted.  Last, a bounded soak with real SIGINTs.
 """
 
@@ -40,9 +41,9 @@ from _interrupts import (
     tiny_mlp,
 )
 
-#: The strides of the sweeps that do not interrupt every point (``--sweep=full``: all).  Those
-#: in `EVERY_LINE` also interrupt each line at its first execution; the others are too
-#: costly for CI that way (thousands of points at 50-150 ms each, more on the simulated
+#: The strides of the sweeps that do not interrupt every point (``--sweep=full``: all).  In CI
+#: those in `EVERY_LINE` interrupt each line at its first execution instead; the others are
+#: too costly for CI that way (thousands of points at 50-150 ms each, more on the simulated
 #: accelerator) and keep to their stride.
 STRIDES = {"registration-module": 7, "registration-resident": 50, "registration-layers": 13,
            "layer-step": 5, "leaving-layers": 10, "prefetch": 20, "refresh": 41, "close": 50,
@@ -129,7 +130,7 @@ def _entered(world: World, name: str):
     return phase
 
 
-# -- every point ----------------------------------------------------------------------------------
+# -- every line -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("name", "sweep_kind"), [

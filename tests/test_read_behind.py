@@ -432,7 +432,8 @@ def test_on_an_accelerator_a_master_read_behind_is_pinned_and_exact(saved: Path)
 
 # -- interrupts: the commit of an arrived master, at every line ------------------------------------
 
-#: Interrupt every n-th point of the sweep (READ_BEHIND_STRIDE=1: every point).
+#: Interrupt every n-th point of the first load's sweep, and of the add's under ``--sweep=lines``
+#: (which CI interrupts at each line's first execution; READ_BEHIND_STRIDE=1: every point).
 SWEEP_STRIDE = int(os.environ.get("READ_BEHIND_STRIDE", 29))
 
 
@@ -510,5 +511,5 @@ def test_an_interrupt_anywhere_in_an_add_that_reads_behind_keeps_the_weights(sav
         scheduler.close()
         assert no_reading_thread_left()
 
-    points = sweep(build, operation, intact, stride=SWEEP_STRIDE)  # and every line
+    points = sweep(build, operation, intact, stride=SWEEP_STRIDE)  # CI: every line, once
     assert points > 20
