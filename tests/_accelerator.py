@@ -32,13 +32,14 @@ it checks that a call is not needed, not that one is.
 
 [Note: a second child for the long CPU tests]
 On two cores the accelerator child leaves the second core idle for most of the run.  Tests marked
-``beside`` (the long interrupt sweeps, and the cold-start benchmark's run at the tiny scale:
-CPU-bound, fixtures cheap to set up) run in a second child, ``python -m pytest --accelerator=none ...`` with the parent's
+``beside`` (the long interrupt sweeps, the cold-start benchmark's run at the tiny scale, and a few
+long tests that run processes of their own, ranks or a report: CPU-bound, no fixture shared with
+the parent's tests) run in a second child, ``python -m pytest --accelerator=none ...`` with the parent's
 ``--sweep`` and ``--soak``, reported the same way; torch keeps its default threads there, so the
 code paths swept are the CPU tests' own.  It starts the moment the accelerator child ends (at
 once without one): three processes on two cores slowed every test, and the thread tests most.
 The parent runs them last and waits for that child once.  The mark goes on as many of the longest
-sweeps as balance the two cores: the accelerator child and these together take about what the
+tests as balance the two cores: the accelerator child and these together take about what the
 parent's share takes.  Only a session that also has other tests to run delegates them (run alone,
 a test marked ``beside`` runs in the parent), and a child never delegates further.
 """

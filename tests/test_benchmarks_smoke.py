@@ -290,6 +290,7 @@ def test_prefetch_order_reads_the_block_records():
         run.close()
 
 
+@pytest.mark.beside  # long, with processes of its own: see tests/_accelerator.py
 def test_host_memory_report_measures_shared_and_private_masters(tmp_path):
     """`python -m benchmarks.host_memory` at a small size: both cases per rank count, summed."""
     from benchmarks import host_memory

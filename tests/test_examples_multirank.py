@@ -8,9 +8,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "multirank_torchrun.py"
 
 
+@pytest.mark.beside  # long, with processes of its own: see tests/_accelerator.py
 def test_the_torchrun_example_runs_on_two_ranks():
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

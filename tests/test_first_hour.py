@@ -150,6 +150,7 @@ def _lines_of(stream) -> queue.Queue:
     return lines
 
 
+@pytest.mark.beside  # long, with processes of its own: see tests/_accelerator.py
 def test_ctrl_c_on_two_ranks_prints_one_line_and_leaves_no_segment():
     before = set(os.listdir("/dev/shm"))
     job = subprocess.Popen([sys.executable, "-m", "residency", "--nproc", "2", "--size", "small",

@@ -423,6 +423,7 @@ def test_progress_goes_to_stderr_phase_by_phase(capsys):
     assert "step 1/3" not in captured.out  # the report stays clean
 
 
+@pytest.mark.beside  # long, with processes of its own: see tests/_accelerator.py
 def test_nproc_runs_the_job_on_ranks_that_share_host_masters():
     done = run_main("--nproc", "2", "--size", "tiny", "--steps", "2")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
