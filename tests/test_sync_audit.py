@@ -69,9 +69,8 @@ import torch
 from torch import nn
 
 from residency import Scheduler
-from residency.host.memory import DeviceStorage
 from residency.group.plan import Where
-from residency.device.transport import AcceleratorTransport
+from residency.device.transport import AcceleratorTransport, DeviceStorage
 from residency.multirank.agreement import digest_ranges
 
 import simdevice
@@ -517,7 +516,7 @@ def groups(device, **options):
 
 _TRANSPORT, _COMPONENT = "residency/device/transport.py", "residency/group/residency.py"
 _MOVER = "residency/placement/mover.py"
-_MEMORY, _PLACEMENT = "residency/host/memory.py", "residency/placement/placement.py"
+_PLACEMENT = "residency/placement/placement.py"
 
 LOAD_EVENT_WAIT = Site(_TRANSPORT, "Completion.wait", "wait_event")
 COPY_EVENT_SYNCHRONIZE = Site(_TRANSPORT, "Completion.synchronize", "synchronize")
@@ -527,8 +526,8 @@ RETIRE_RECORD = Site(_TRANSPORT, "AcceleratorTransport.retire", "record_event")
 ALLOCATION_RECORD = Site(_TRANSPORT, "AcceleratorTransport.allocate_device", "record_event")
 RETIRED_WAIT = Site(_TRANSPORT, "AcceleratorTransport._wait_retired", "wait_event")
 RELEASE_AFTER_COPIES = Site(_TRANSPORT, "AcceleratorTransport.release", "wait_stream")
-STORAGE_RELEASE = Site(_MEMORY, "DeviceStorage.release", "release")
-FRESH_BUFFER_RELEASE = Site(_MEMORY, "DeviceStorage.prepare", "release")
+STORAGE_RELEASE = Site(_TRANSPORT, "DeviceStorage.release", "release")
+FRESH_BUFFER_RELEASE = Site(_TRANSPORT, "DeviceStorage.prepare", "release")
 FINISH_LOAD_WAIT = Site(_COMPONENT, "Residency.finish_load", "wait")
 EVICTION_RETIRE = Site(_COMPONENT, "Residency._leave_device", "retire")
 MISFIT_TO_HOST = Site(_COMPONENT, "Residency.evict", "to")
@@ -792,7 +791,7 @@ def test_release_orders_reuse_after_copies_in_flight(device):
 
 @pytest.mark.gpu
 def test_device_storage_release_forwards_to_the_transport(device):
-    """memory.py:DeviceStorage.release -> transport.release(buffer)."""
+    """transport.py:DeviceStorage.release -> transport.release(buffer)."""
     audit(lambda point: copy_in_flight_then_release(device, point), STORAGE_RELEASE)
 
 
@@ -1045,7 +1044,7 @@ def fresh_buffer_beside_an_alias(device, point) -> None:
 
 @pytest.mark.gpu
 def test_a_fresh_buffer_drops_the_views_of_the_old_one(device):
-    """memory.py:DeviceStorage.prepare -> self.release()."""
+    """transport.py:DeviceStorage.prepare -> self.release()."""
     audit(lambda point: fresh_buffer_beside_an_alias(device, point), FRESH_BUFFER_RELEASE)
 
 

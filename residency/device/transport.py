@@ -9,6 +9,13 @@ stream themselves.  Two implementations exist:
   stream API (`torch.Stream`, `torch.Event`, `torch.accelerator`), so one code path serves CUDA,
   ROCm, XPU and other accelerators.
 
+`DeviceStorage` — one device buffer that tensors are views of while resident.  The exclusive groups
+of a scheduler share one (only one of them is resident at a time); each resident-policy group has
+its own.  It is reused across transitions and re-allocated only when it is too small or when
+something outside the library still aliases it.  It lays out the copies of a load from a host
+master's chunks (`DeviceStorage.prepare_load`); the write-back lays out those back
+(`residency.group.residency`).
+
 `free_device_memory` says how many bytes a device has free (the host's available memory for the
 CPU, its cgroup's room when smaller: `residency.device.host_memory`): what an auto plan's budget
 is a fraction of, and what placement's prefetch fits within;
@@ -25,21 +32,38 @@ Evicting a group only re-points its tensors to host memory; kernels already queu
 stream may still read the old device storage.  `Transport.retire` records, on the compute stream,
 the point after which the storage is no longer read; the next copy *into* that storage first waits
 for that point on the copy stream.  Storage is therefore never overwritten under a running kernel.
+
+[Note: the alias check before reuse]
+A weight view kept by user code (``w = linear.weight.detach()``) shares the device buffer's storage.
+Overwriting the buffer with another group would silently change ``w``.  The storage's reference count
+tells: the buffer itself, the views this class created, and nothing else.  Any surplus means an alias,
+and the buffer is abandoned (left to its alias) and a fresh one allocated.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from residency.core.locks import in_context
 from residency.device.host_memory import host_memory
 from residency.device.page_lock import RegisteredMapping
+from residency.modules.tensors import Inventory, data_ptrs, make_views
 
-__all__ = ["AcceleratorTransport", "Completion", "CpuTransport", "Transport", "transport_for"]
+if TYPE_CHECKING:
+    from residency.host.memory import HostMaster
+
+__all__ = [
+    "AcceleratorTransport", "Completion", "CpuTransport", "DeviceStorage", "Transport", "transport_for",
+]
+
+_log = logging.getLogger("residency")
+_use_count = torch._C._storage_Use_Count
 
 #: (destination, source) byte tensors of equal length.
 CopyPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -182,6 +206,112 @@ class AcceleratorTransport(Transport):
         event = self._retired.pop(destination.untyped_storage().data_ptr(), None)
         if event is not None:
             self.copy_stream.wait_event(event)
+
+
+class DeviceStorage:
+    """A reusable device buffer and the views each group has into it (see the notes above).
+
+    ``views_for(key, inventory)`` returns views laid out for `inventory`, reusing the buffer when it is
+    large enough and not aliased, else allocating a fresh one.  The views of a group stay valid (and
+    its tensors land at the same addresses) for as long as the buffer is reused.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        #: Allocate at least this many bytes (the largest group that will load here), so the
+        #: buffer is allocated once rather than grown group by group.
+        self.size_hint = 0
+        self.buffer: torch.Tensor | None = None
+        self._views: dict[object, list[torch.Tensor]] = {}
+        self._pointers: dict[object, list[int]] = {}
+        self._view_count = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def is_aliased(self) -> bool:
+        """Whether something besides this object and its views still references the buffer."""
+        if self.buffer is None:
+            return False
+        # 1 for self.buffer, 1 for the temporary storage object made to ask, 1 per view.
+        return _use_count(self.buffer.untyped_storage()._cdata) > 2 + self._view_count
+
+    def prepare(self, nbytes: int) -> bool:
+        """Make sure a buffer of at least `nbytes` exists that nothing outside aliases.
+
+        Returns True when a fresh buffer was allocated.  An allocation that fails is tried once
+        more after the accelerator's caching allocator gave back the memory it keeps and no
+        tensor holds (another tenant's or our own freed blocks); its second failure propagates
+        unchanged, with no buffer held.
+        """
+        if self.buffer is not None and (self.buffer.numel() >= nbytes) and not self.is_aliased():
+            return False
+        if self.buffer is not None and self.is_aliased():
+            _log.info("device storage is aliased outside the scheduler; allocating a fresh buffer")
+        self.release()
+        self.buffer = self._allocate(max(nbytes, self.size_hint))
+        return True
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        # The buffer outlives the caller's mode; see [Note: a context on one line] in locks.py.
+        try:
+            return in_context(torch.inference_mode(False), self._transport.allocate_device, nbytes)
+        except (MemoryError, RuntimeError):
+            if self._transport.device.type != "cpu":
+                torch.accelerator.empty_cache()
+            return in_context(torch.inference_mode(False), self._transport.allocate_device, nbytes)
+
+    def views_for(self, key: object, inventory: Inventory) -> list[torch.Tensor]:
+        """Views of the buffer laid out for `inventory` (cached per key while the buffer lives).
+
+        Only this object holds them, so `release` really frees the buffer.
+        """
+        views = self._views.get(key)
+        if views is None:
+            assert self.buffer is not None
+            views = _views_into_buffer(inventory, self.buffer)
+            self._views[key] = views
+            self._pointers[key] = data_ptrs(views)
+            self._view_count += len(views)
+        return views
+
+    def prepare_load(self, key: object, inventory: Inventory, master: HostMaster, nbytes: int):
+        """Everything a load of `master` (laid out as `inventory`) into this storage needs, in
+        one call: a buffer of at least `nbytes` (`prepare`), the views the tensors will be
+        re-pointed to, their data pointers (plain ints: holding them keeps no memory alive;
+        where eviction finds ``.data = ...``), and the (device slice, host chunk) copies.
+
+            views, pointers, copies = storage.prepare_load(group, inventory, master, nbytes)
+        """
+        self.prepare(nbytes)
+        views = self.views_for(key, inventory)
+        bases = inventory.layout.chunk_base  # one bulk copy per chunk
+        copies = [(self.buffer[base : base + c.numel()], c) for base, c in zip(bases, master.chunks)]
+        return views, self._pointers[key], copies
+
+    def forget(self, key: object) -> None:
+        """Drop the views made for `key` (a group that was unregistered or re-packed)."""
+        views = self._views.pop(key, None)
+        self._pointers.pop(key, None)
+        if views is not None:
+            self._view_count -= len(views)
+
+    def release(self) -> None:
+        """Drop the buffer and every view of it (memory returns once no tensor uses it)."""
+        if self.buffer is not None:
+            self._transport.release(self.buffer)
+        self.buffer = None
+        self._views.clear()
+        self._pointers.clear()
+        self._view_count = 0
+
+
+def _views_into_buffer(inventory: Inventory, buffer: torch.Tensor) -> list[torch.Tensor]:
+    layout = inventory.layout
+    bases = layout.chunk_base
+    region_base = [bases[c] + o for c, o in zip(layout.region_chunk, layout.region_offset)]
+    return make_views(inventory.places, buffer.untyped_storage(), region_base, buffer.device)
 
 
 def _page_locked_exact(nbytes: int) -> torch.Tensor:

@@ -20,6 +20,8 @@ nothing alive, and written only under the owning scheduler's lock plus its own s
 Fields (guarded by the scheduler lock; `Registry` is their one mutator):
 
 * ``_groups``: name -> group.  Invariant: names, aliases and claim names are pairwise distinct.
+  ``groups`` is a read-only view of it, live: the phase entry reads it without a call (the
+  scheduler's lookup of a name, the holds' check that a waiting group is still registered).
 * ``_aliases``: alias -> group name.  Invariant: every alias leads to a registered group.
 * ``_claims``: name -> `Claim` while `add` packs outside the lock.
 """
@@ -27,6 +29,7 @@ Fields (guarded by the scheduler lock; `Registry` is their one mutator):
 from __future__ import annotations
 
 import threading
+import types
 import weakref
 from collections.abc import Iterable, Iterator
 
@@ -134,6 +137,8 @@ class Registry:
         self.owner_label = owner_label
         self.is_open = True  # guarded by the lock
         self._groups: dict[str, Residency] = {}  # guarded by the lock
+        #: name -> group, read-only and live (written only through this registry).
+        self.groups: types.MappingProxyType[str, Residency] = types.MappingProxyType(self._groups)
         self._aliases: dict[str, str] = {}  # guarded by the lock
         self._claims: dict[str, Claim] = {}  # guarded by the lock
 

@@ -52,14 +52,14 @@ from torch import nn
 from residency.device.digests import ChangeDetector
 from residency.core.enums import Policy, ResidencyState
 from residency.core.errors import DeviceMemoryError, PhaseError
-from residency.host.memory import DeviceStorage, HostMaster
+from residency.host.memory import HostMaster
 from residency.group.plan import Plan
 from residency.multirank.agreement import agree_write_back, digest_ranges
 from residency.multirank.sharded import ShardedLoad
 from residency.modules.tensors import (
     Inventory, data_ptrs, moved_from, repoint, repoint_group, versions,
 )
-from residency.device.transport import Completion, Transport
+from residency.device.transport import Completion, DeviceStorage, Transport
 
 if TYPE_CHECKING:
     from residency.placement.layers import BlockStream
@@ -577,11 +577,28 @@ class WriteBack:
         """Copy device byte ranges (offsets into the group's device bytes) into the master."""
         if not ranges:
             return 0
-        pairs = self.master.range_copies(self.storage.buffer, ranges, self.inventory)
-        return _copy_to_master(self.transport, pairs)
+        return _copy_to_master(self.transport, _range_copies(
+            self.master.chunks, self.inventory.layout.chunk_base, self.storage.buffer, ranges))
 
     def _device_bytes(self) -> torch.Tensor:
         return self.storage.buffer[: self.inventory.layout.contiguous_nbytes]
+
+
+def _range_copies(chunks: list[torch.Tensor], chunk_base: tuple[int, ...], device_buffer: torch.Tensor,
+                  ranges: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(host slice, device slice) pairs that copy device byte `ranges` back into a master's
+    `chunks` (the chunk `i` starts at device byte ``chunk_base[i]``).
+
+    `ranges` are ``(start, end)`` offsets into the device bytes (chunks laid end to end);
+    alignment padding between chunks has no host counterpart and is skipped.
+    """
+    pairs = []
+    for base, chunk in zip(chunk_base, chunks):
+        for start, end in ranges:
+            first, last = max(start, base), min(end, base + chunk.numel())
+            if first < last:
+                pairs.append((chunk[first - base : last - base], device_buffer[first:last]))
+    return pairs
 
 
 def write_tensors(transport: Transport, inventory: Inventory, master: HostMaster,

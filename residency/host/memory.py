@@ -1,13 +1,8 @@
-"""Where a component's bytes live: the host master (persistent) and device storage (reused).
+"""Where a component's bytes live on the host: the host master (persistent).
 
 `HostMaster` — the packed host copy of a component's unique tensors, built once at registration
 and kept for the session: about 1x the weights (alignment padding aside), pinned when an
 accelerator is present.  Offloaded tensors are views of it.
-
-`DeviceStorage` — one device buffer that tensors are views of while resident.  The exclusive groups
-of a scheduler share one (only one of them is resident at a time); each resident-policy group has
-its own.  It is reused across transitions and re-allocated only when it is too small or when
-something outside the library still aliases it.
 
 [Note: building the master without 2x host memory]
 The master is allocated and filled one chunk at a time, and the tensors of each chunk are re-pointed
@@ -23,12 +18,6 @@ chunk's tensors are re-pointed only after its reads finished (`FileReader.finish
 above holds: a failed or interrupted read leaves them views of the file, with their values.  An
 edited region is never read (see [Note: which mapped bytes are still the file's] in
 residency/host/file_reads.py).
-
-[Note: the alias check before reuse]
-A weight view kept by user code (``w = linear.weight.detach()``) shares the device buffer's storage.
-Overwriting the buffer with another group would silently change ``w``.  The storage's reference count
-tells: the buffer itself, the views this class created, and nothing else.  Any surplus means an alias,
-and the buffer is abandoned (left to its alias) and a fresh one allocated.
 """
 
 from __future__ import annotations
@@ -47,14 +36,13 @@ from residency.core.errors import WeightFileError
 from residency.host.file_reads import (
     FileReader, FileSource, find_loss, find_mapped_regions, look_up_files,
 )
-from residency.core.locks import in_context
 from residency.modules.tensors import Inventory, data_ptrs, make_views, repoint
 from residency.device.host_memory import host_memory
 from residency.device.transport import Transport
 from residency.options.budget import format_nbytes
 
 __all__ = [
-    "DeviceStorage", "HostMaster", "HostUsage", "PROGRESS_THRESHOLD", "Progress",
+    "HostMaster", "HostUsage", "PROGRESS_THRESHOLD", "Progress",
     "allocate_chunk", "copy_region_into", "refuse_cut_files", "views_into_chunk",
 ]
 
@@ -63,7 +51,6 @@ PROGRESS_THRESHOLD = 2**30
 
 _log = logging.getLogger("residency")
 _size = functools.partial(format_nbytes, digits=1)
-_use_count = torch._C._storage_Use_Count
 
 
 @attrs.frozen(kw_only=True)
@@ -247,25 +234,6 @@ class HostMaster:
             inventory.wrappers.follow(shared.device)
         return cls(chunks, views, pinned=pinned)  # type: ignore[arg-type]
 
-    def chunk_copies(self, device_buffer: torch.Tensor, inventory: Inventory):
-        """(device slice, host chunk) pairs: one bulk copy per chunk."""
-        bases = inventory.layout.chunk_base
-        return [(device_buffer[base : base + c.numel()], c) for base, c in zip(bases, self.chunks)]
-
-    def range_copies(self, device_buffer: torch.Tensor, ranges, inventory: Inventory):
-        """(host slice, device slice) pairs that copy device byte `ranges` back into the chunks.
-
-        `ranges` are ``(start, end)`` offsets into the device bytes (chunks laid end to end);
-        alignment padding between chunks has no host counterpart and is skipped.
-        """
-        pairs = []
-        for base, chunk in zip(inventory.layout.chunk_base, self.chunks):
-            for start, end in ranges:
-                first, last = max(start, base), min(end, base + chunk.numel())
-                if first < last:
-                    pairs.append((chunk[first - base : last - base], device_buffer[first:last]))
-        return pairs
-
     @classmethod
     def over_chunks(cls, inventory: Inventory, chunks: list[torch.Tensor], *, pinned: bool):
         """A master over `chunks` that already hold the inventory's bytes in its layout (a
@@ -278,103 +246,6 @@ class HostMaster:
         if inventory.wrappers is not None:
             inventory.wrappers.follow(chunks[0].device)
         return cls(chunks, views, pinned=pinned)  # type: ignore[arg-type]
-
-
-class DeviceStorage:
-    """A reusable device buffer and the views each group has into it (see the notes above).
-
-    ``views_for(key, inventory)`` returns views laid out for `inventory`, reusing the buffer when it is
-    large enough and not aliased, else allocating a fresh one.  The views of a group stay valid (and
-    its tensors land at the same addresses) for as long as the buffer is reused.
-    """
-
-    def __init__(self, transport: Transport) -> None:
-        self._transport = transport
-        #: Allocate at least this many bytes (the largest group that will load here), so the
-        #: buffer is allocated once rather than grown group by group.
-        self.size_hint = 0
-        self.buffer: torch.Tensor | None = None
-        self._views: dict[object, list[torch.Tensor]] = {}
-        self._pointers: dict[object, list[int]] = {}
-        self._view_count = 0
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.buffer is None else self.buffer.numel()
-
-    def is_aliased(self) -> bool:
-        """Whether something besides this object and its views still references the buffer."""
-        if self.buffer is None:
-            return False
-        # 1 for self.buffer, 1 for the temporary storage object made to ask, 1 per view.
-        return _use_count(self.buffer.untyped_storage()._cdata) > 2 + self._view_count
-
-    def prepare(self, nbytes: int) -> bool:
-        """Make sure a buffer of at least `nbytes` exists that nothing outside aliases.
-
-        Returns True when a fresh buffer was allocated.  An allocation that fails is tried once
-        more after the accelerator's caching allocator gave back the memory it keeps and no
-        tensor holds (another tenant's or our own freed blocks); its second failure propagates
-        unchanged, with no buffer held.
-        """
-        if self.buffer is not None and (self.buffer.numel() >= nbytes) and not self.is_aliased():
-            return False
-        if self.buffer is not None and self.is_aliased():
-            _log.info("device storage is aliased outside the scheduler; allocating a fresh buffer")
-        self.release()
-        self.buffer = self._allocate(max(nbytes, self.size_hint))
-        return True
-
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        # The buffer outlives the caller's mode; see [Note: a context on one line] in locks.py.
-        try:
-            return in_context(torch.inference_mode(False), self._transport.allocate_device, nbytes)
-        except (MemoryError, RuntimeError):
-            if self._transport.device.type != "cpu":
-                torch.accelerator.empty_cache()
-            return in_context(torch.inference_mode(False), self._transport.allocate_device, nbytes)
-
-    def views_for(self, key: object, inventory: Inventory) -> list[torch.Tensor]:
-        """Views of the buffer laid out for `inventory` (cached per key while the buffer lives).
-
-        Only this object holds them, so `release` really frees the buffer.
-        """
-        views = self._views.get(key)
-        if views is None:
-            assert self.buffer is not None
-            views = _views_into_buffer(inventory, self.buffer)
-            self._views[key] = views
-            self._pointers[key] = data_ptrs(views)
-            self._view_count += len(views)
-        return views
-
-    def prepare_load(self, key: object, inventory: Inventory, master: HostMaster, nbytes: int):
-        """Everything a load of `master` (laid out as `inventory`) into this storage needs, in
-        one call: a buffer of at least `nbytes` (`prepare`), the views the tensors will be
-        re-pointed to, their data pointers (plain ints: holding them keeps no memory alive;
-        where eviction finds ``.data = ...``), and the (device slice, host chunk) copies.
-
-            views, pointers, copies = storage.prepare_load(group, inventory, master, nbytes)
-        """
-        self.prepare(nbytes)
-        views = self.views_for(key, inventory)
-        return views, self._pointers[key], master.chunk_copies(self.buffer, inventory)
-
-    def forget(self, key: object) -> None:
-        """Drop the views made for `key` (a group that was unregistered or re-packed)."""
-        views = self._views.pop(key, None)
-        self._pointers.pop(key, None)
-        if views is not None:
-            self._view_count -= len(views)
-
-    def release(self) -> None:
-        """Drop the buffer and every view of it (memory returns once no tensor uses it)."""
-        if self.buffer is not None:
-            self._transport.release(self.buffer)
-        self.buffer = None
-        self._views.clear()
-        self._pointers.clear()
-        self._view_count = 0
 
 
 class Progress:
@@ -518,10 +389,3 @@ def views_into_chunk(
     first = chunk.storage_offset()
     region_base = [first + offset for offset in inventory.layout.region_offset]
     return make_views(places, chunk.untyped_storage(), region_base, chunk.device)
-
-
-def _views_into_buffer(inventory: Inventory, buffer: torch.Tensor) -> list[torch.Tensor]:
-    layout = inventory.layout
-    bases = layout.chunk_base
-    region_base = [bases[c] + o for c, o in zip(layout.region_chunk, layout.region_offset)]
-    return make_views(inventory.places, buffer.untyped_storage(), region_base, buffer.device)

@@ -28,9 +28,8 @@ from __future__ import annotations
 
 from residency.group.residency import Residency
 from residency.core.enums import ResidencyState
-from residency.host.memory import DeviceStorage
 from residency.group.plan import Plan, Where
-from residency.device.transport import Transport
+from residency.device.transport import DeviceStorage, Transport
 from residency.placement.mover import PartMover
 
 __all__ = ["PartsApart"]

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from residency.core.enums import ResidencyState
 from residency.group.residency import Residency
-from residency.host.memory import DeviceStorage
+from residency.device.transport import DeviceStorage
 from residency.placement.adoption import Adoption
 
 __all__ = ["PartMover"]

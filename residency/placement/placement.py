@@ -77,12 +77,11 @@ from residency.group.residency import Residency
 from residency.core.enums import Policy, ResidencyState
 from residency.core.errors import DeviceMemoryError
 from residency.core.locks import CHECKING, check_held, in_context
-from residency.host.memory import DeviceStorage
 from residency.placement.layers import take_plan
 from residency.group.plan import Plan, Where
 from residency.group.records import BlockLog, TransitionLog, TransitionRecord, TurnChoice
 from residency.placement.slots import SlotPlacement
-from residency.device.transport import Transport, free_device_memory
+from residency.device.transport import DeviceStorage, Transport, free_device_memory
 
 __all__ = ["DeviceBuffers", "Placement"]
 

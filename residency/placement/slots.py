@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from residency.group.residency import Residency
 from residency.core.enums import ResidencyState
-from residency.host.memory import DeviceStorage
+from residency.device.transport import DeviceStorage
 from residency.placement.mover import PartMover
 
 __all__ = ["SlotPlacement"]

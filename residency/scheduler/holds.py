@@ -269,7 +269,8 @@ class Holds:
             entry.frames.append((phase, group))
             phase.status = _ACTIVE
             return group
-        self._registry.check_registered(group)
+        if self._registry.groups.get(group.name) is not group:  # removed or refreshed meanwhile
+            self._registry.check_registered(group)  # raises, saying so
         self.collect_abandoned()
         needs = group if group.exclusive else entry.needs()
         if needs is not entry.held:
@@ -462,8 +463,7 @@ class Holds:
         return self._turn_back(turn.entry, turn.previous, error)
 
     def close(self, reopen: str = "") -> None:
-        """Grant no more holds; waiters wake up to `SchedulerClosedError`, advised to `reopen`
-        (default `REOPEN`)."""
+        """Grant no more holds; waiters wake to `SchedulerClosedError` advising `reopen` or `REOPEN`."""
         if CHECKING:
             check_held(self._lock)
         self.reopen = reopen or REOPEN

@@ -522,8 +522,8 @@ class Scheduler:
         The group stays resident after the block until another group is asked for, so a loop that
         re-enters it costs a lock, not a copy.  `name` may also be a registered alias.
         """
-        group = self._registry.get(name)
-        if group is None:
+        group = self._registry.groups.get(name) if isinstance(name, str) else None  # a read
+        if group is None:  # an alias, or no group: the registry is asked
             check_open(self._holds)
             group = self._registry.lookup(name)
         return Phase(self._gate, group)
