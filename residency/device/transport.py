@@ -59,7 +59,8 @@ if TYPE_CHECKING:
     from residency.host.memory import HostMaster
 
 __all__ = [
-    "AcceleratorTransport", "Completion", "CpuTransport", "DeviceStorage", "Transport", "transport_for",
+    "AcceleratorTransport", "Completion", "CpuTransport", "DeviceStorage", "Transport",
+    "transport_for",
 ]
 
 _log = logging.getLogger("residency")
@@ -286,8 +287,8 @@ class DeviceStorage:
         """
         self.prepare(nbytes)
         views = self.views_for(key, inventory)
-        bases = inventory.layout.chunk_base  # one bulk copy per chunk
-        copies = [(self.buffer[base : base + c.numel()], c) for base, c in zip(bases, master.chunks)]
+        bases, buffer = inventory.layout.chunk_base, self.buffer  # one bulk copy per chunk
+        copies = [(buffer[base : base + c.numel()], c) for base, c in zip(bases, master.chunks)]
         return views, self._pointers[key], copies
 
     def forget(self, key: object) -> None:

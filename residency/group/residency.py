@@ -584,8 +584,10 @@ class WriteBack:
         return self.storage.buffer[: self.inventory.layout.contiguous_nbytes]
 
 
-def _range_copies(chunks: list[torch.Tensor], chunk_base: tuple[int, ...], device_buffer: torch.Tensor,
-                  ranges: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _range_copies(
+    chunks: list[torch.Tensor], chunk_base: tuple[int, ...], device_buffer: torch.Tensor,
+    ranges: list[tuple[int, int]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(host slice, device slice) pairs that copy device byte `ranges` back into a master's
     `chunks` (the chunk `i` starts at device byte ``chunk_base[i]``).
 

@@ -463,7 +463,7 @@ class Holds:
         return self._turn_back(turn.entry, turn.previous, error)
 
     def close(self, reopen: str = "") -> None:
-        """Grant no more holds; waiters wake to `SchedulerClosedError` advising `reopen` or `REOPEN`."""
+        """Grant no more holds; waiters wake to `SchedulerClosedError` saying `reopen` (`REOPEN`)."""
         if CHECKING:
             check_held(self._lock)
         self.reopen = reopen or REOPEN
