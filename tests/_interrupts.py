@@ -325,9 +325,8 @@ def _apart_problems(group, is_current: bool) -> list[str]:
 
 def _where_tensors_are(group) -> list[str]:
     """Each tensor views the device storage (RESIDENT) or its host master (otherwise)."""
-    if group.state is RESIDENT:
-        if group._detector is not None and group._detector._reference is None:
-            return [f"{group.name!r} is resident but its digests were forgotten"]
+    if group.state is RESIDENT:  # (its digests may be forgotten: an eviction cut short after
+        # asking what changed; the next one writes every byte back: `ChangeDetector.take_changes`)
         buffer = group.device_storage.buffer
         spans = [(buffer.data_ptr(), buffer.data_ptr() + buffer.numel())]
     elif group.host_master.arrival is not None:  # read behind: each tensor on its storage of add

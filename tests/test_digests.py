@@ -420,6 +420,21 @@ def test_a_layout_that_does_not_tile_a_window_is_refused(window_nbytes, columns)
 
 
 @pytest.mark.fast
+def test_take_changes_answers_once_then_counts_every_byte_as_changed():
+    """An eviction's question: the changed windows, and the reference forgotten; asked again
+    (an eviction cut short after asking, run again), every byte is changed: never too few."""
+    buffer = random_bytes(600)
+    detector = remembered(buffer)
+    buffer[300] ^= 0xFF
+    assert detector.take_changes(buffer) == [window_range(1, 600)]
+    assert "nothing remembered" in repr(detector)
+    assert detector.take_changes(buffer) == [(0, 600)]
+    assert detector.take_changes(random_bytes(0)) == []
+    detector.remember(buffer)
+    assert detector.take_changes(buffer) == []
+
+
+@pytest.mark.fast
 def test_forget_drops_the_reference_and_repr_says_so():
     buffer = random_bytes(600)
     detector = remembered(buffer)

@@ -242,7 +242,8 @@ class ChangeDetector:
 
         detector = ChangeDetector()
         detector.remember(device_buffer)            # at every load, after the copy
-        detector.changed_windows(device_buffer)      # at eviction: [(0, 1048576), (5242880, ...)]
+        detector.changed_windows(device_buffer)      # [(0, 1048576), (5242880, ...)]
+        detector.take_changes(device_buffer)         # at eviction: the same, and forget
 
     The reference is what `remember` saw last: the bytes as loaded, not as packed (the host master
     may have been edited while offloaded).  It lives on the buffer's device,
@@ -296,6 +297,20 @@ class ChangeDetector:
         """
         flags = self.changed_flags(buffer_bytes).tolist()
         return _merged_ranges(flags, self._layout.window_nbytes, self._nbytes)
+
+    def take_changes(self, buffer_bytes: torch.Tensor) -> list[tuple[int, int]]:
+        """`changed_windows`, then `forget`: an eviction's one question, after which the reference
+        has no use.  Asked with nothing remembered (the eviction that forgot was interrupted
+        before it ended, and runs again), every byte counts as changed.
+
+            written = write_back(detector.take_changes(device_buffer))   # at eviction
+        """
+        if self._reference is None:
+            _check_buffer(buffer_bytes)
+            return [(0, buffer_bytes.numel())] if buffer_bytes.numel() else []
+        changed = self.changed_windows(buffer_bytes)
+        self.forget()
+        return changed
 
     def _require_reference(self, buffer_bytes: torch.Tensor) -> torch.Tensor:
         if self._reference is None:

@@ -379,8 +379,6 @@ class Residency:
         last line (the commit)."""
         if self.device_storage.buffer is not None:  # the next copy into it waits for compute
             self._transport.retire(self.device_storage.buffer)
-        if self._detector is not None:
-            self._detector.forget()
         self._loaded_versions, self._marked_dirty, self.left_misfits, self.state = (
             now_versions, False, left_misfits, ResidencyState.OFFLOADED)
 
@@ -523,9 +521,11 @@ class WriteBack:
     def _write_back_edits(self) -> int:
         """What was edited in place while resident (see [Note: finding what changed])."""
         if self.marked_dirty:
+            if self.detector is not None:  # its reference is of no more use (`take_changes`)
+                self.detector.forget()
             return self._write_ranges([(0, self.inventory.layout.contiguous_nbytes)])
         if self.detector is not None:
-            return self._write_ranges(self.detector.changed_windows(self._device_bytes()))
+            return self._write_ranges(self.detector.take_changes(self._device_bytes()))
         if self.now_versions == self.loaded_versions:
             return 0
         replaced = set(self.replaced)
@@ -571,6 +571,8 @@ class WriteBack:
         written = self._write_ranges(list(decision.ranges)) if decision.writes else 0
         if decision.writer is not None:
             dist.barrier(group=group)
+        if self.detector is not None:  # asked and answered: its reference is of no more use
+            self.detector.forget()
         return written
 
     def _write_ranges(self, ranges: list[tuple[int, int]]) -> int:
