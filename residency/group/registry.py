@@ -176,12 +176,13 @@ class Registry:
     def aliases_of(self, group: Residency) -> list[str]:
         return [path for path, name in self._aliases.items() if name == group.name]
 
-    def check_registered(self, group: Residency) -> None:
-        if self._groups.get(group.name) is not group:
-            raise UnknownGroupError(
-                f"group {group.name!r} was removed or refreshed after this phase was created; "
-                f"create the phase again with scheduler.resident({group.name!r})"
-            )
+    def unregistered(self, group: Residency) -> UnknownGroupError:
+        """The refusal of a phase whose `group` is no longer the one registered under its name
+        (``groups.get(group.name) is not group``: removed or refreshed since)."""
+        return UnknownGroupError(
+            f"group {group.name!r} was removed or refreshed after this phase was created; "
+            f"create the phase again with scheduler.resident({group.name!r})"
+        )
 
     def needs(
         self, name: str, policy: Policy, need: int, ignore: Residency | None = None

@@ -270,7 +270,7 @@ class Holds:
             phase.status = _ACTIVE
             return group
         if self._registry.groups.get(group.name) is not group:  # removed or refreshed meanwhile
-            self._registry.check_registered(group)  # raises, saying so
+            raise self._registry.unregistered(group)
         self.collect_abandoned()
         needs = group if group.exclusive else entry.needs()
         if needs is not entry.held:
