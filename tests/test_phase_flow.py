@@ -24,7 +24,7 @@ DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
 #: The most crossings between files one phase change may make: the turns (the holds, with the
 #: order of turns and the wait log in the same file), the device (placement, with its buffers)
 #: and the grant of the hold, each asked by the gate; parts apart only when a group has them.
-MOST_CROSSINGS = 19
+MOST_CROSSINGS = 17
 
 
 def _phase_change() -> tuple[Scheduler, object]:

@@ -342,7 +342,7 @@ def _blocked_in(thread: int, function: str) -> bool:
 @contextlib.contextmanager
 def held_until_host_waits(stream: torch.Stream, function: str, drained=()) -> Iterator[None]:
     """Hold `stream` until the main thread is blocked in a host wait on the device inside
-    `function` (a qualified name: "_copy_to_master", "ChangeDetector.changed_windows"), then let
+    `function` (a qualified name: "Transport.to_host_synchronized", "ChangeDetector.changed_windows"), then let
     each of `drained` run what it can and release the hold.  Without such a wait the hold lasts the
     whole block (see [Note: how a race is made certain])."""
     main = threading.get_ident()
@@ -529,7 +529,8 @@ RELEASE_AFTER_COPIES = Site(_TRANSPORT, "AcceleratorTransport.release", "wait_st
 STORAGE_RELEASE = Site(_TRANSPORT, "DeviceStorage.release", "release")
 FRESH_BUFFER_RELEASE = Site(_TRANSPORT, "DeviceStorage.prepare", "release")
 FINISH_LOAD_WAIT = Site(_COMPONENT, "Residency.finish_load", "wait")
-EVICTION_RETIRE = Site(_COMPONENT, "Residency._leave_device", "retire")
+EVICTION_RETIRE = Site(_COMPONENT, "WriteBack.write", "retire")
+STORAGE_RETIRE = Site(_TRANSPORT, "DeviceStorage.retire", "retire")
 MISFIT_TO_HOST = Site(_COMPONENT, "Residency.evict", "to")
 CANCEL_SYNCHRONIZE = Site(_COMPONENT, "Residency.cancel_load", "synchronize")
 CANCEL_RETIRE = Site(_COMPONENT, "Residency.cancel_load", "retire")
@@ -615,8 +616,14 @@ def evict_then_overwrite(device, point, *, layers: bool = False) -> None:
 
 @pytest.mark.gpu
 def test_an_eviction_retires_its_buffer(device):
-    """group/residency.py:Residency._leave_device -> transport.retire(buffer)."""
+    """group/residency.py:WriteBack.write -> storage.retire(copies)."""
     audit(lambda point: evict_then_overwrite(device, point), EVICTION_RETIRE)
+
+
+@pytest.mark.gpu
+def test_device_storage_retire_forwards_to_the_transport(device):
+    """transport.py:DeviceStorage.retire -> transport.retire(buffer)."""
+    audit(lambda point: evict_then_overwrite(device, point), STORAGE_RETIRE)
 
 
 @pytest.mark.gpu
@@ -634,7 +641,7 @@ def test_a_copy_into_a_retired_buffer_waits(device):
 @pytest.mark.gpu
 def test_a_slot_is_not_overwritten_under_the_block_that_read_it(device):
     """Layer mode: BlockStream._evict -> SlotPlacement.evict -> Residency.evict ->
-    transport.retire(slot buffer)."""
+    WriteBack.write -> storage.retire(copies) (the slot's buffer)."""
     audit(lambda point: evict_then_overwrite(device, point, layers=True), EVICTION_RETIRE)
 
 
@@ -687,7 +694,7 @@ def edit_then_read_master(device, point, *, detect_edits: bool, hold: str) -> No
         expected = g.host_copies["a"][0].weight.detach() + 1
         held = g.copy_stream if hold == "copy" else compute_stream()
         drained = () if hold == "copy" else (g.copy_stream,)
-        with held_until_host_waits(held, "_copy_to_master", drained), point():
+        with held_until_host_waits(held, "Transport.to_host_synchronized", drained), point():
             with g.scheduler.resident("a"), torch.no_grad():
                 if detect_edits:
                     weight.data.add_(1)  # bytes only: the digests tell
@@ -701,14 +708,14 @@ def edit_then_read_master(device, point, *, detect_edits: bool, hold: str) -> No
 
 @pytest.mark.gpu
 def test_the_host_waits_for_written_back_chunks(device):
-    """residency.py:_copy_to_master -> transport.py:Transport.to_host_synchronized, for chunks."""
+    """transport.py:DeviceStorage.retire -> Transport.to_host_synchronized, for chunks."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=True, hold="copy"),
           WRITE_BACK_SYNCHRONIZE)
 
 
 @pytest.mark.gpu
 def test_the_host_waits_for_written_back_tensors(device):
-    """residency.py:_copy_to_master -> transport.py:Transport.to_host_synchronized, for tensors."""
+    """transport.py:DeviceStorage.retire -> Transport.to_host_synchronized, for tensors."""
     audit(lambda point: edit_then_read_master(device, point, detect_edits=False, hold="copy"),
           WRITE_BACK_SYNCHRONIZE)
 
@@ -882,7 +889,7 @@ def test_a_cancelled_prefetch_needs_no_wait_on_the_simulated_device(device):
 @pytest.mark.gpu
 @pytest.mark.harmless_removal
 def test_a_cancelled_prefetch_needs_no_retire(device):
-    """group/residency.py:Residency.cancel_load -> transport.retire(buffer): harmless (see the
+    """group/residency.py:Residency.cancel_load -> storage.retire(): harmless (see the
     table)."""
     audit_harmless(lambda point: prefetch_then(device, point, then="c"), CANCEL_RETIRE)
 

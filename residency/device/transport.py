@@ -12,9 +12,11 @@ stream themselves.  Two implementations exist:
 `DeviceStorage` — one device buffer that tensors are views of while resident.  The exclusive groups
 of a scheduler share one (only one of them is resident at a time); each resident-policy group has
 its own.  It is reused across transitions and re-allocated only when it is too small or when
-something outside the library still aliases it.  It lays out the copies of a load from a host
-master's chunks (`DeviceStorage.prepare_load`); the write-back lays out those back
-(`residency.group.residency`).
+something outside the library still aliases it.  A group asks it once per direction: a load
+begins with `DeviceStorage.begin_load` (a buffer, the views, one bulk copy per chunk of the host
+master) and a residency ends with `DeviceStorage.retire` (the write-back's copies, which the host
+waits for, then the buffer retired); the write-back decides its copies in
+`residency.group.residency`.
 
 `free_device_memory` says how many bytes a device has free (the host's available memory for the
 CPU, its cgroup's room when smaller: `residency.device.host_memory`): what an auto plan's budget
@@ -50,6 +52,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from residency.core.errors import DeviceMemoryError
 from residency.core.locks import in_context
 from residency.device.host_memory import host_memory
 from residency.device.page_lock import RegisteredMapping
@@ -277,19 +280,52 @@ class DeviceStorage:
             self._view_count += len(views)
         return views
 
-    def prepare_load(self, key: object, inventory: Inventory, master: HostMaster, nbytes: int):
-        """Everything a load of `master` (laid out as `inventory`) into this storage needs, in
-        one call: a buffer of at least `nbytes` (`prepare`), the views the tensors will be
-        re-pointed to, their data pointers (plain ints: holding them keeps no memory alive;
-        where eviction finds ``.data = ...``), and the (device slice, host chunk) copies.
+    def begin_load(self, key: object, inventory: Inventory, master: HostMaster, nbytes: int, *,
+                   name: str) -> tuple[list[torch.Tensor], list[int], Completion]:
+        """Issue the load of `master` (laid out as `inventory`) into this storage, for group
+        `name`: `prepare_load`, then its copies on the transport.  Returns the views the tensors
+        will be re-pointed to, their data pointers and the copy's `Completion`.
 
-            views, pointers, copies = storage.prepare_load(group, inventory, master, nbytes)
+            views, pointers, completion = storage.begin_load(group, inventory, master, nbytes,
+                                                             name=group.name)
         """
-        self.prepare(nbytes)
+        views, pointers, copies = self.prepare_load(key, inventory, master, nbytes, name=name)
+        return views, pointers, self._transport.to_device(copies)
+
+    def prepare_load(self, key: object, inventory: Inventory, master: HostMaster, nbytes: int,
+                     *, name: str):
+        """Everything a load of `master` (laid out as `inventory`) into this storage needs but the
+        copy (a load whose ranks split the copy makes it itself): a buffer of at least `nbytes`
+        (`prepare`), the views the tensors will be re-pointed to, their data pointers (plain
+        ints: holding them keeps no memory alive; where eviction finds ``.data = ...``), and the
+        (device slice, host chunk) copies, one bulk copy per chunk.  An allocation that fails is
+        a `DeviceMemoryError` that names group `name` and says what to do.
+
+            views, pointers, copies = storage.prepare_load(group, inventory, master, nbytes,
+                                                           name=group.name)
+        """
+        try:
+            self.prepare(nbytes)
+        except (MemoryError, RuntimeError) as error:
+            raise _allocation_failed(name, nbytes, self._transport.device, error) from error
         views = self.views_for(key, inventory)
-        bases, buffer = inventory.layout.chunk_base, self.buffer  # one bulk copy per chunk
+        bases, buffer = inventory.layout.chunk_base, self.buffer
         copies = [(buffer[base : base + c.numel()], c) for base, c in zip(bases, master.chunks)]
         return views, self._pointers[key], copies
+
+    def retire(self, write_back: CopyPairs = ()) -> None:
+        """End a residency in this storage: copy `write_back`'s (host slice, device slice) pairs
+        to the host, which waits for them (it may read the master at once), then mark the point
+        after which compute no longer reads the buffer ([Note: reusing device storage safely]).
+        Repeatable: an eviction cut short retires again when it is retried.
+
+            storage.retire(pairs)     # an eviction: what changed written back, the buffer retired
+            storage.retire()          # a cancelled load: nothing to write back
+        """
+        if write_back:
+            self._transport.to_host_synchronized(write_back)
+        if self.buffer is not None:  # else released meanwhile: nothing reads it
+            self._transport.retire(self.buffer)
 
     def forget(self, key: object) -> None:
         """Drop the views made for `key` (a group that was unregistered or re-packed)."""
@@ -306,6 +342,14 @@ class DeviceStorage:
         self._views.clear()
         self._pointers.clear()
         self._view_count = 0
+
+
+def _allocation_failed(name: str, nbytes: int, device, error: BaseException) -> DeviceMemoryError:
+    return DeviceMemoryError(
+        f"group {name!r} needs {nbytes} bytes ({nbytes / 2**20:.1f} MiB) of device memory on "
+        f"{device} and the allocation failed ({error}). Free device memory, raise the "
+        "scheduler's device_memory_limit, or split the group; the group stays offloaded"
+    )
 
 
 def _views_into_buffer(inventory: Inventory, buffer: torch.Tensor) -> list[torch.Tensor]:

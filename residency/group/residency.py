@@ -18,15 +18,16 @@ Write-back: what changed on a group's device bytes goes back into its host maste
 else.
 
     written = WriteBack(name=group.name, inventory=inventory, master=master, storage=storage,
-                        key=group, transport=transport, detector=detector, marked_dirty=False,
+                        key=group, detector=detector, marked_dirty=False,
                         now_versions=now, loaded_versions=loaded, replaced=replaced,
                         fitting=fitting).write()
     copied = write_tensors(transport, inventory, master, [3, 7])   # tensors into their places
 
 `Residency.evict` reads what it must of the tensors (version counters, data pointers), decides
 which tensors still fit their places, and hands one `WriteBack` the rest, which decides which
-bytes to copy and copies them.  The host may read a master right after, so `_copy_to_master` is
-the one place a write-back waits.
+bytes to copy and hands the copies to the storage in the one call that ends the residency
+(`DeviceStorage.retire`: the copies, which the host waits for, since it may read a master right
+after; then the buffer retired).
 
 [Note: finding what changed]
 An edit through ``tensor.data`` (peft's LoRA merge), by a custom kernel or through an alias moves
@@ -51,7 +52,7 @@ from torch import nn
 
 from residency.device.digests import ChangeDetector
 from residency.core.enums import Policy, ResidencyState
-from residency.core.errors import DeviceMemoryError, PhaseError
+from residency.core.errors import PhaseError
 from residency.host.memory import HostMaster
 from residency.group.plan import Plan
 from residency.multirank.agreement import agree_write_back, digest_ranges
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     from residency.placement.layers import BlockStream
 
 __all__ = ["Policy", "Residency", "ResidencyState", "WriteBack", "copy_in", "device_need",
-           "slot_nbytes", "write_tensors"]
+           "slot_nbytes", "tensor_copies", "write_tensors"]
 
 
 @attrs.frozen
@@ -262,17 +263,8 @@ class Residency:
             _entering(self.host_master)
             # The placement adopted any change first (`pending_change` is None here): `adopt`.
             self._copy_in_replaced(replaced)
-            nbytes = self.inventory.layout.contiguous_nbytes
-            sharded = self.sharded
-            views, pointers, copies = self._prepare_storage(
-                storage, sharded.buffer_nbytes(nbytes) if sharded else nbytes)
             watched = versions(self.inventory.tensors) if watch_edits else None
-            if sharded is None:
-                completion, moved = self._transport.to_device(copies), self.inventory.layout.nbytes
-            else:
-                completion, moved = sharded.load(
-                    self.name, self._transport, copies, storage.buffer, nbytes
-                )
+            views, pointers, completion, moved = self._issue_copy(storage)
             self._pending = _PendingLoad(storage, views, pointers, completion, watched, moved)
             return moved
         except BaseException:  # see [Note: interrupts]: undone
@@ -317,8 +309,7 @@ class Residency:
             pending.completion.synchronize()
             if data_ptrs(self.inventory.tensors) == data_ptrs(pending.views):
                 repoint_group(self.inventory, self.host_master.views)  # an interrupted finish
-            if pending.storage.buffer is not None:  # else released meanwhile: nothing reads it
-                self._transport.retire(pending.storage.buffer)
+            pending.storage.retire()
         self._copy_in_replaced()
         self._pending, self.state = None, ResidencyState.OFFLOADED
 
@@ -358,7 +349,7 @@ class Residency:
         left = {i for i, _ in misfits}
         written = WriteBack(
             name=self.name, inventory=self.inventory, master=self.host_master,
-            storage=self.device_storage, key=self, transport=self._transport,
+            storage=self.device_storage, key=self,
             detector=self._detector, marked_dirty=self._marked_dirty, now_versions=now_versions,
             loaded_versions=self._loaded_versions, replaced=replaced,
             fitting=[i for i in replaced if i not in left]).write()
@@ -375,10 +366,8 @@ class Residency:
         return written
 
     def _leave_device(self, now_versions: list[int], left_misfits: bool) -> None:
-        """The end of an eviction, the tensors on their homes already; repeatable until its
-        last line (the commit)."""
-        if self.device_storage.buffer is not None:  # the next copy into it waits for compute
-            self._transport.retire(self.device_storage.buffer)
+        """The end of an eviction, the tensors on their homes already and the storage retired
+        (by the write-back): its commit, one line."""
         self._loaded_versions, self._marked_dirty, self.left_misfits, self.state = (
             now_versions, False, left_misfits, ResidencyState.OFFLOADED)
 
@@ -419,13 +408,20 @@ class Residency:
             raise PhaseError(f"cannot {action} group {self.name!r}: it is {self.state.value}, "
                              f"and {action} needs it {state.value}")
 
-    def _prepare_storage(self, storage: DeviceStorage, nbytes: int):
-        """`DeviceStorage.prepare_load` for this group: its views, their pointers and the chunk
-        copies; an allocation that fails is a `DeviceMemoryError` that says what to do."""
-        try:
-            return storage.prepare_load(self, self.inventory, self.host_master, nbytes)
-        except (MemoryError, RuntimeError) as error:
-            raise _allocation_failed(self.name, nbytes, self._transport.device, error) from error
+    def _issue_copy(self, storage: DeviceStorage):
+        """The copy of the host master into `storage`, issued: the views, their pointers, the
+        copy's `Completion` and the bytes this process copies.  One call to the storage
+        (`DeviceStorage.begin_load`), or, when the node's ranks split the copy, the storage's
+        layout and the ranks' all-gather (`ShardedLoad.load`)."""
+        inventory, master, sharded = self.inventory, self.host_master, self.sharded
+        nbytes = inventory.layout.contiguous_nbytes
+        if sharded is None:
+            return (*storage.begin_load(self, inventory, master, nbytes, name=self.name),
+                    inventory.layout.nbytes)
+        views, pointers, copies = storage.prepare_load(
+            self, inventory, master, sharded.buffer_nbytes(nbytes), name=self.name)
+        completion, moved = sharded.load(self.name, self._transport, copies, storage.buffer, nbytes)
+        return views, pointers, completion, moved
 
     def _copy_in_replaced(self, replaced: list[int] | None = None) -> set[int]:
         """`copy_in` of the tensors given new storage while offloaded
@@ -467,14 +463,6 @@ def _no_layers(name: str) -> PhaseError:
     )
 
 
-def _allocation_failed(name: str, nbytes: int, device, error: BaseException) -> DeviceMemoryError:
-    return DeviceMemoryError(
-        f"group {name!r} needs {nbytes} bytes ({nbytes / 2**20:.1f} MiB) of device memory on "
-        f"{device} and the allocation failed ({error}). Free device memory, raise the "
-        "scheduler's device_memory_limit, or split the group; the group stays offloaded"
-    )
-
-
 def _detector_for(detector: ChangeDetector | None, detect_edits: bool,
                   host_master: HostMaster) -> ChangeDetector | None:
     """A group's digests over `host_master`: kept (`detector`), or new when the user did not opt
@@ -498,7 +486,6 @@ class WriteBack:
     #: The device storage the group is loaded in, and the key its views there are cached under.
     storage: DeviceStorage
     key: object
-    transport: Transport
     #: Digests of the bytes as loaded, or None (``detect_edits=False`` on a private master).
     detector: ChangeDetector | None
     #: Every byte is to be written (`Residency.mark_dirty`).
@@ -511,42 +498,49 @@ class WriteBack:
     fitting: list[int]
 
     def write(self) -> int:
-        """Copy what changed into the master; returns the bytes written.  A shared master's
-        ranks agree first (`_write_back_agreed`: collective)."""
+        """Copy what changed into the master, then retire the device buffer, in one call to the
+        storage that ends the residency (`DeviceStorage.retire`); returns the bytes written.  A
+        shared master's ranks agree first (`_write_back_agreed`: collective).
+
+            written = write_back.write()     # the storage retired: no kernel reads it after
+        """
         if self.master.shared_group is not None:
             return self._write_back_agreed()
         # edits in place first, then new storage: the later copy wins where both touch
-        return self._write_back_edits() + self._write_back_replaced()
+        copies = self._edit_copies() + self._replaced_copies()
+        self.storage.retire(copies)
+        return _nbytes(copies)
 
-    def _write_back_edits(self) -> int:
-        """What was edited in place while resident (see [Note: finding what changed])."""
+    def _edit_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The copies of what was edited in place while resident (see [Note: finding what
+        changed])."""
         if self.marked_dirty:
             if self.detector is not None:  # its reference is of no more use (`take_changes`)
                 self.detector.forget()
-            return self._write_ranges([(0, self.inventory.layout.contiguous_nbytes)])
+            return self._range_copies([(0, self.inventory.layout.contiguous_nbytes)])
         if self.detector is not None:
-            return self._write_ranges(self.detector.take_changes(self._device_bytes()))
+            return self._range_copies(self.detector.take_changes(self._device_bytes()))
         if self.now_versions == self.loaded_versions:
-            return 0
+            return []
         replaced = set(self.replaced)
         moved = [i for i, (v, w) in enumerate(zip(self.now_versions, self.loaded_versions))
                  if v != w and i not in replaced]
-        return write_tensors(self.transport, self.inventory, self.master, moved)
+        return tensor_copies(self.inventory, self.master, moved)
 
-    def _write_back_replaced(self) -> int:
-        """Tensors given new storage, unless their bytes equal those loaded.
+    def _replaced_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The copies of the tensors given new storage, unless their bytes equal those loaded.
 
         ``enable_layerwise_casting`` upcasts a module's weights before each forward and casts them
         back after, into new storage with the same bytes: comparing on the device costs a read,
         where writing back would cost a copy to the host on every swap.
         """
         if not self.fitting:
-            return 0
+            return []
         views = self.storage.views_for(self.key, self.inventory)
         tensors = self.inventory.tensors
         same = _same_bytes([(tensors[i], views[i]) for i in self.fitting])
         changed = [i for i, unchanged in zip(self.fitting, same) if not unchanged]
-        return write_tensors(self.transport, self.inventory, self.master, changed)
+        return tensor_copies(self.inventory, self.master, changed)
 
     def _write_back_agreed(self) -> int:
         """A shared master: the ranks agree on what changed and one of them writes it.
@@ -568,19 +562,19 @@ class WriteBack:
         digest = digest_ranges(device_bytes, ranges) if ranges else None
         group = self.master.shared_group
         decision = agree_write_back(self.name, ranges, digest, group)
-        written = self._write_ranges(list(decision.ranges)) if decision.writes else 0
+        copies = self._range_copies(list(decision.ranges)) if decision.writes else []
+        self.storage.retire(copies)
         if decision.writer is not None:
             dist.barrier(group=group)
         if self.detector is not None:  # asked and answered: its reference is of no more use
             self.detector.forget()
-        return written
+        return _nbytes(copies)
 
-    def _write_ranges(self, ranges: list[tuple[int, int]]) -> int:
-        """Copy device byte ranges (offsets into the group's device bytes) into the master."""
-        if not ranges:
-            return 0
-        return _copy_to_master(self.transport, _range_copies(
-            self.master.chunks, self.inventory.layout.chunk_base, self.storage.buffer, ranges))
+    def _range_copies(self, ranges: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The copies of device byte ranges (offsets into the group's device bytes) into the
+        master."""
+        return _range_copies(self.master.chunks, self.inventory.layout.chunk_base,
+                             self.storage.buffer, ranges)
 
     def _device_bytes(self) -> torch.Tensor:
         return self.storage.buffer[: self.inventory.layout.contiguous_nbytes]
@@ -605,14 +599,21 @@ def _range_copies(
     return pairs
 
 
+def tensor_copies(inventory: Inventory, master: HostMaster,
+                  indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (place in `master`, tensor) copies of tensors `indices` of `inventory`."""
+    tensors, homes = inventory.tensors, master.views
+    return [(homes[i], tensors[i].detach()) for i in indices]
+
+
 def write_tensors(transport: Transport, inventory: Inventory, master: HostMaster,
                   indices: list[int]) -> int:
-    """Copy tensors `indices` of `inventory` into their places in `master`; returns the bytes
-    copied (used by eviction and by a load that adopts tensors given new storage on the host)."""
+    """Copy tensors `indices` of `inventory` into their places in `master`, the host waiting
+    for them; returns the bytes copied (a load that adopts tensors given new storage on the
+    host: an eviction hands its copies to `DeviceStorage.retire`)."""
     if not indices:
         return 0
-    tensors, homes = inventory.tensors, master.views
-    return _copy_to_master(transport, [(homes[i], tensors[i].detach()) for i in indices])
+    return _copy_to_master(transport, tensor_copies(inventory, master, indices))
 
 
 def copy_in(transport: Transport, inventory: Inventory, master: HostMaster,
@@ -629,12 +630,14 @@ def copy_in(transport: Transport, inventory: Inventory, master: HostMaster,
 
 
 def _copy_to_master(transport: Transport, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Copy (master view, device bytes) pairs to the host; returns the bytes copied.
-
-    The host may read the master right away, so this is the one place a write-back waits
-    (`Transport.to_host_synchronized`).
-    """
+    """Copy (master view, tensor) pairs to the host, which may read the master right away and so
+    waits (`Transport.to_host_synchronized`); returns the bytes copied."""
     transport.to_host_synchronized(pairs)
+    return _nbytes(pairs)
+
+
+def _nbytes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Bytes the (host, device) copies `pairs` write to the host."""
     return sum(host.nbytes for host, _ in pairs)
 
 
