@@ -1143,13 +1143,16 @@ def _first_statement(function: ast.FunctionDef) -> ast.stmt:
 
 
 def _calls_to_self(function: ast.FunctionDef) -> set[str]:
+    """The names `function` calls on self, or hands to a call, which calls them
+    (``self._settled(self._switch, group)``, ``locked(lock, self._step)``)."""
+    calls = [node for node in ast.walk(function) if isinstance(node, ast.Call)]
+    places = [*(call.func for call in calls), *(arg for call in calls for arg in call.args)]
     return {
-        node.func.attr
-        for node in ast.walk(function)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Name)
-        and node.func.value.id == "self"
+        place.attr
+        for place in places
+        if isinstance(place, ast.Attribute)
+        and isinstance(place.value, ast.Name)
+        and place.value.id == "self"
     }
 
 

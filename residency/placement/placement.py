@@ -169,11 +169,7 @@ class Placement:
         the user made them, on the host); without, its tensors keep viewing the device bytes."""
         if CHECKING:
             check_held(self._lock)
-        try:
-            self._remove(group, evict)
-        except BaseException:  # see [Note: interrupts] in residency.scheduler.scheduler
-            self.settle()
-            raise
+        self._settled(self._remove, group, evict)
 
     def _remove(self, group: Residency, evict: bool) -> None:
         self.cancel_prefetch()
@@ -202,11 +198,7 @@ class Placement:
         change checks one group's structure.  No holders.  On failure, no group is current."""
         if CHECKING:
             check_held(self._lock)
-        try:
-            self._switch(group, chosen)
-        except BaseException:  # see [Note: interrupts] in residency.scheduler.scheduler
-            self.settle()
-            raise
+        self._settled(self._switch, group, chosen)
 
     def _switch(self, group: Residency | None, chosen: TurnChoice | None) -> None:
         previous, start, written = self.current, time.perf_counter(), 0
@@ -269,11 +261,7 @@ class Placement:
         `Scheduler.prefetch`); returns whether a copy was started."""
         if CHECKING:
             check_held(self._lock)
-        try:
-            return self._prefetch(group)
-        except BaseException:  # see [Note: interrupts] in residency.scheduler.scheduler
-            self.settle()
-            raise
+        return self._settled(self._prefetch, group)
 
     def _prefetch(self, group: Residency) -> bool:
         if not group.plan.prefetchable or group is self.current or group is self.prefetched:
@@ -305,11 +293,7 @@ class Placement:
         """Evict the current exclusive group and free the shared buffers."""
         if CHECKING:
             check_held(self._lock)
-        try:
-            self._offload_all()
-        except BaseException:  # see [Note: interrupts] in residency.scheduler.scheduler
-            self.settle()
-            raise
+        self._settled(self._offload_all)
 
     def _offload_all(self) -> None:
         self.cancel_prefetch()
@@ -331,11 +315,7 @@ class Placement:
         the same call carries the plan out."""
         if CHECKING:
             check_held(self._lock)
-        try:
-            self._replan(group, plan)
-        except BaseException:  # see [Note: interrupts] in residency.scheduler.scheduler
-            self.settle()
-            raise
+        self._settled(self._replan, group, plan)
 
     def _replan(self, group: Residency, plan: Plan) -> None:
         self.cancel_prefetch()
@@ -397,6 +377,20 @@ class Placement:
         return shared if group.plan.reuses_buffers else self.apart.storage_of_its_own(group)
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _settled(self, step, *args):
+        """Carry out `step` (the body of one of this object's verbs, the lock held): the device
+        layer's one undo path.  A step that stops half-way (an interrupt, an allocation that
+        failed) leaves the owners agreeing (`settle`), then its error propagates (see [Note:
+        interrupts] in `residency.scheduler.scheduler`).
+
+            self._settled(self._switch, group, chosen)
+        """
+        try:
+            return step(*args)
+        except BaseException:
+            self.settle()
+            raise
 
     def _load(self, group: Residency, storage: DeviceStorage, replaced: list[int]) -> int:
         if group is self.prefetched:
