@@ -21,9 +21,12 @@ from _flow import import_closure, trace
 from _interrupts import tiny_dit
 
 DESIGN = Path(__file__).resolve().parent.parent / "docs" / "design.md"
-#: The most crossings between files one phase change may make: the turns (the holds, with the
-#: order of turns and the wait log in the same file), the device (placement, with its buffers)
-#: and the grant of the hold, each asked by the gate; parts apart only when a group has them.
+#: The most crossings between files one phase change may make, each one owner asked once for one
+#: step: the turns three times (join, grant, leave: the holds, with the order of turns and the
+#: wait log in the same file), the placement once, the group three times (evict, what changed on
+#: the host, load), the log once; the group its tensors twice per direction (what changed, then
+#: re-point), its storage once per direction and once for the load's completion, its digests
+#: once per direction.  Parts apart and streams only when a group has them.
 MOST_CROSSINGS = 17
 
 
