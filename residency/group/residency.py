@@ -353,6 +353,8 @@ class Residency:
             detector=self._detector, marked_dirty=self._marked_dirty, now_versions=now_versions,
             loaded_versions=self._loaded_versions, replaced=replaced,
             fitting=[i for i in replaced if i not in left]).write()
+        # The storage is retired (`WriteBack.write`): nothing below leaves compute reading it
+        # (a misfit's copy to the host, below, is waited for).
         homes = list(self.host_master.views)
         for i in left:
             homes[i] = tensors[i].detach().to("cpu")
