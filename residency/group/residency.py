@@ -573,32 +573,23 @@ class WriteBack:
         return _nbytes(copies)
 
     def _range_copies(self, ranges: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The copies of device byte ranges (offsets into the group's device bytes) into the
-        master."""
-        return _range_copies(self.master.chunks, self.inventory.layout.chunk_base,
-                             self.storage.buffer, ranges)
+        """(host slice, device slice) pairs that copy device byte `ranges` back into the
+        master's chunks.
+
+        `ranges` are ``(start, end)`` offsets into the group's device bytes (chunks laid end to
+        end, chunk `i` from byte ``layout.chunk_base[i]``); alignment padding between chunks has
+        no host counterpart and is skipped.
+        """
+        pairs, buffer = [], self.storage.buffer
+        for base, chunk in zip(self.inventory.layout.chunk_base, self.master.chunks):
+            for start, end in ranges:
+                first, last = max(start, base), min(end, base + chunk.numel())
+                if first < last:
+                    pairs.append((chunk[first - base : last - base], buffer[first:last]))
+        return pairs
 
     def _device_bytes(self) -> torch.Tensor:
         return self.storage.buffer[: self.inventory.layout.contiguous_nbytes]
-
-
-def _range_copies(
-    chunks: list[torch.Tensor], chunk_base: tuple[int, ...], device_buffer: torch.Tensor,
-    ranges: list[tuple[int, int]],
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(host slice, device slice) pairs that copy device byte `ranges` back into a master's
-    `chunks` (the chunk `i` starts at device byte ``chunk_base[i]``).
-
-    `ranges` are ``(start, end)`` offsets into the device bytes (chunks laid end to end);
-    alignment padding between chunks has no host counterpart and is skipped.
-    """
-    pairs = []
-    for base, chunk in zip(chunk_base, chunks):
-        for start, end in ranges:
-            first, last = max(start, base), min(end, base + chunk.numel())
-            if first < last:
-                pairs.append((chunk[first - base : last - base], device_buffer[first:last]))
-    return pairs
 
 
 def tensor_copies(inventory: Inventory, master: HostMaster,
@@ -615,7 +606,9 @@ def write_tensors(transport: Transport, inventory: Inventory, master: HostMaster
     host: an eviction hands its copies to `DeviceStorage.retire`)."""
     if not indices:
         return 0
-    return _copy_to_master(transport, tensor_copies(inventory, master, indices))
+    copies = tensor_copies(inventory, master, indices)
+    transport.to_host_synchronized(copies)  # the host may read the master right away
+    return _nbytes(copies)
 
 
 def copy_in(transport: Transport, inventory: Inventory, master: HostMaster,
@@ -629,13 +622,6 @@ def copy_in(transport: Transport, inventory: Inventory, master: HostMaster,
     homes, tensors = master.views, inventory.tensors
     repoint([tensors[i] for i in taken], [homes[i] for i in taken])
     return set(taken)
-
-
-def _copy_to_master(transport: Transport, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Copy (master view, tensor) pairs to the host, which may read the master right away and so
-    waits (`Transport.to_host_synchronized`); returns the bytes copied."""
-    transport.to_host_synchronized(pairs)
-    return _nbytes(pairs)
 
 
 def _nbytes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
